@@ -1,0 +1,263 @@
+"""The `eyas` command line: parse, build a config, call one library function, map errors.
+
+Exit codes: 0 success; 1 the command ran but found problems (failed records above the
+threshold, corrupt samples, a run that needs action); 2 usage errors; 75 (EX_TEMPFAIL)
+extraction stopped early for lack of disk space or by signal, resumable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .ui import console
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Train EAGLE-3 drafters: prepare -> extract -> verify -> train -> export -> evaluate.",
+)
+
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def fail(msg: str, code: int = EXIT_PROBLEMS) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {msg}", highlight=False)
+    return typer.Exit(code)
+
+
+def _config(factory, **kw):
+    try:
+        return factory(**kw)
+    except (ValueError, TypeError) as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
+
+
+@app.command("tiny-target")
+def tiny_target(
+    out: Path = typer.Option(..., "--out", help="Directory to write the model to."),
+    arch: str = typer.Option("llama", "--arch", help="llama, qwen3, qwen2 or deepseek_v3."),
+    like: Optional[Path] = typer.Option(None, "--like", help="Real model dir (config + tokenizer) to imitate."),
+    layers: int = typer.Option(8, "--layers", help="Decoder layers."),
+    hidden_size: int = typer.Option(64, "--hidden-size", help="Hidden size H."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Build a small random target of a real architecture, with tokenizer and chat template."""
+    from .tiny import TinySizes, build_tiny_target
+
+    _quiet_transformers()
+    heads = 4 if hidden_size % 4 == 0 else 1
+    sizes = _config(
+        TinySizes, num_hidden_layers=layers, hidden_size=hidden_size, num_attention_heads=heads,
+        num_key_value_heads=min(2, heads) if heads % 2 == 0 else 1, intermediate_size=2 * hidden_size,
+    )  # fmt: skip
+    try:
+        path = build_tiny_target(out, arch, like=like, sizes=sizes, seed=seed)
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
+    console.print(f"tiny {arch if like is None else 'copy of ' + str(like)} target written to {path}")
+
+
+@app.command()
+def prepare(
+    model: Path = typer.Option(..., "--model", help="Model dir with tokenizer and chat template."),
+    data: list[Path] = typer.Option(..., "--data", help="Input JSONL/JSON file(s); repeat for more."),
+    out: Path = typer.Option(..., "--out", help="Dataset directory to write."),
+    max_length: Optional[int] = typer.Option(None, "--max-length", help="Longest sample in tokens."),
+    overlong: str = typer.Option("truncate", "--overlong", help="truncate or skip."),
+    last_turn_only: bool = typer.Option(False, "--last-turn-only", help="Train on the last assistant turn only."),
+    draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size", help="Draft vocabulary size D."),
+    max_error_rate: float = typer.Option(0.01, "--max-error-rate", help="Failed fraction that makes exit 1."),
+    num_workers: int = typer.Option(1, "--num-workers", help="Tokenizer processes."),
+    extra_data: Optional[list[Path]] = typer.Argument(None, help="More input files."),
+) -> None:
+    """Render conversations with the model's chat template; write ids, loss masks, vocab counts."""
+    from .prepare import PrepareConfig
+    from .prepare import prepare as run
+
+    _quiet_transformers()
+    cfg = _config(
+        PrepareConfig, model=str(model), data=tuple(str(p) for p in [*data, *(extra_data or [])]),
+        out=str(out), max_length=max_length, overlong=overlong, last_turn_only=last_turn_only,
+        draft_vocab_size=draft_vocab_size, max_error_rate=max_error_rate, num_workers=num_workers,
+    )  # fmt: skip
+    try:
+        s = run(cfg)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise fail(str(exc)) from None
+    console.print(
+        f"prepared {s.prepared}/{s.records} records, {s.tokens} tokens ({s.trainable_tokens} trainable), "
+        f"{s.truncated} truncated, {s.skipped_overlong} skipped as overlong, {s.failed} failed -> {s.out}",
+        highlight=False,
+    )
+    for reason, n in s.reasons.items():
+        console.print(f"  {n:6d}  {reason}", highlight=False)
+    if s.failed:
+        console.print(f"  details: {Path(s.out) / 'errors.jsonl'}", highlight=False)
+    if s.error_rate > cfg.max_error_rate:
+        raise fail(f"{s.error_rate:.1%} of records failed (> --max-error-rate {cfg.max_error_rate:.1%})")
+
+
+@app.command()
+def extract(
+    model: Optional[Path] = typer.Option(None, "--model", help="Target model directory."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Prepared dataset directory."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run directory to create or continue."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this directory (needs nothing else)."),
+    aux_layers: Optional[str] = typer.Option(None, "--aux-layers", help="Three 0-based decoder layers, e.g. 1,15,28 (default [1, n//2-1, n-4])."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:K or multi (device_map=auto)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
+    store_dtype: Optional[str] = typer.Option(None, "--store-dtype", help="Dtype of stored states (default: compute dtype)."),
+    batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Token budget per batch (default 8192)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    rank: Optional[int] = typer.Option(None, "--rank", help="This process's rank (samples with index %% world == rank)."),
+    world: Optional[int] = typer.Option(None, "--world", help="Number of ranks."),
+    min_free: Optional[str] = typer.Option(None, "--min-free", help="Stop below this free space (default 2%%, >= 1 GiB)."),
+    allow_partial: bool = typer.Option(False, "--allow-partial", help="Start even if the projected size does not fit."),
+    max_foreign_gpu_mem: Optional[str] = typer.Option(None, "--max-foreign-gpu-mem", help="Refuse if another process holds more on a GPU (default 2GiB)."),
+    ignore_busy_gpus: bool = typer.Option(False, "--ignore-busy-gpus", help="Start even if other processes hold GPU memory."),
+) -> None:
+    """Run the target over a prepared dataset; store aux and final hidden states, crash-safe."""
+    from .extract import EXIT_STOPPED, ExtractConfig, ExtractStopped
+    from .extract import extract as run_extract
+    from .gpu import GpuBusy
+    from .store import LockHeld, StoreError
+
+    _quiet_transformers()
+    layers = None
+    if aux_layers:
+        try:
+            layers = tuple(int(x) for x in aux_layers.replace(" ", "").strip("[]").split(","))
+        except ValueError:
+            raise fail(f"--aux-layers {aux_layers!r}: expected three integers like 1,15,28", EXIT_USAGE) from None
+    opts = dict(
+        aux_layers=layers, device=device, dtype=dtype, store_dtype=store_dtype, batch_tokens=batch_tokens,
+        rank=rank, world=world, min_free=min_free, max_foreign_gpu_mem=max_foreign_gpu_mem,
+        allow_partial=allow_partial or None, ignore_busy_gpus=ignore_busy_gpus or None,
+        trust_remote_code=trust_remote_code or None,
+    )  # fmt: skip
+    opts = {k: v for k, v in opts.items() if v is not None}
+    try:
+        if resume is not None:
+            if model or data or out:
+                raise fail("--resume takes the model, data and run directory from run.json; drop --model/--data/--out", EXIT_USAGE)
+            s = run_extract(resume=str(resume), overrides=opts)
+        else:
+            if not (model and data and out):
+                raise fail("need --model, --data and --out (or --resume RUN_DIR)", EXIT_USAGE)
+            cfg = _config(ExtractConfig, model=str(model), data=str(data), out=str(out), **opts)
+            s = run_extract(cfg)
+    except ExtractStopped as exc:
+        raise fail(str(exc), EXIT_STOPPED) from None
+    except (LockHeld, GpuBusy, StoreError, ValueError, OSError) as exc:
+        raise fail(str(exc)) from None
+    console.print(
+        f"extracted {s.committed} samples ({s.tokens} tokens, {s.bytes_written / max(s.tokens, 1):.0f} B/token) "
+        f"in {s.seconds:.1f}s; {s.done_before + s.committed}/{s.total} done, {s.failed} failed -> {s.run}",
+        highlight=False,
+    )
+    if s.failed:
+        raise fail(f"{s.failed} samples failed their checks; see {s.run}/errors/")
+
+
+@app.command()
+def verify(
+    run: Path = typer.Argument(..., help="Extraction run directory."),
+    quick: bool = typer.Option(False, "--quick", help="Headers, shapes and sizes only; skip checksums."),
+    repair: bool = typer.Option(False, "--repair", help="Quarantine bad files and drop their journal entries."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Check every committed sample; report missing, corrupt, orphan and duplicate samples."""
+    from .store import StoreError
+    from .verify import verify as run_verify
+
+    try:
+        rep = run_verify(run, quick=quick, repair=repair)
+    except (StoreError, OSError) as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        _print_json(rep.to_dict())
+    else:
+        what = "headers and sizes" if quick else "headers, sizes and checksums"
+        console.print(
+            f"checked {rep.checked} samples ({what}): {rep.ok} ok; "
+            f"{rep.bytes_read / 1e6:.1f} MB in {rep.seconds:.2f}s ({rep.mb_per_s:.0f} MB/s)",
+            highlight=False,
+        )
+        for p in rep.problems:
+            console.print(f"  [red]{p.kind:9s}[/] {p.detail}", highlight=False)
+        if rep.repaired:
+            console.print(f"repaired: bad files moved to {run}/quarantine/, their journal entries dropped; "
+                          f"now run: eyas extract --resume {run}", highlight=False)
+        elif rep.problems:
+            console.print(f"to fix: eyas verify --repair {run} && eyas extract --resume {run}", highlight=False)
+    if not rep.clean and not rep.repaired:
+        raise typer.Exit(EXIT_PROBLEMS)
+
+
+@app.command()
+def status(
+    run: Path = typer.Argument(..., help="Extraction run directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+) -> None:
+    """Done/remaining/failed samples, bytes, free space, throughput, ETA and the lock holder."""
+    from .fsutil import human_bytes, human_duration
+    from .status import ago, run_status
+    from .store import StoreError
+
+    try:
+        st = run_status(run)
+    except (StoreError, OSError) as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        _print_json(st.to_dict())
+        return
+    pct = 100 * st.done / st.total if st.total else 100.0
+    lines = [
+        f"run        {st.run}",
+        f"samples    {st.done}/{st.total} done ({pct:.1f}%), {st.remaining} remaining, {st.failed} failed",
+        f"tokens     {st.tokens_done:,}/{st.tokens_total:,}",
+        f"disk       {human_bytes(st.bytes_done)} written, ~{human_bytes(st.bytes_projected)} projected in all, "
+        f"~{human_bytes(st.bytes_needed)} still needed; {human_bytes(st.free_bytes)} free on {st.mount_point} ({st.fs_type})",
+        f"last commit {ago(st.last_commit)}",
+        f"throughput {st.recent_samples_per_s:.2f} samples/s, {st.recent_tokens_per_s:,.0f} tokens/s (recent)",
+        f"ETA        {human_duration(st.eta_seconds) if st.eta_seconds is not None else '?'}",
+    ]
+    for lk in st.locks:
+        lines.append(f"lock       {lk['describe']}")
+    if not st.locks:
+        lines.append("lock       none (no writer running)")
+    if st.temp_files:
+        lines.append(f"temp files {st.temp_files} stray (removed on resume)")
+    if st.fs_warning:
+        lines.append(f"warning    {st.fs_warning}")
+    console.print("\n".join(lines), highlight=False)
+
+
+def _print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

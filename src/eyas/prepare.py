@@ -1,0 +1,517 @@
+"""Stage 1, `prepare`: conversations -> token ids and an assistant-only loss mask.
+
+The rendering is the model's own chat template (what a serving engine renders), and the
+loss mask is derived from the template itself: for each assistant turn the conversation is
+rendered up to the turn's generation prompt and up to the end of the turn; the characters
+in between are what the assistant produced (content and end-of-turn token), and the tokens
+covering them are trainable. No per-family regexes.
+
+Bad records never stop the run: each goes to `errors.jsonl` with file, line, id and
+reason. The dataset directory is updated atomically: data files carry the content
+fingerprint in their names and `dataset.json`, written last, is the commit point; a crash
+leaves the previous dataset or the complete new one. `PreparedDataset` is the only reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file as np_load_file
+from safetensors.numpy import save as np_save
+
+from . import __version__
+from .fsutil import atomic_write, atomic_write_bytes, atomic_write_json, fsync_dir, read_json, sha256_file
+from .ui import Reporter
+
+FORMAT_VERSION = 1
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+SHAREGPT_ROLES = {
+    "system": "system", "human": "user", "user": "user", "gpt": "assistant",
+    "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "tool": "tool",
+}  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareConfig:
+    model: str
+    """Model directory whose tokenizer and chat template render the conversations."""
+    data: tuple[str, ...]
+    """Input files: JSONL or JSON, records in OpenAI `messages`, ShareGPT `conversations` or `text` form."""
+    out: str
+    """Dataset directory to write."""
+    max_length: int | None = None
+    """Longest sample in tokens; longer ones are truncated or skipped (`overlong`)."""
+    overlong: str = "truncate"
+    """`truncate` keeps the first max_length tokens; `skip` drops the record."""
+    last_turn_only: bool = False
+    """Train only on the last assistant turn of each conversation."""
+    draft_vocab_size: int = 32000
+    """Size D of the draft vocabulary (capped at the target vocabulary size)."""
+    max_error_rate: float = 0.01
+    """Fraction of failed records above which the run counts as failed (exit 1)."""
+    num_workers: int = 1
+    """Processes that tokenize in parallel."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.overlong not in ("truncate", "skip"):
+            raise ValueError(f"--overlong must be truncate or skip, got {self.overlong!r}")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"--max-length must be at least 2, got {self.max_length}")
+        if not self.data:
+            raise ValueError("no input files given (--data)")
+        if self.draft_vocab_size < 1:
+            raise ValueError(f"--draft-vocab-size must be positive, got {self.draft_vocab_size}")
+        if not 0 <= self.max_error_rate <= 1:
+            raise ValueError(f"--max-error-rate must lie in [0, 1], got {self.max_error_rate}")
+
+
+class RecordError(ValueError):
+    """A record that cannot be prepared; the message says what was wrong."""
+
+
+@dataclass
+class RawRecord:
+    file: str
+    line: int
+    raw: bytes | object  # bytes of one JSONL line, or an already-parsed JSON element
+
+
+@dataclass
+class Prepared:
+    id: str
+    file: str
+    line: int
+    format: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    original_tokens: int
+    truncated: bool
+
+
+@dataclass
+class PrepareSummary:
+    out: str
+    records: int = 0
+    prepared: int = 0
+    failed: int = 0
+    skipped_overlong: int = 0
+    truncated: int = 0
+    tokens: int = 0
+    trainable_tokens: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    fingerprint: str = ""
+
+    @property
+    def error_rate(self) -> float:
+        return self.failed / self.records if self.records else 0.0
+
+
+# ---------------------------------------------------------------------------- reading input
+
+
+def iter_records(path: Path) -> Iterator[RawRecord]:
+    """Records of one input file; JSON arrays and JSONL are told apart by the first byte."""
+    data = path.read_bytes()
+    head = data.lstrip()[:1]
+    if path.suffix == ".json" or head == b"[":
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RecordError(f"{path}: not valid JSON: {exc}") from exc
+        items = doc if isinstance(doc, list) else doc.get("data", [doc]) if isinstance(doc, dict) else [doc]
+        for i, item in enumerate(items):
+            yield RawRecord(str(path), i + 1, item)  # "line" = 1-based element index
+        return
+    for n, line in enumerate(data.split(b"\n"), start=1):
+        if line.strip():
+            yield RawRecord(str(path), n, line)
+
+
+def _parse(rec: RawRecord) -> dict:
+    if isinstance(rec.raw, bytes):
+        try:
+            text = rec.raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RecordError(f"invalid UTF-8 at byte {exc.start}") from exc
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise RecordError(f"malformed JSON: {exc.msg} at column {exc.colno}") from exc
+    else:
+        obj = rec.raw
+    if not isinstance(obj, dict):
+        raise RecordError(f"record is a JSON {type(obj).__name__}, expected an object")
+    return obj
+
+
+def record_id(obj: dict, rec: RawRecord) -> str:
+    rid = obj.get("id")
+    if rid is None:
+        return f"{Path(rec.file).name}:{rec.line}"
+    if not isinstance(rid, (str, int)):
+        raise RecordError(f"id must be a string or integer, got {type(rid).__name__}")
+    return str(rid)
+
+
+def to_messages(obj: dict) -> tuple[str, list[dict] | str]:
+    """(format, messages) or ("text", text); raises RecordError naming what is wrong."""
+    if "messages" in obj:
+        fmt, turns, rkey, ckey, roles = "openai", obj["messages"], "role", "content", None
+    elif "conversations" in obj:
+        fmt, turns, rkey, ckey, roles = "sharegpt", obj["conversations"], "from", "value", SHAREGPT_ROLES
+    elif "text" in obj:
+        if not isinstance(obj["text"], str):
+            raise RecordError(f"'text' must be a string, got {type(obj['text']).__name__}")
+        if not obj["text"].strip():
+            raise RecordError("'text' is empty")
+        return "text", obj["text"]
+    else:
+        raise RecordError("no 'messages', 'conversations' or 'text' field")
+    if not isinstance(turns, list):
+        raise RecordError(f"'{'messages' if fmt == 'openai' else 'conversations'}' must be a list, got {type(turns).__name__}")
+    messages = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise RecordError(f"turn {i} is a {type(t).__name__}, expected an object")
+        role, content = t.get(rkey), t.get(ckey)
+        if not isinstance(role, str):
+            raise RecordError(f"turn {i} has no '{rkey}' string")
+        if roles is not None:
+            if role.lower() not in roles:
+                raise RecordError(f"turn {i} has unknown role {role!r}")
+            role = roles[role.lower()]
+        elif role not in ROLES:
+            raise RecordError(f"turn {i} has unknown role {role!r}")
+        if not isinstance(content, str):
+            raise RecordError(f"turn {i} ({role}) content must be a string, got {type(content).__name__}")
+        if role == "assistant" and not content.strip():
+            raise RecordError(f"turn {i} is an empty assistant turn")
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RecordError("no assistant turn")
+    return fmt, messages
+
+
+# ---------------------------------------------------------------------------- loss mask
+
+
+def assistant_spans(tokenizer, messages: list[dict], last_turn_only: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans the assistant produced."""
+
+    def render(msgs, gen=False):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    full = render(messages)
+    spans = []
+    idx = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if last_turn_only:
+        idx = idx[-1:]
+    for i in idx:
+        before = render(messages[:i], gen=True) if i else ""
+        upto = render(messages[: i + 1])
+        if not full.startswith(before) or not full.startswith(upto) or not upto.startswith(before):
+            raise RecordError(
+                f"the chat template renders assistant turn {i} differently inside the whole "
+                "conversation, so its tokens cannot be located"
+            )
+        end = len(upto.rstrip())  # trailing newlines after the end-of-turn token are template glue
+        if end > len(before):
+            spans.append((len(before), end))
+    return full, spans
+
+
+def tokenize_with_mask(tokenizer, text: str, spans: list[tuple[int, int]] | None) -> tuple[list[int], list[int]]:
+    """Token ids of `text`; a token is trainable when it overlaps an assistant span (all if None)."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    if spans is None:
+        return ids, [1] * len(ids)
+    mask = [0] * len(ids)
+    j = 0
+    for k, (s, e) in enumerate(enc["offset_mapping"]):
+        while j < len(spans) and spans[j][1] <= s:
+            j += 1
+        if j < len(spans) and s < spans[j][1] and e > spans[j][0]:
+            mask[k] = 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------- workers
+
+_TOK = None
+
+
+def _init_worker(model: str) -> None:
+    global _TOK
+    _TOK = load_tokenizer(model)
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    if not tok.is_fast:
+        raise ValueError(f"{model}: a fast tokenizer is needed (offsets locate assistant tokens)")
+    return tok
+
+
+def _prepare_one(rec: RawRecord, cfg: PrepareConfig) -> Prepared | tuple[str, str]:
+    """A Prepared sample, or (id, reason) for a bad record."""
+    rid = f"{Path(rec.file).name}:{rec.line}"
+    try:
+        obj = _parse(rec)
+        rid = record_id(obj, rec)
+        fmt, content = to_messages(obj)
+        if fmt == "text":
+            ids, mask = tokenize_with_mask(_TOK, content, None)
+        else:
+            try:
+                text, spans = assistant_spans(_TOK, content, cfg.last_turn_only)
+            except RecordError:
+                raise
+            except Exception as exc:  # the template itself raised (e.g. it rejects a role order)
+                raise RecordError(f"chat template failed: {exc}") from exc
+            ids, mask = tokenize_with_mask(_TOK, text, spans)
+        n = len(ids)
+        truncated = False
+        if cfg.max_length is not None and n > cfg.max_length:
+            if cfg.overlong == "skip":
+                return rid, f"overlong: {n} tokens > --max-length {cfg.max_length} (skipped)"
+            ids, mask, truncated = ids[: cfg.max_length], mask[: cfg.max_length], True
+        if not any(mask):
+            why = " after truncation" if truncated else ""
+            raise RecordError(f"zero trainable tokens{why}")
+        return Prepared(rid, rec.file, rec.line, fmt, ids, mask, n, truncated)
+    except RecordError as exc:
+        return rid, str(exc)
+
+
+def _prepare_chunk(args: tuple[list[RawRecord], PrepareConfig]) -> list:
+    recs, cfg = args
+    return [_prepare_one(r, cfg) for r in recs]
+
+
+# ---------------------------------------------------------------------------- the stage
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    h = hashlib.sha256()
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(b"\0" + (tokenizer.chat_template or "").encode())
+    return h.hexdigest()[:16]
+
+
+def _reason_kind(reason: str) -> str:
+    """Group reasons for the summary: 'turn 3 has unknown role 'x'' -> 'turn N has unknown role'."""
+    head = reason.split(":")[0].split(" (")[0].split(" '")[0].split(" at byte")[0]
+    return re.sub(r"\d+", "N", head)
+
+
+def prepare(cfg: PrepareConfig) -> PrepareSummary:
+    """Run the prepare stage; returns counts. Raises only for problems with the whole run."""
+    out = Path(cfg.out)
+    tok = load_tokenizer(cfg.model)
+    global _TOK
+    _TOK = tok
+    raws: list[RawRecord] = []
+    for f in cfg.data:
+        p = Path(f)
+        if not p.is_file():
+            raise FileNotFoundError(f"input file not found: {p}")
+        raws.extend(iter_records(p))
+
+    summary = PrepareSummary(out=str(out), records=len(raws))
+    chunks = [(raws[i : i + 256], cfg) for i in range(0, len(raws), 256)]
+    results: list = []
+    with Reporter("prepare", len(raws), unit="records", enabled=cfg.progress) as rep:
+        if cfg.num_workers > 1 and len(chunks) > 1:
+            with ProcessPoolExecutor(cfg.num_workers, initializer=_init_worker, initargs=(cfg.model,)) as ex:
+                for res in ex.map(_prepare_chunk, chunks):
+                    results.extend(res)
+                    rep.advance(len(res))
+        else:
+            for ch in chunks:
+                res = _prepare_chunk(ch)
+                results.extend(res)
+                rep.advance(len(res))
+
+    samples: list[Prepared] = []
+    errors: list[dict] = []
+    seen: dict[str, str] = {}
+    reasons: Counter = Counter()
+    for raw, res in zip(raws, results, strict=True):
+        where = f"{raw.file}:{raw.line}"
+        if isinstance(res, tuple):
+            rid, reason = res
+            if reason.startswith("overlong"):
+                summary.skipped_overlong += 1
+                errors.append({"file": raw.file, "line": raw.line, "id": rid, "reason": reason, "kind": "skipped"})
+                continue
+        elif res.id in seen:
+            rid, reason = res.id, f"duplicate id {res.id!r} (first seen at {seen[res.id]})"
+        else:
+            seen[res.id] = where
+            samples.append(res)
+            continue
+        reasons[_reason_kind(reason)] += 1
+        errors.append({"file": raw.file, "line": raw.line, "id": rid, "reason": reason, "kind": "error"})
+
+    summary.failed = sum(reasons.values())
+    summary.reasons = dict(reasons.most_common())
+    summary.prepared = len(samples)
+    summary.truncated = sum(s.truncated for s in samples)
+    summary.tokens = sum(len(s.input_ids) for s in samples)
+    summary.trainable_tokens = sum(sum(s.loss_mask) for s in samples)
+    summary.fingerprint = write_dataset(out, samples, errors, cfg, tok, summary)
+    return summary
+
+
+def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg: PrepareConfig, tok, summary) -> str:
+    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
+    offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.fromiter((t for s in samples for t in s.input_ids), dtype=np.int32, count=int(offsets[-1]))
+    mask = np.fromiter((t for s in samples for t in s.loss_mask), dtype=np.uint8, count=int(offsets[-1]))
+    vocab = len(tok)
+    if ids.size and int(ids.max()) >= vocab:
+        raise ValueError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size {vocab}")
+    counts = np.bincount(ids[mask.astype(bool)], minlength=vocab).astype(np.int64)
+
+    tensor_bytes = np_save({"input_ids": ids, "loss_mask": mask, "offsets": offsets})
+    records = [
+        {"index": i, "id": s.id, "file": s.file, "line": s.line, "format": s.format,
+         "tokens": len(s.input_ids), "trainable": int(sum(s.loss_mask)),
+         "original_tokens": s.original_tokens, "truncated": s.truncated}
+        for i, s in enumerate(samples)
+    ]  # fmt: skip
+    records_bytes = "".join(json.dumps(r) + "\n" for r in records).encode()
+    fp = hashlib.sha256(tensor_bytes + records_bytes).hexdigest()[:16]
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = {
+        "tokens": f"tokens-{fp}.safetensors",
+        "records": f"records-{fp}.jsonl",
+        "vocab_freq": f"vocab_freq-{fp}.safetensors",
+        "errors": f"errors-{fp}.jsonl",
+    }
+    atomic_write_bytes(out / files["tokens"], tensor_bytes)
+    atomic_write_bytes(out / files["records"], records_bytes)
+    atomic_write_bytes(out / files["vocab_freq"], np_save({"counts": counts}))
+    atomic_write(out / files["errors"], lambda f: f.write("".join(json.dumps(e) + "\n" for e in errors).encode()))
+    n = max(len(samples), 1)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "eyas_version": __version__,
+        "fingerprint": fp,
+        "model": str(Path(cfg.model).resolve()),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+        "vocab_size": vocab,
+        "draft_vocab_size": min(cfg.draft_vocab_size, vocab),
+        "files": {k: {"name": v, "sha256": sha256_file(out / v)} for k, v in files.items()},
+        "counts": {
+            "records": summary.records, "samples": len(samples), "failed": summary.failed,
+            "skipped_overlong": summary.skipped_overlong, "truncated": summary.truncated,
+        },
+        "tokens": {
+            "total": int(offsets[-1]), "trainable": int(mask.sum()),
+            "mean": float(lengths.mean()) if len(samples) else 0.0,
+            "max": int(lengths.max()) if len(samples) else 0,
+            "min": int(lengths.min()) if len(samples) else 0,
+            "p50": float(np.percentile(lengths, 50)) if len(samples) else 0.0,
+            "p95": float(np.percentile(lengths, 95)) if len(samples) else 0.0,
+            "mean_trainable": float(mask.sum() / n),
+        },
+        "error_reasons": summary.reasons,
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "progress"},
+    }  # fmt: skip
+    atomic_write_json(out / "dataset.json", meta)
+    # The new dataset is committed; files of earlier versions are no longer referenced.
+    keep = set(files.values()) | {"dataset.json"}
+    for p in out.iterdir():
+        if p.is_file() and p.name not in keep and p.name.split("-")[0] in ("tokens", "records", "vocab_freq", "errors"):
+            p.unlink()
+    link = out / "errors.jsonl.tmp-link"
+    link.unlink(missing_ok=True)
+    os.symlink(files["errors"], link)
+    os.replace(link, out / "errors.jsonl")  # a stable name for the latest errors
+    fsync_dir(out)
+    return fp
+
+
+# ---------------------------------------------------------------------------- reading output
+
+
+class DatasetError(ValueError):
+    pass
+
+
+@dataclass
+class PreparedDataset:
+    """Read side of a prepared dataset directory (validated against dataset.json)."""
+
+    path: Path
+    meta: dict
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    offsets: np.ndarray
+    records: list[dict]
+
+    @classmethod
+    def open(cls, path: str | Path, *, check: bool = True) -> PreparedDataset:
+        path = Path(path)
+        mpath = path / "dataset.json"
+        if not mpath.is_file():
+            raise DatasetError(f"{path}: not a prepared dataset (no dataset.json); run `eyas prepare` first")
+        meta = read_json(mpath)
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise DatasetError(f"{mpath}: format_version {meta.get('format_version')} is not {FORMAT_VERSION}")
+        files = meta["files"]
+        if check:
+            for k in ("tokens", "records"):
+                f = path / files[k]["name"]
+                if not f.is_file():
+                    raise DatasetError(f"{f}: missing (listed in {mpath})")
+                if sha256_file(f) != files[k]["sha256"]:
+                    raise DatasetError(f"{f}: checksum does not match {mpath}; re-run `eyas prepare`")
+        t = np_load_file(str(path / files["tokens"]["name"]))
+        with open(path / files["records"]["name"], encoding="utf-8") as f:
+            records = [json.loads(line) for line in f]
+        return cls(path, meta, t["input_ids"], t["loss_mask"], t["offsets"], records)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["fingerprint"]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[a:b], self.loss_mask[a:b]
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def vocab_counts(self) -> np.ndarray:
+        return np_load_file(str(self.path / self.meta["files"]["vocab_freq"]["name"]))["counts"]
+
+    def draft_vocab(self, size: int | None = None) -> torch.Tensor:
+        """Ids of the `size` most frequent trainable tokens (ties by id), ascending."""
+        return draft_vocab_from_counts(self.vocab_counts(), size or self.meta["draft_vocab_size"])
+
+
+def draft_vocab_from_counts(counts: np.ndarray, size: int) -> torch.Tensor:
+    size = min(size, len(counts))
+    order = np.lexsort((np.arange(len(counts)), -counts))  # by count desc, then id asc
+    return torch.from_numpy(np.sort(order[:size]).astype(np.int64))

@@ -1,0 +1,491 @@
+"""The sample store of an extraction run: the contract between `extract` and later stages.
+
+Layout of a run directory::
+
+    run.json                         resolved config, fingerprints, layer conventions
+    samples/000000-000999/000123.safetensors
+    journal/rank-00000.jsonl         append-only: one line per committed sample
+    errors/rank-00000.jsonl          samples that failed their checks (never stored)
+    locks/rank-00000.lock            PID and host of the live writer
+    quarantine/                      files moved aside by `verify --repair`
+
+Guarantee: a sample is either fully committed and checksummed, or absent. A sample file
+is published atomically (temp file, fsync, rename, directory fsync) and *then* journaled;
+a sample counts as done only when a journal entry exists and the file matches it (size
+and whole-file xxh3-128). Each tensor's xxh3-128 is also kept in the file's header, so a
+file is checkable on its own. No pickle: tensors are safetensors, metadata is JSON.
+This module is the only code that opens sample files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import xxhash
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .fsutil import DiskFullError, atomic_write_bytes, atomic_write_json, fsync_dir, is_temp_file, read_json
+
+STORE_VERSION = 1
+SAMPLES_PER_DIR = 1000
+CHECKSUM = "xxh3_128"
+TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")
+HEADER_BYTES = 4096  # generous bound on the safetensors header + metadata per sample
+
+_ST_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U8": 1, "I64": 8, "F64": 8}
+
+
+class StoreError(ValueError):
+    """A store problem a user can act on; the message names the file."""
+
+
+def sample_relpath(index: int) -> str:
+    lo = index // SAMPLES_PER_DIR * SAMPLES_PER_DIR
+    return f"samples/{lo:06d}-{lo + SAMPLES_PER_DIR - 1:06d}/{index:06d}.safetensors"
+
+
+def journal_path(run: Path, rank: int) -> Path:
+    return run / "journal" / f"rank-{rank:05d}.jsonl"
+
+
+def errors_path(run: Path, rank: int) -> Path:
+    return run / "errors" / f"rank-{rank:05d}.jsonl"
+
+
+def lock_path(run: Path, rank: int) -> Path:
+    return run / "locks" / f"rank-{rank:05d}.lock"
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    return xxhash.xxh3_128_hexdigest(memoryview(t.contiguous().view(torch.uint8).numpy()))
+
+
+def bytes_per_token(hidden_size: int, dtype: torch.dtype) -> int:
+    """Stored bytes per token: 3H aux + H final states, int32 id, uint8 mask."""
+    return 4 * hidden_size * dtype.itemsize + 4 + 1
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+@dataclass
+class Sample:
+    index: int
+    sample_id: str
+    source: str
+    input_ids: torch.Tensor  # (T,) int32
+    loss_mask: torch.Tensor  # (T,) uint8
+    aux_hidden_states: torch.Tensor  # (T, 3H)
+    last_hidden_states: torch.Tensor  # (T, H)
+
+
+def encode_sample(s: Sample, run_meta: dict) -> bytes:
+    """Serialize one sample to safetensors bytes, with per-tensor checksums in the header."""
+    tensors = {
+        "input_ids": s.input_ids.to(torch.int32).contiguous(),
+        "loss_mask": s.loss_mask.to(torch.uint8).contiguous(),
+        "aux_hidden_states": s.aux_hidden_states.contiguous(),
+        "last_hidden_states": s.last_hidden_states.contiguous(),
+    }
+    meta = {
+        "format": f"eyas-sample/{STORE_VERSION}",
+        "sample_index": str(s.index),
+        "sample_id": s.sample_id,
+        "source": s.source,
+        "tokens": str(s.input_ids.shape[0]),
+        "aux_layers": json.dumps(run_meta["aux_layers"]),
+        "aux_layers_hf": json.dumps(run_meta["aux_layers_hf"]),
+        "last_hidden_state": run_meta["last_hidden_state"],
+        "model_fingerprint": run_meta["model_fingerprint"],
+        "checksum": CHECKSUM,
+        "checksums": json.dumps({k: tensor_checksum(v) for k, v in tensors.items()}, sort_keys=True),
+    }
+    return st_save(tensors, metadata=meta)
+
+
+def commit_sample(run: Path, s: Sample, run_meta: dict) -> dict:
+    """Publish a sample file atomically; returns its journal entry (not yet journaled)."""
+    data = encode_sample(s, run_meta)
+    rel = sample_relpath(s.index)
+    path = run / rel
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fsync_dir(path.parent.parent)
+    atomic_write_bytes(path, data)
+    return journal_entry(s.index, s.sample_id, data)
+
+
+def journal_entry(index: int, sample_id: str, data: bytes) -> dict:
+    import time
+
+    header, _ = parse_header(data, Path(sample_relpath(index)))
+    return {"index": index, "id": sample_id, "path": sample_relpath(index), "size": len(data),
+            "file_xxh3": xxhash.xxh3_128_hexdigest(data), "tokens": int(header["__metadata__"]["tokens"]),
+            "t": round(time.time(), 3)}  # fmt: skip
+
+
+class Journal:
+    """Append-only JSONL journal of committed samples, one per rank.
+
+    A torn last line (crash mid-append) is cut off on open. Appends are buffered and
+    fsynced by `sync()`; an entry lost at a crash leaves a valid file without an entry,
+    which `resume` checks and adopts or redoes.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._cut_torn_tail()
+        self._f = open(path, "ab")
+        self._pending = 0
+
+    def _cut_torn_tail(self) -> None:
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            keep = data.rfind(b"\n") + 1
+            with open(self.path, "r+b") as f:
+                f.truncate(keep)
+                os.fsync(f.fileno())
+
+    def append(self, entry: dict) -> None:
+        self._f.write((json.dumps(entry, sort_keys=True) + "\n").encode())
+        self._pending += 1
+
+    def sync(self) -> None:
+        if self._pending:
+            try:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            except OSError as exc:
+                if exc.errno in (28, 122):
+                    raise DiskFullError(exc.errno, f"no space left appending to {self.path}") from exc
+                raise
+            self._pending = 0
+
+    def close(self) -> None:
+        try:
+            self.sync()
+        finally:
+            self._f.close()
+
+
+def read_journal(path: Path) -> list[dict]:
+    """Entries of one journal; a torn final line is ignored."""
+    if not path.exists():
+        return []
+    out = []
+    lines = path.read_bytes().split(b"\n")
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n < len(lines):  # only the last line may be torn
+                raise StoreError(f"{path}:{n}: journal line is not valid JSON") from None
+    return out
+
+
+def journal_files(run: Path) -> list[Path]:
+    return sorted((run / "journal").glob("rank-*.jsonl"))
+
+
+def read_all_journals(run: Path) -> dict[int, list[dict]]:
+    return {int(p.stem.split("-")[1]): read_journal(p) for p in journal_files(run)}
+
+
+def rewrite_journal(path: Path, entries: list[dict]) -> None:
+    atomic_write_bytes(path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in entries).encode())
+
+
+def append_error(run: Path, rank: int, entry: dict) -> None:
+    p = errors_path(run, rank)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_errors(run: Path) -> list[dict]:
+    out = []
+    for p in sorted((run / "errors").glob("rank-*.jsonl")):
+        for line in p.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+    return out
+
+
+# ---------------------------------------------------------------------------- reading/checking
+
+
+@dataclass
+class Check:
+    """Outcome of checking one sample file."""
+
+    path: Path
+    ok: bool
+    problem: str = ""
+    header: dict = field(default_factory=dict)
+    nbytes: int = 0
+
+
+def parse_header(data: bytes | memoryview, path: Path) -> tuple[dict, int]:
+    """The safetensors header of `data` and the offset where tensor bytes begin."""
+    if len(data) < 8:
+        raise StoreError(f"{path}: file is {len(data)} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    if n > len(data) - 8 or n > 100_000_000:
+        raise StoreError(f"{path}: header length {n} exceeds the file size {len(data)} (truncated?)")
+    try:
+        header = json.loads(bytes(data[8 : 8 + n]))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise StoreError(f"{path}: header is not valid JSON (corrupt)") from None
+    return header, 8 + n
+
+
+def check_sample_bytes(data: bytes | memoryview, path: Path, *, checksums: bool, hidden_size: int | None = None, entry: dict | None = None) -> Check:
+    """Check header, shapes, dtypes, token count and (optionally) every checksum."""
+    try:
+        header, base = parse_header(data, path)
+        meta = header.get("__metadata__") or {}
+        if not str(meta.get("format", "")).startswith("eyas-sample/"):
+            raise StoreError(f"{path}: not an eyas sample (no format marker in the header)")
+        missing = [t for t in TENSORS if t not in header]
+        if missing:
+            raise StoreError(f"{path}: missing tensors {missing}")
+        T = int(meta["tokens"])
+        end = 0
+        for name in TENSORS:
+            info = header[name]
+            shape, dt = info["shape"], info["dtype"]
+            a, b = info["data_offsets"]
+            if dt not in _ST_DTYPES or b - a != _ST_DTYPES[dt] * _prod(shape):
+                raise StoreError(f"{path}: tensor {name} has {b - a} bytes for shape {shape} {dt}")
+            end = max(end, b)
+            if shape[0] != T:
+                raise StoreError(f"{path}: {name} has {shape[0]} rows, expected {T} tokens (token-count mismatch)")
+        H = header["last_hidden_states"]["shape"][1]
+        if header["aux_hidden_states"]["shape"][1] != 3 * H:
+            raise StoreError(f"{path}: aux_hidden_states width {header['aux_hidden_states']['shape'][1]} != 3 x {H}")
+        if hidden_size is not None and H != hidden_size:
+            raise StoreError(f"{path}: hidden size {H}, run expects {hidden_size}")
+        if header["input_ids"]["dtype"] != "I32" or header["loss_mask"]["dtype"] != "U8":
+            raise StoreError(f"{path}: input_ids/loss_mask dtypes are not int32/uint8")
+        if base + end != len(data):
+            raise StoreError(f"{path}: file is {len(data)} bytes, header says {base + end} (truncated or padded)")
+        if entry is not None:
+            if entry.get("size") != len(data):
+                raise StoreError(f"{path}: size {len(data)} differs from the journal's {entry.get('size')}")
+            if int(meta["sample_index"]) != entry["index"]:
+                raise StoreError(f"{path}: holds sample {meta['sample_index']}, journal says {entry['index']}")
+        if checksums:
+            sums = json.loads(meta["checksums"])
+            for name in TENSORS:
+                a, b = header[name]["data_offsets"]
+                got = xxhash.xxh3_128_hexdigest(data[base + a : base + b])
+                if got != sums.get(name):
+                    raise StoreError(f"{path}: checksum mismatch in {name} (data corrupted)")
+            if entry is not None and "file_xxh3" in entry and xxhash.xxh3_128_hexdigest(data) != entry["file_xxh3"]:
+                raise StoreError(f"{path}: whole-file checksum differs from the journal")
+        return Check(path, True, header=header, nbytes=len(data))
+    except StoreError as exc:
+        return Check(path, False, str(exc), nbytes=len(data))
+    except (KeyError, ValueError, TypeError, IndexError) as exc:
+        return Check(path, False, f"{path}: malformed header ({exc})", nbytes=len(data))
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def check_sample_file(path: Path, *, checksums: bool = True, hidden_size: int | None = None, entry: dict | None = None) -> Check:
+    try:
+        if checksums:
+            data = path.read_bytes()
+        else:  # header and size only: read the head, the size comes from stat
+            with open(path, "rb") as f:
+                head = f.read(HEADER_BYTES * 4)
+            size = path.stat().st_size
+            return _check_head(head, size, path, hidden_size, entry)
+    except FileNotFoundError:
+        return Check(path, False, f"{path}: file is missing")
+    except OSError as exc:
+        return Check(path, False, f"{path}: cannot read ({exc})")
+    return check_sample_bytes(data, path, checksums=True, hidden_size=hidden_size, entry=entry)
+
+
+class _Sized:
+    """A header prefix that reports the full file size, for quick checks without reading data."""
+
+    def __init__(self, head: bytes, size: int):
+        self.head, self.size = head, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, sl):
+        return self.head[sl]
+
+
+def _check_head(head: bytes, size: int, path: Path, hidden_size, entry) -> Check:
+    return check_sample_bytes(_Sized(head, size), path, checksums=False, hidden_size=hidden_size, entry=entry)  # type: ignore[arg-type]
+
+
+def load_sample(run: Path, index: int, *, verify: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors of one committed sample; `verify` checks every checksum first."""
+    path = run / sample_relpath(index)
+    data = path.read_bytes()
+    if verify:
+        c = check_sample_bytes(data, path, checksums=True)
+        if not c.ok:
+            raise StoreError(c.problem)
+    return st_load(data)
+
+
+def sample_header(run: Path, index: int) -> dict:
+    path = run / sample_relpath(index)
+    with open(path, "rb") as f:
+        head = f.read(HEADER_BYTES * 4)
+    return parse_header(head, path)[0]
+
+
+def iter_sample_files(run: Path) -> Iterator[Path]:
+    base = run / "samples"
+    if base.is_dir():
+        for d in sorted(base.iterdir()):
+            if d.is_dir():
+                yield from sorted(d.iterdir())
+
+
+def stray_temp_files(run: Path) -> list[Path]:
+    return [p for p in iter_sample_files(run) if is_temp_file(p)] + [
+        p for sub in ("journal", "errors") if (run / sub).is_dir() for p in (run / sub).iterdir() if is_temp_file(p)
+    ]
+
+
+# ---------------------------------------------------------------------------- run metadata + locks
+
+
+def read_run_meta(run: Path) -> dict:
+    p = Path(run) / "run.json"
+    if not p.is_file():
+        raise StoreError(f"{run}: not an extraction run (no run.json)")
+    meta = read_json(p)
+    if meta.get("store_version") != STORE_VERSION:
+        raise StoreError(f"{p}: store_version {meta.get('store_version')} is not {STORE_VERSION}")
+    return meta
+
+
+def write_run_meta(run: Path, meta: dict) -> None:
+    atomic_write_json(Path(run) / "run.json", meta)
+
+
+def _proc_start(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class LockInfo:
+    path: Path
+    pid: int
+    host: str
+    started: str
+    proc_start: str | None
+    live: bool | None  # None: held on another host, liveness unknown
+
+    def describe(self) -> str:
+        state = "live" if self.live else "stale" if self.live is False else "on another host"
+        return f"PID {self.pid} on {self.host} since {self.started} ({state})"
+
+
+def read_lock(path: Path) -> LockInfo | None:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, OSError):
+        return LockInfo(path, -1, "?", "?", None, False)  # torn lock file: no writer finished writing it
+    live = None
+    if d.get("host") == socket.gethostname():
+        pid = int(d.get("pid", -1))
+        live = pid > 0 and pid_alive(pid) and (d.get("proc_start") is None or _proc_start(pid) == d.get("proc_start"))
+    return LockInfo(path, int(d.get("pid", -1)), d.get("host", "?"), d.get("started", "?"), d.get("proc_start"), live)
+
+
+class LockHeld(RuntimeError):
+    pass
+
+
+def acquire_lock(path: Path) -> LockInfo | None:
+    """Take the writer lock; returns the stale lock that was taken over, if any."""
+    import time
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    me = {
+        "pid": os.getpid(), "host": socket.gethostname(), "proc_start": _proc_start(os.getpid()),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }  # fmt: skip
+    taken_over = None
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = read_lock(path)
+            if holder is None:
+                continue
+            if holder.live is False:
+                taken_over = holder
+                # Replace atomically so two takers cannot both win.
+                stale = path.with_name(path.name + f".stale-{os.getpid()}")
+                try:
+                    os.rename(path, stale)
+                    stale.unlink()
+                except FileNotFoundError:
+                    pass
+                continue
+            raise LockHeld(f"{path} is held by {holder.describe()}; another extract is running on this run") from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(path.parent)
+        return taken_over
+    raise LockHeld(f"could not take {path}: it keeps changing")
+
+
+def release_lock(path: Path) -> None:
+    info = read_lock(path)
+    if info is not None and info.pid == os.getpid():
+        path.unlink(missing_ok=True)
+

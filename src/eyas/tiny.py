@@ -1,0 +1,240 @@
+"""Tiny targets: small random-initialised causal LMs of real transformers architectures.
+
+`build_tiny_target` writes a directory that `AutoModelForCausalLM` and `AutoTokenizer`
+load with the hub offline: config, weights (safetensors), a tokenizer and a chat template.
+With no tokenizer to copy, a byte-level BPE is trained locally on offline text and given a
+Llama-3-style (or ChatML, for qwen) chat template. With `like=`, the architecture family,
+tokenizer and chat template of a real model directory (config and tokenizer files only)
+are kept and the sizes scaled down, to rehearse the pipeline before spending GPU hours.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ARCHES = ("llama", "qwen3", "qwen2", "deepseek_v3")
+
+SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|im_start|>",
+    "<|im_end|>",
+]
+
+# Llama-3 style: header per message, assistant content ends with <|eot_id|>.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+# ChatML (Qwen style): <|im_start|>role\ncontent<|im_end|>\n
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinySizes:
+    """Sizes of a tiny target; the defaults give distinct default aux layers [1, 3, 4]."""
+
+    num_hidden_layers: int = 8
+    """Decoder layers; at least 8 so that [1, n//2-1, n-4] are three distinct layers."""
+    hidden_size: int = 64
+    """Width H of the residual stream."""
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.num_hidden_layers < 1 or self.hidden_size < 8:
+            raise ValueError(f"tiny target too small: layers={self.num_hidden_layers} hidden={self.hidden_size}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} attention heads"
+            )
+
+
+def offline_corpus(extra: list[str] | None = None, max_chars: int = 400_000) -> list[str]:
+    """Text that exists on every machine: Python standard library sources plus `extra`."""
+    from .demo_data import corpus_text, generate_conversations
+
+    texts = list(extra or []) + corpus_text(generate_conversations(400, seed=1))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    total = sum(map(len, texts))
+    for name in ("this.py", "textwrap.py", "argparse.py", "json/__init__.py", "random.py", "string.py"):
+        p = stdlib / name
+        if p.exists() and total < max_chars:
+            t = p.read_text(encoding="utf-8", errors="replace")
+            texts.append(t)
+            total += len(t)
+    return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 2048, template: str = LLAMA3_TEMPLATE):
+    """A byte-level BPE trained on `texts`, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    chatml = template == CHATML_TEMPLATE
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|im_end|>" if chatml else "<|eot_id|>",
+        pad_token="<|end_of_text|>",
+    )
+    fast.chat_template = template
+    return fast
+
+
+def _arch_config(arch: str, vocab_size: int, sizes: TinySizes, tokenizer):
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=sizes.hidden_size,
+        intermediate_size=sizes.intermediate_size,
+        num_hidden_layers=sizes.num_hidden_layers,
+        num_attention_heads=sizes.num_attention_heads,
+        num_key_value_heads=sizes.num_key_value_heads,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        return AutoConfig.for_model("llama", **common)
+    if arch in ("qwen3", "qwen2"):
+        return AutoConfig.for_model(arch, head_dim=sizes.hidden_size // sizes.num_attention_heads, **common)
+    if arch == "deepseek_v3":
+        h = sizes.hidden_size
+        common.pop("num_key_value_heads")
+        return AutoConfig.for_model(
+            "deepseek_v3",
+            num_key_value_heads=sizes.num_attention_heads,
+            moe_intermediate_size=max(8, sizes.intermediate_size // 4),
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=max(8, h // 4),
+            q_lora_rank=max(8, h // 2),
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=h // sizes.num_attention_heads,
+            **common,
+        )
+    raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
+
+
+# Keys that set a model's size; scaled down by `_like_config`. Everything else is kept.
+_SIZE_KEYS = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok",
+    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+    "n_group", "topk_group", "first_k_dense_replace", "max_window_layers", "layer_types",
+    "mlp_only_layers", "decoder_sparse_step",
+}  # fmt: skip
+
+
+def _like_config(like: Path, sizes: TinySizes, vocab_size: int):
+    from transformers import AutoConfig
+
+    src = AutoConfig.from_pretrained(like, local_files_only=True)
+    d = {k: v for k, v in src.to_dict().items() if k not in _SIZE_KEYS}
+    d.pop("quantization_config", None)
+    d.pop("auto_map", None)
+    d.pop("architectures", None)
+    d["vocab_size"] = max(vocab_size, int(getattr(src, "vocab_size", 0) or 0))
+    arch = src.model_type
+    try:
+        tiny = _arch_config(arch, d["vocab_size"], sizes, _TokIds(d))
+    except ValueError:
+        tiny = None
+    if tiny is None:  # an architecture we have no preset for: scale the generic fields
+        d.update(
+            hidden_size=sizes.hidden_size,
+            intermediate_size=sizes.intermediate_size,
+            num_hidden_layers=sizes.num_hidden_layers,
+            num_attention_heads=sizes.num_attention_heads,
+            num_key_value_heads=sizes.num_key_value_heads,
+            head_dim=sizes.hidden_size // sizes.num_attention_heads,
+        )
+        return AutoConfig.for_model(arch, **d)
+    keep = {k: v for k, v in d.items() if k not in tiny.to_dict() or k in ("rope_parameters", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act")}
+    for k, v in keep.items():
+        setattr(tiny, k, v)
+    return tiny
+
+
+class _TokIds:
+    """Token ids taken from a source config, standing in for a tokenizer."""
+
+    def __init__(self, d: dict):
+        self.bos_token_id = d.get("bos_token_id")
+        self.eos_token_id = d.get("eos_token_id")
+        self.pad_token_id = d.get("pad_token_id")
+
+
+def build_tiny_target(
+    out: Path,
+    arch: str = "llama",
+    *,
+    like: Path | None = None,
+    sizes: TinySizes | None = None,
+    seed: int = 0,
+    tokenizer=None,
+) -> Path:
+    """Write a tiny random target to `out` and return it; float32 weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sizes = sizes or TinySizes()
+    out = Path(out)
+    if like is not None:
+        like = Path(like)
+        if not (like / "config.json").exists():
+            raise FileNotFoundError(f"--like {like}: no config.json there")
+        tokenizer = AutoTokenizer.from_pretrained(like, local_files_only=True)
+        if not tokenizer.chat_template:
+            raise ValueError(f"--like {like}: the tokenizer has no chat template")
+        config = _like_config(like, sizes, len(tokenizer))
+    else:
+        if arch not in ARCHES:
+            raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
+        if tokenizer is None:
+            template = CHATML_TEMPLATE if arch.startswith("qwen") else LLAMA3_TEMPLATE
+            tokenizer = train_tokenizer(offline_corpus(), template=template)
+        config = _arch_config(arch, len(tokenizer), sizes, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

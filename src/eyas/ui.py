@@ -1,0 +1,83 @@
+"""Progress reporting for long stages: a rich bar on a terminal, plain log lines otherwise.
+
+Runs go for days under nohup or systemd, where a redrawn bar is noise in a log file; so on
+a non-TTY the same facts are printed as one line every `log_every` seconds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+console = Console(stderr=True, soft_wrap=True)
+
+
+class Reporter:
+    """Counts units of work; `extra()` supplies a short status string (speed, free disk)."""
+
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        *,
+        unit: str = "samples",
+        enabled: bool = True,
+        extra: Callable[[], str] | None = None,
+        log_every: float = 30.0,
+    ):
+        self.label, self.total, self.unit = label, total, unit
+        self.enabled, self.extra, self.log_every = enabled, extra or (lambda: ""), log_every
+        self.done = 0
+        self.start = time.monotonic()
+        self._last_log = self.start
+        self._progress: Progress | None = None
+        self._task = None
+
+    def __enter__(self) -> Reporter:
+        if self.enabled and sys.stderr.isatty():
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[extra]}"),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=console,
+                transient=False,
+            )
+            self._progress.__enter__()
+            self._task = self._progress.add_task(self.label, total=self.total, extra="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, extra=self.extra())
+            self._progress.__exit__(*exc)
+        elif self.enabled and self.done:
+            self._log()
+
+    def rate(self) -> float:
+        return self.done / max(time.monotonic() - self.start, 1e-9)
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self._progress is not None:
+            self._progress.update(self._task, advance=n, extra=self.extra())
+        elif self.enabled and time.monotonic() - self._last_log >= self.log_every:
+            self._log()
+
+    def _log(self) -> None:
+        self._last_log = time.monotonic()
+        rate = self.rate()
+        left = (self.total - self.done) / rate if rate > 0 else float("inf")
+        from .fsutil import human_duration
+
+        console.print(
+            f"{self.label}: {self.done}/{self.total} {self.unit} ({rate:.1f}/s) "
+            f"{self.extra()} ETA {human_duration(left)}",
+            highlight=False,
+        )
