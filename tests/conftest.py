@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny targets and prepared datasets, built once per test session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from eyas.demo_data import generate_conversations, write_jsonl  # noqa: E402
+from eyas.tiny import build_tiny_target  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def targets(tmp_path_factory) -> dict[str, Path]:
+    """Tiny llama, qwen3 and deepseek_v3 targets (random weights, float32)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    base = tmp_path_factory.mktemp("targets")
+    return {a: build_tiny_target(base / a, a) for a in ("llama", "qwen3", "deepseek_v3")}
+
+
+@pytest.fixture(scope="session")
+def conversations(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("data") / "conv.jsonl"
+    write_jsonl(p, generate_conversations(120, seed=3))
+    return p
+
+
+@pytest.fixture(scope="session")
+def llama_dataset(tmp_path_factory, targets, conversations) -> Path:
+    from eyas.prepare import PrepareConfig, prepare
+
+    out = tmp_path_factory.mktemp("ds") / "llama"
+    prepare(PrepareConfig(model=str(targets["llama"]), data=(str(conversations),), out=str(out), progress=False))
+    return out
+
+
+def eyas(*args, check: bool = False, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    """Run the real CLI in a child process."""
+    p = subprocess.run([sys.executable, "-m", "eyas.cli", *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, **kw)  # fmt: skip
+    if check and p.returncode != 0:
+        raise AssertionError(f"eyas {' '.join(map(str, args))} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p
