@@ -467,7 +467,11 @@ def _run_loop(cfg, run, meta, ds, model, input_device, store_dtype, aux, mine, d
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 writer_error.append(exc)
                 stop.set()
-        journal.sync()
+        if not writer_error:
+            try:
+                journal.sync()
+            except BaseException as exc:  # noqa: BLE001
+                writer_error.append(exc)
 
     def on_signal(signum, _frame):
         stop_reason.append(f"stopped by {signal.Signals(signum).name}")
@@ -484,8 +488,7 @@ def _run_loop(cfg, run, meta, ds, model, input_device, store_dtype, aux, mine, d
 
     try:
         with Reporter("extract", total, enabled=cfg.progress, extra=extra) as rep:
-            rep.done = done_before
-            rep.start = time.monotonic()
+            rep.skip(done_before)
             committed_seen = 0
             for batch in todo:
                 if stop.is_set():

@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 import xxhash
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from .fsutil import DiskFullError, atomic_write_bytes, atomic_write_json, fsync_dir, is_temp_file, read_json
 
@@ -64,10 +63,6 @@ def lock_path(run: Path, rank: int) -> Path:
     return run / "locks" / f"rank-{rank:05d}.lock"
 
 
-def tensor_checksum(t: torch.Tensor) -> str:
-    return xxhash.xxh3_128_hexdigest(memoryview(t.contiguous().view(torch.uint8).numpy()))
-
-
 def bytes_per_token(hidden_size: int, dtype: torch.dtype) -> int:
     """Stored bytes per token: 3H aux + H final states, int32 id, uint8 mask."""
     return 4 * hidden_size * dtype.itemsize + 4 + 1
@@ -87,14 +82,23 @@ class Sample:
     last_hidden_states: torch.Tensor  # (T, H)
 
 
-def encode_sample(s: Sample, run_meta: dict) -> bytes:
-    """Serialize one sample to safetensors bytes, with per-tensor checksums in the header."""
+_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.uint8: "U8", torch.int64: "I64"}
+
+
+def encode_sample(s: Sample, run_meta: dict) -> bytearray:
+    """Serialize one sample as safetensors bytes, with per-tensor checksums in the header.
+
+    The header is written here rather than by `safetensors.save`, whose metadata order
+    varies between processes: a resumed run must produce files bit-identical to an
+    uninterrupted one. `safetensors` reads the result like any other file.
+    """
     tensors = {
-        "input_ids": s.input_ids.to(torch.int32).contiguous(),
-        "loss_mask": s.loss_mask.to(torch.uint8).contiguous(),
-        "aux_hidden_states": s.aux_hidden_states.contiguous(),
-        "last_hidden_states": s.last_hidden_states.contiguous(),
+        "input_ids": s.input_ids.to(torch.int32),
+        "loss_mask": s.loss_mask.to(torch.uint8),
+        "aux_hidden_states": s.aux_hidden_states,
+        "last_hidden_states": s.last_hidden_states,
     }
+    raw = {k: memoryview(v.contiguous().view(torch.uint8).numpy()) for k, v in tensors.items()}
     meta = {
         "format": f"eyas-sample/{STORE_VERSION}",
         "sample_index": str(s.index),
@@ -106,9 +110,23 @@ def encode_sample(s: Sample, run_meta: dict) -> bytes:
         "last_hidden_state": run_meta["last_hidden_state"],
         "model_fingerprint": run_meta["model_fingerprint"],
         "checksum": CHECKSUM,
-        "checksums": json.dumps({k: tensor_checksum(v) for k, v in tensors.items()}, sort_keys=True),
+        "checksums": json.dumps({k: xxhash.xxh3_128_hexdigest(b) for k, b in raw.items()}, sort_keys=True),
     }
-    return st_save(tensors, metadata=meta)
+    header: dict = {"__metadata__": meta}
+    off = 0
+    for k, t in tensors.items():
+        header[k] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + raw[k].nbytes]}
+        off += raw[k].nbytes
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)  # safetensors aligns the data start to 8 bytes
+    buf = bytearray(8 + len(h) + off)
+    buf[:8] = struct.pack("<Q", len(h))
+    buf[8 : 8 + len(h)] = h
+    pos = 8 + len(h)
+    for b in raw.values():
+        buf[pos : pos + b.nbytes] = b
+        pos += b.nbytes
+    return buf
 
 
 def commit_sample(run: Path, s: Sample, run_meta: dict) -> dict:
@@ -173,10 +191,17 @@ class Journal:
             self._pending = 0
 
     def close(self) -> None:
+        """Sync and close; on a full disk the unsynced entries are dropped, not raised:
+        their sample files are complete and `recover` adopts them on resume."""
         try:
             self.sync()
+        except DiskFullError:
+            pass
         finally:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:
+                pass
 
 
 def read_journal(path: Path) -> list[dict]:

@@ -32,6 +32,7 @@ class Reporter:
         self.label, self.total, self.unit = label, total, unit
         self.enabled, self.extra, self.log_every = enabled, extra or (lambda: ""), log_every
         self.done = 0
+        self._skipped = 0
         self.start = time.monotonic()
         self._last_log = self.start
         self._progress: Progress | None = None
@@ -60,8 +61,15 @@ class Reporter:
         elif self.enabled and self.done:
             self._log()
 
+    def skip(self, n: int) -> None:
+        """Count `n` units done before this session (a resume) without counting them in the rate."""
+        self.done += n
+        self._skipped += n
+        if self._progress is not None:
+            self._progress.update(self._task, completed=self.done)
+
     def rate(self) -> float:
-        return self.done / max(time.monotonic() - self.start, 1e-9)
+        return (self.done - self._skipped) / max(time.monotonic() - self.start, 1e-9)
 
     def advance(self, n: int = 1) -> None:
         self.done += n
