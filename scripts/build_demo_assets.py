@@ -1,13 +1,18 @@
 """Rebuild the demo target and demo conversations shipped in src/eyas/assets/.
 
-    python scripts/build_demo_assets.py [--steps 1500]
+python scripts/build_demo_assets.py [--steps 1500]
 """
 
 import argparse
 import json
 import shutil
 
-from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET, build_demo_target, write_demo_conversations
+from eyas.demo_target import (
+    DEMO_CONVERSATIONS,
+    DEMO_TARGET,
+    build_demo_target,
+    write_demo_conversations,
+)
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--steps", type=int, default=1500)

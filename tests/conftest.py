@@ -37,7 +37,11 @@ def llama_dataset(tmp_path_factory, targets, conversations) -> Path:
     from eyas.prepare import PrepareConfig, prepare
 
     out = tmp_path_factory.mktemp("ds") / "llama"
-    prepare(PrepareConfig(model=str(targets["llama"]), data=(str(conversations),), out=str(out), progress=False))
+    prepare(
+        PrepareConfig(
+            model=str(targets["llama"]), data=(str(conversations),), out=str(out), progress=False
+        )
+    )
     return out
 
 
@@ -46,5 +50,7 @@ def eyas(*args, check: bool = False, timeout: float = 300, **kw) -> subprocess.C
     p = subprocess.run([sys.executable, "-m", "eyas.cli", *map(str, args)], capture_output=True, text=True,
                        timeout=timeout, **kw)  # fmt: skip
     if check and p.returncode != 0:
-        raise AssertionError(f"eyas {' '.join(map(str, args))} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
+        raise AssertionError(
+            f"eyas {' '.join(map(str, args))} exited {p.returncode}\n{p.stdout}\n{p.stderr}"
+        )
     return p

@@ -19,13 +19,19 @@ from eyas.verify import verify
 
 
 def _extract(model, data, out, **kw):
-    return extract(ExtractConfig(model=str(model), data=str(data), out=str(out), progress=False, **kw))
+    return extract(
+        ExtractConfig(model=str(model), data=str(data), out=str(out), progress=False, **kw)
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
 def test_stored_states_equal_output_hidden_states(tmp_path, targets, conversations, arch):
     ds_dir = tmp_path / "ds"
-    prepare(PrepareConfig(model=str(targets[arch]), data=(str(conversations),), out=str(ds_dir), progress=False))
+    prepare(
+        PrepareConfig(
+            model=str(targets[arch]), data=(str(conversations),), out=str(ds_dir), progress=False
+        )
+    )
     run = tmp_path / "run"
     s = _extract(targets[arch], ds_dir, run, batch_tokens=1024)
     ds = PreparedDataset.open(ds_dir)
@@ -40,14 +46,23 @@ def test_stored_states_equal_output_hidden_states(tmp_path, targets, conversatio
         ids, mask = ds.sample(i)
         t = load_sample(run, i, verify=True)
         with torch.no_grad():
-            hs = model(torch.from_numpy(ids.astype("int64"))[None], output_hidden_states=True).hidden_states
+            hs = model(
+                torch.from_numpy(ids.astype("int64"))[None], output_hidden_states=True
+            ).hidden_states
         assert len(hs) == n + 1
         assert torch.equal(t["input_ids"], torch.from_numpy(ids).to(torch.int32))
         assert torch.equal(t["loss_mask"], torch.from_numpy(mask))
         assert t["aux_hidden_states"].shape == (len(ids), 3 * H)
         for k, layer in enumerate(aux):  # output of decoder layer i == hidden_states[i + 1]
-            torch.testing.assert_close(t["aux_hidden_states"][:, k * H : (k + 1) * H], hs[layer + 1][0], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(t["last_hidden_states"], hs[-1][0], atol=1e-5, rtol=1e-4)  # after the final norm
+            torch.testing.assert_close(
+                t["aux_hidden_states"][:, k * H : (k + 1) * H],
+                hs[layer + 1][0],
+                atol=1e-5,
+                rtol=1e-4,
+            )
+        torch.testing.assert_close(
+            t["last_hidden_states"], hs[-1][0], atol=1e-5, rtol=1e-4
+        )  # after the final norm
 
 
 def test_batch_plan_is_deterministic_and_respects_budget():
@@ -65,7 +80,9 @@ def test_nan_samples_go_to_errors_and_the_run_goes_on(tmp_path, targets, llama_d
     shutil.copytree(targets["llama"], bad)
     model = AutoModelForCausalLM.from_pretrained(bad, dtype=torch.float32)
     ds = PreparedDataset.open(llama_dataset)
-    counts = torch.bincount(torch.from_numpy(ds.input_ids.astype("int64")), minlength=model.config.vocab_size)
+    counts = torch.bincount(
+        torch.from_numpy(ds.input_ids.astype("int64")), minlength=model.config.vocab_size
+    )
     rare = int(torch.nonzero((counts > 0) & (counts < 6))[0])
     with torch.no_grad():
         model.model.embed_tokens.weight[rare] = float("nan")
@@ -73,7 +90,9 @@ def test_nan_samples_go_to_errors_and_the_run_goes_on(tmp_path, targets, llama_d
     hit = {i for i in range(len(ds)) if rare in ds.sample(i)[0]}
     p = eyas("extract", "--model", bad, "--data", llama_dataset, "--out", tmp_path / "run")
     assert p.returncode == 1 and "failed their checks" in p.stderr
-    errors = [json.loads(x) for x in (tmp_path / "run/errors/rank-00000.jsonl").read_text().splitlines()]
+    errors = [
+        json.loads(x) for x in (tmp_path / "run/errors/rank-00000.jsonl").read_text().splitlines()
+    ]
     assert {e["index"] for e in errors} == hit and all("NaN" in e["reason"] for e in errors)
     journaled = {e["index"] for es in read_all_journals(tmp_path / "run").values() for e in es}
     assert journaled == set(range(len(ds))) - hit
@@ -102,9 +121,27 @@ def test_second_writer_refused_and_stale_lock_taken_over(tmp_path, targets, llam
 def test_two_ranks_cover_every_sample_once(tmp_path, targets, llama_dataset):
     run = tmp_path / "run"
     procs = [
-        subprocess.Popen([sys.executable, "-m", "eyas.cli", "extract", "--model", str(targets["llama"]), "--data",
-                          str(llama_dataset), "--out", str(run), "--rank", str(r), "--world", "2"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "eyas.cli",
+                "extract",
+                "--model",
+                str(targets["llama"]),
+                "--data",
+                str(llama_dataset),
+                "--out",
+                str(run),
+                "--rank",
+                str(r),
+                "--world",
+                "2",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
         for r in (0, 1)
     ]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -121,7 +158,9 @@ def test_resume_refuses_changed_model_or_dataset(tmp_path, targets, conversation
     model = tmp_path / "model"
     shutil.copytree(targets["llama"], model)
     data = tmp_path / "ds"
-    prepare(PrepareConfig(model=str(model), data=(str(conversations),), out=str(data), progress=False))
+    prepare(
+        PrepareConfig(model=str(model), data=(str(conversations),), out=str(data), progress=False)
+    )
     run = tmp_path / "run"
     _extract(model, data, run)
     assert eyas("extract", "--resume", run).returncode == 0  # unchanged: nothing to do
@@ -144,9 +183,33 @@ def test_resume_refuses_changed_model_or_dataset(tmp_path, targets, conversation
 
 
 def test_usage_errors(tmp_path, targets, llama_dataset):
-    p = eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", tmp_path / "r", "--rank", "2", "--world", "2")
+    p = eyas(
+        "extract",
+        "--model",
+        targets["llama"],
+        "--data",
+        llama_dataset,
+        "--out",
+        tmp_path / "r",
+        "--rank",
+        "2",
+        "--world",
+        "2",
+    )
     assert p.returncode == 2 and "--rank" in p.stderr
-    p = eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", tmp_path / "r", "--aux-layers", "1,x,3")
+    p = eyas(
+        "extract",
+        "--model",
+        targets["llama"],
+        "--data",
+        llama_dataset,
+        "--out",
+        tmp_path / "r",
+        "--aux-layers",
+        "1,x,3",
+    )
     assert p.returncode == 2
-    p = eyas("extract", "--model", targets["llama"], "--data", tmp_path / "nope", "--out", tmp_path / "r")
+    p = eyas(
+        "extract", "--model", targets["llama"], "--data", tmp_path / "nope", "--out", tmp_path / "r"
+    )
     assert p.returncode == 1 and "dataset.json" in p.stderr

@@ -24,7 +24,15 @@ BATCH = "512"
 def reference(tmp_path_factory, targets, llama_dataset) -> Path:
     """An uninterrupted run: what every interrupted run must end up identical to."""
     run = tmp_path_factory.mktemp("ref") / "run"
-    extract(ExtractConfig(model=str(targets["llama"]), data=str(llama_dataset), out=str(run), batch_tokens=int(BATCH), progress=False))
+    extract(
+        ExtractConfig(
+            model=str(targets["llama"]),
+            data=str(llama_dataset),
+            out=str(run),
+            batch_tokens=int(BATCH),
+            progress=False,
+        )
+    )
     return run
 
 
@@ -48,7 +56,11 @@ def _cmd(targets, data, run, *extra):
 
 def _count_samples(run: Path) -> int:
     d = run / "samples"
-    return sum(1 for sub in d.iterdir() for f in sub.iterdir() if ".tmp-" not in f.name) if d.is_dir() else 0
+    return (
+        sum(1 for sub in d.iterdir() for f in sub.iterdir() if ".tmp-" not in f.name)
+        if d.is_dir()
+        else 0
+    )
 
 
 def test_sigkill_at_random_moments_then_resume(tmp_path, targets, llama_dataset, reference):
@@ -57,7 +69,11 @@ def test_sigkill_at_random_moments_then_resume(tmp_path, targets, llama_dataset,
     rng = random.Random(1234)
     kills = 0
     for attempt in range(40):
-        cmd = _cmd(targets, llama_dataset, run) if attempt == 0 else [sys.executable, "-m", "eyas.cli", "extract", "--resume", str(run)]
+        cmd = (
+            _cmd(targets, llama_dataset, run)
+            if attempt == 0
+            else [sys.executable, "-m", "eyas.cli", "extract", "--resume", str(run)]
+        )
         if attempt and not (run / "run.json").exists():
             cmd = _cmd(targets, llama_dataset, run)  # killed before run.json was written
         before = _count_samples(run)
@@ -82,7 +98,9 @@ def test_sigkill_at_random_moments_then_resume(tmp_path, targets, llama_dataset,
 
 def test_sigterm_finishes_commit_and_exits_75(tmp_path, targets, llama_dataset, reference):
     run = tmp_path / "run"
-    p = subprocess.Popen(_cmd(targets, llama_dataset, run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        _cmd(targets, llama_dataset, run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     while p.poll() is None and _count_samples(run) < 5:
         time.sleep(0.002)
     p.send_signal(signal.SIGTERM)
@@ -92,7 +110,9 @@ def test_sigterm_finishes_commit_and_exits_75(tmp_path, targets, llama_dataset, 
     assert p.returncode == 75, err
     assert "SIGTERM" in err and f"eyas extract --resume {run}" in err
     rep = verify(run)
-    assert rep.clean and rep.checked == _count_samples(run) > 0  # every file journaled: the journal was flushed
+    assert (
+        rep.clean and rep.checked == _count_samples(run) > 0
+    )  # every file journaled: the journal was flushed
     assert eyas("extract", "--resume", run).returncode == 0
     _assert_identical(run, reference)
 
@@ -101,9 +121,13 @@ def test_sigterm_finishes_commit_and_exits_75(tmp_path, targets, llama_dataset, 
 def tmpfs(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or 'mount refused'}); needs root")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({r.stderr.strip() or 'mount refused'}); needs root"
+        )
     try:
         yield mnt
     finally:

@@ -29,7 +29,9 @@ def _prep(tmp_path, model, records, name="in.jsonl", **kw):
     src = tmp_path / name
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "ds"
-    s = prepare(PrepareConfig(model=str(model), data=(str(src),), out=str(out), progress=False, **kw))
+    s = prepare(
+        PrepareConfig(model=str(model), data=(str(src),), out=str(out), progress=False, **kw)
+    )
     return s, PreparedDataset.open(out)
 
 
@@ -40,7 +42,10 @@ def _masked_text(tok, ds, i):
 
 @pytest.mark.parametrize(
     "arch,eot,header",
-    [("llama", "<|eot_id|>", "<|start_header_id|>assistant<|end_header_id|>\n\n"), ("qwen3", "<|im_end|>", "<|im_start|>assistant\n")],
+    [
+        ("llama", "<|eot_id|>", "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+        ("qwen3", "<|im_end|>", "<|im_start|>assistant\n"),
+    ],
 )
 def test_multiturn_mask_two_templates(tmp_path, targets, arch, eot, header):
     tok = AutoTokenizer.from_pretrained(targets[arch])
@@ -63,7 +68,13 @@ def test_last_turn_only(tmp_path, targets):
 
 def test_input_formats_and_ids(tmp_path, targets):
     tok = AutoTokenizer.from_pretrained(targets["llama"])
-    share = {"id": 7, "conversations": [{"from": "human", "value": "What is 2 plus 3?"}, {"from": "gpt", "value": "5"}]}
+    share = {
+        "id": 7,
+        "conversations": [
+            {"from": "human", "value": "What is 2 plus 3?"},
+            {"from": "gpt", "value": "5"},
+        ],
+    }
     openai = {"messages": CONV[1:3]}
     text = {"id": "t", "text": "plain pre-rendered text"}
     s, ds = _prep(tmp_path, targets["llama"], [share, openai, text])
@@ -71,19 +82,31 @@ def test_input_formats_and_ids(tmp_path, targets):
     assert [r["id"] for r in ds.records] == ["7", "in.jsonl:2", "t"]
     assert [r["format"] for r in ds.records] == ["sharegpt", "openai", "text"]
     # ShareGPT and OpenAI forms of the same conversation give the same tokens and mask.
-    assert np.array_equal(ds.sample(0)[0], ds.sample(1)[0]) and np.array_equal(ds.sample(0)[1], ds.sample(1)[1])
+    assert np.array_equal(ds.sample(0)[0], ds.sample(1)[0]) and np.array_equal(
+        ds.sample(0)[1], ds.sample(1)[1]
+    )
     assert ds.sample(2)[1].all()  # pre-rendered text trains on every token
     assert _masked_text(tok, ds, 0)[0] == "5<|eot_id|>"
     # A JSON array file is read too.
     arr = tmp_path / "arr.json"
     arr.write_text(json.dumps([share, openai]))
-    s2 = prepare(PrepareConfig(model=str(targets["llama"]), data=(str(arr),), out=str(tmp_path / "ds2"), progress=False))
+    s2 = prepare(
+        PrepareConfig(
+            model=str(targets["llama"]), data=(str(arr),), out=str(tmp_path / "ds2"), progress=False
+        )
+    )
     assert s2.prepared == 2
     assert PreparedDataset.open(tmp_path / "ds2").records[1]["line"] == 2
 
 
 def test_truncate_and_skip(tmp_path, targets):
-    long = {"id": "long", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 200}]}
+    long = {
+        "id": "long",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "word " * 200},
+        ],
+    }
     short = {"id": "short", "messages": CONV[1:3]}
     s, ds = _prep(tmp_path, targets["llama"], [long, short], max_length=64)
     assert s.prepared == 2 and s.truncated == 1
@@ -97,29 +120,58 @@ def test_truncate_and_skip(tmp_path, targets):
 BAD_LINES = [
     (b'{"messages": [', "malformed JSON"),
     (b'{"messages": "hello"}', "must be a list"),
-    (b'{"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}', "unknown role"),
-    (b'{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "  "}]}', "empty assistant turn"),
+    (
+        b'{"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+        "unknown role",
+    ),
+    (
+        b'{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "  "}]}',
+        "empty assistant turn",
+    ),
     (b'{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
-    (b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "y"}]}', "invalid UTF-8"),
-    (b'[1, 2, 3]', "expected an object"),
+    (
+        b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "y"}]}',
+        "invalid UTF-8",
+    ),
+    (b"[1, 2, 3]", "expected an object"),
     (b'{"foo": 1}', "no 'messages', 'conversations' or 'text'"),
-    (b'{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]}', "content must be a string"),
+    (
+        b'{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]}',
+        "content must be a string",
+    ),
     (b'{"messages": ["user: hi"]}', "expected an object"),
-    (b'{"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]}', "unknown role"),
+    (
+        b'{"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]}',
+        "unknown role",
+    ),
     (b'{"text": ""}', "'text' is empty"),
     (b'{"id": ["x"], "text": "hi"}', "id must be a string"),
-    (b'{"id": "dup", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}', "duplicate id"),
-    (b'{"id": "zero", "messages": [{"role": "user", "content": "' + b"long question " * 40 + b'"}, {"role": "assistant", "content": "b"}]}', "zero trainable tokens"),
+    (
+        b'{"id": "dup", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}',
+        "duplicate id",
+    ),
+    (
+        b'{"id": "zero", "messages": [{"role": "user", "content": "'
+        + b"long question " * 40
+        + b'"}, {"role": "assistant", "content": "b"}]}',
+        "zero trainable tokens",
+    ),
 ]
 
 
 def test_bad_input_file(tmp_path, targets):
     good = json.dumps({"id": "dup", "messages": CONV}).encode()
-    lines = [good] + [b for b, _ in BAD_LINES] + [json.dumps({"id": f"g{i}", "messages": CONV}).encode() for i in range(5)]
+    lines = (
+        [good]
+        + [b for b, _ in BAD_LINES]
+        + [json.dumps({"id": f"g{i}", "messages": CONV}).encode() for i in range(5)]
+    )
     src = tmp_path / "bad.jsonl"
     src.write_bytes(b"\n".join(lines) + b"\n")
     out = tmp_path / "ds"
-    p = eyas("prepare", "--model", targets["llama"], "--data", src, "--out", out, "--max-length", "48")
+    p = eyas(
+        "prepare", "--model", targets["llama"], "--data", src, "--out", out, "--max-length", "48"
+    )
     assert p.returncode == 1, p.stderr  # error rate far above 1%
     assert "failed" in p.stderr
     errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
@@ -130,20 +182,65 @@ def test_bad_input_file(tmp_path, targets):
     ds = PreparedDataset.open(out)
     assert len(ds) == 6 and ds.meta["counts"]["failed"] == len(BAD_LINES)
     # Under a permissive threshold the same input succeeds.
-    p = eyas("prepare", "--model", targets["llama"], "--data", src, "--out", out, "--max-length", "48", "--max-error-rate", "1")
+    p = eyas(
+        "prepare",
+        "--model",
+        targets["llama"],
+        "--data",
+        src,
+        "--out",
+        out,
+        "--max-length",
+        "48",
+        "--max-error-rate",
+        "1",
+    )
     assert p.returncode == 0, p.stderr
 
 
 def test_usage_errors_exit_2(tmp_path, targets, conversations):
-    p = eyas("prepare", "--model", targets["llama"], "--data", conversations, "--out", tmp_path / "x", "--overlong", "chop")
+    p = eyas(
+        "prepare",
+        "--model",
+        targets["llama"],
+        "--data",
+        conversations,
+        "--out",
+        tmp_path / "x",
+        "--overlong",
+        "chop",
+    )
     assert p.returncode == 2 and "--overlong" in p.stderr
-    p = eyas("prepare", "--model", targets["llama"], "--data", tmp_path / "nope.jsonl", "--out", tmp_path / "x")
+    p = eyas(
+        "prepare",
+        "--model",
+        targets["llama"],
+        "--data",
+        tmp_path / "nope.jsonl",
+        "--out",
+        tmp_path / "x",
+    )
     assert p.returncode == 1 and "nope.jsonl" in p.stderr
 
 
 def test_workers_match_single_process(tmp_path, targets, conversations):
-    a = prepare(PrepareConfig(model=str(targets["llama"]), data=(str(conversations),), out=str(tmp_path / "a"), progress=False))
-    b = prepare(PrepareConfig(model=str(targets["llama"]), data=(str(conversations),), out=str(tmp_path / "b"), progress=False, num_workers=2))
+    a = prepare(
+        PrepareConfig(
+            model=str(targets["llama"]),
+            data=(str(conversations),),
+            out=str(tmp_path / "a"),
+            progress=False,
+        )
+    )
+    b = prepare(
+        PrepareConfig(
+            model=str(targets["llama"]),
+            data=(str(conversations),),
+            out=str(tmp_path / "b"),
+            progress=False,
+            num_workers=2,
+        )
+    )
     assert a.fingerprint == b.fingerprint and a.prepared == 120
 
 
@@ -153,8 +250,12 @@ def test_draft_vocab_and_fingerprints(llama_dataset, targets):
     assert counts.sum() == ds.loss_mask.sum()
     d = draft_vocab_from_counts(np.array([5, 0, 5, 9, 1]), 3)
     assert d.tolist() == [0, 2, 3]  # by count, ties by id, then ascending
-    assert ds.draft_vocab().numel() == min(32000, len(AutoTokenizer.from_pretrained(targets["llama"])))
-    assert len(ds.meta["tokenizer_fingerprint"]) == 16 and ds.meta["tokens"]["total"] == len(ds.input_ids)
+    assert ds.draft_vocab().numel() == min(
+        32000, len(AutoTokenizer.from_pretrained(targets["llama"]))
+    )
+    assert len(ds.meta["tokenizer_fingerprint"]) == 16 and ds.meta["tokens"]["total"] == len(
+        ds.input_ids
+    )
 
 
 def test_corrupted_dataset_refused(tmp_path, targets):
@@ -168,7 +269,11 @@ def test_corrupted_dataset_refused(tmp_path, targets):
 def test_crash_during_rewrite_leaves_old_or_new(tmp_path, targets, conversations):
     """SIGKILL prepare while it rewrites a dataset: what is left opens as old or new, never a mix."""
     out = tmp_path / "ds"
-    prepare(PrepareConfig(model=str(targets["llama"]), data=(str(conversations),), out=str(out), progress=False))
+    prepare(
+        PrepareConfig(
+            model=str(targets["llama"]), data=(str(conversations),), out=str(out), progress=False
+        )
+    )
     old = PreparedDataset.open(out).fingerprint
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps({"messages": CONV, "id": i}) + "\n" for i in range(30)))
@@ -183,4 +288,14 @@ def test_crash_during_rewrite_leaves_old_or_new(tmp_path, targets, conversations
         seen.add(fp)
         if fp != old:
             break
-    assert seen <= {old, prepare(PrepareConfig(model=str(targets["llama"]), data=(str(small),), out=str(tmp_path / "n"), progress=False)).fingerprint}
+    assert seen <= {
+        old,
+        prepare(
+            PrepareConfig(
+                model=str(targets["llama"]),
+                data=(str(small),),
+                out=str(tmp_path / "n"),
+                progress=False,
+            )
+        ).fingerprint,
+    }

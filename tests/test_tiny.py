@@ -13,7 +13,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from eyas.extract import default_aux_layers
 
 
-@pytest.mark.parametrize("arch,cls", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM")])
+@pytest.mark.parametrize(
+    "arch,cls",
+    [
+        ("llama", "LlamaForCausalLM"),
+        ("qwen3", "Qwen3ForCausalLM"),
+        ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    ],
+)
 def test_tiny_targets_load_offline(targets, arch, cls):
     m = AutoModelForCausalLM.from_pretrained(targets[arch], local_files_only=True)
     tok = AutoTokenizer.from_pretrained(targets[arch], local_files_only=True)
@@ -21,7 +28,9 @@ def test_tiny_targets_load_offline(targets, arch, cls):
     assert tok.chat_template
     n = m.config.num_hidden_layers
     assert n >= 8 and len(set(default_aux_layers(n))) == 3
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
     assert m(ids).logits.shape == (1, ids.shape[1], len(tok))
     if arch == "deepseek_v3":  # MLA + MoE, the Kimi-K2 family
@@ -58,7 +67,9 @@ def test_like_scales_down_a_real_sized_config(tmp_path, targets):
 
 
 def test_like_deepseek_keeps_mla_moe(tmp_path, targets):
-    like = _config_and_tokenizer_only(targets["deepseek_v3"], tmp_path / "ds-like", hidden_size=7168, num_hidden_layers=61)
+    like = _config_and_tokenizer_only(
+        targets["deepseek_v3"], tmp_path / "ds-like", hidden_size=7168, num_hidden_layers=61
+    )
     out = tmp_path / "tiny"
     assert eyas("tiny-target", "--like", like, "--out", out).returncode == 0
     m = AutoModelForCausalLM.from_pretrained(out)

@@ -11,7 +11,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -54,7 +53,9 @@ def _config(factory, **kw):
 def tiny_target(
     out: Path = typer.Option(..., "--out", help="Directory to write the model to."),
     arch: str = typer.Option("llama", "--arch", help="llama, qwen3, qwen2 or deepseek_v3."),
-    like: Optional[Path] = typer.Option(None, "--like", help="Real model dir (config + tokenizer) to imitate."),
+    like: Path | None = typer.Option(
+        None, "--like", help="Real model dir (config + tokenizer) to imitate."
+    ),
     layers: int = typer.Option(8, "--layers", help="Decoder layers."),
     hidden_size: int = typer.Option(64, "--hidden-size", help="Hidden size H."),
     seed: int = typer.Option(0, "--seed"),
@@ -72,21 +73,31 @@ def tiny_target(
         path = build_tiny_target(out, arch, like=like, sizes=sizes, seed=seed)
     except (FileNotFoundError, OSError, ValueError) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
-    console.print(f"tiny {arch if like is None else 'copy of ' + str(like)} target written to {path}")
+    console.print(
+        f"tiny {arch if like is None else 'copy of ' + str(like)} target written to {path}"
+    )
 
 
 @app.command()
 def prepare(
     model: Path = typer.Option(..., "--model", help="Model dir with tokenizer and chat template."),
-    data: list[Path] = typer.Option(..., "--data", help="Input JSONL/JSON file(s); repeat for more."),
+    data: list[Path] = typer.Option(
+        ..., "--data", help="Input JSONL/JSON file(s); repeat for more."
+    ),
     out: Path = typer.Option(..., "--out", help="Dataset directory to write."),
-    max_length: Optional[int] = typer.Option(None, "--max-length", help="Longest sample in tokens."),
+    max_length: int | None = typer.Option(None, "--max-length", help="Longest sample in tokens."),
     overlong: str = typer.Option("truncate", "--overlong", help="truncate or skip."),
-    last_turn_only: bool = typer.Option(False, "--last-turn-only", help="Train on the last assistant turn only."),
-    draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size", help="Draft vocabulary size D."),
-    max_error_rate: float = typer.Option(0.01, "--max-error-rate", help="Failed fraction that makes exit 1."),
+    last_turn_only: bool = typer.Option(
+        False, "--last-turn-only", help="Train on the last assistant turn only."
+    ),
+    draft_vocab_size: int = typer.Option(
+        32000, "--draft-vocab-size", help="Draft vocabulary size D."
+    ),
+    max_error_rate: float = typer.Option(
+        0.01, "--max-error-rate", help="Failed fraction that makes exit 1."
+    ),
     num_workers: int = typer.Option(1, "--num-workers", help="Tokenizer processes."),
-    extra_data: Optional[list[Path]] = typer.Argument(None, help="More input files."),
+    extra_data: list[Path] | None = typer.Argument(None, help="More input files."),
 ) -> None:
     """Render conversations with the model's chat template; write ids, loss masks, vocab counts."""
     from .prepare import PrepareConfig
@@ -112,27 +123,53 @@ def prepare(
     if s.failed:
         console.print(f"  details: {Path(s.out) / 'errors.jsonl'}", highlight=False)
     if s.error_rate > cfg.max_error_rate:
-        raise fail(f"{s.error_rate:.1%} of records failed (> --max-error-rate {cfg.max_error_rate:.1%})")
+        raise fail(
+            f"{s.error_rate:.1%} of records failed (> --max-error-rate {cfg.max_error_rate:.1%})"
+        )
 
 
 @app.command()
 def extract(
-    model: Optional[Path] = typer.Option(None, "--model", help="Target model directory."),
-    data: Optional[Path] = typer.Option(None, "--data", help="Prepared dataset directory."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Run directory to create or continue."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this directory (needs nothing else)."),
-    aux_layers: Optional[str] = typer.Option(None, "--aux-layers", help="Three 0-based decoder layers, e.g. 1,15,28 (default [1, n//2-1, n-4])."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:K or multi (device_map=auto)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
-    store_dtype: Optional[str] = typer.Option(None, "--store-dtype", help="Dtype of stored states (default: compute dtype)."),
-    batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Token budget per batch (default 8192)."),
+    model: Path | None = typer.Option(None, "--model", help="Target model directory."),
+    data: Path | None = typer.Option(None, "--data", help="Prepared dataset directory."),
+    out: Path | None = typer.Option(None, "--out", help="Run directory to create or continue."),
+    resume: Path | None = typer.Option(
+        None, "--resume", help="Continue the run in this directory (needs nothing else)."
+    ),
+    aux_layers: str | None = typer.Option(
+        None,
+        "--aux-layers",
+        help="Three 0-based decoder layers, e.g. 1,15,28 (default [1, n//2-1, n-4]).",
+    ),
+    device: str | None = typer.Option(
+        None, "--device", help="auto, cpu, cuda, cuda:K or multi (device_map=auto)."
+    ),
+    dtype: str | None = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
+    store_dtype: str | None = typer.Option(
+        None, "--store-dtype", help="Dtype of stored states (default: compute dtype)."
+    ),
+    batch_tokens: int | None = typer.Option(
+        None, "--batch-tokens", help="Token budget per batch (default 8192)."
+    ),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
-    rank: Optional[int] = typer.Option(None, "--rank", help="This process's rank (samples with index %% world == rank)."),
-    world: Optional[int] = typer.Option(None, "--world", help="Number of ranks."),
-    min_free: Optional[str] = typer.Option(None, "--min-free", help="Stop below this free space (default 2%%, >= 1 GiB)."),
-    allow_partial: bool = typer.Option(False, "--allow-partial", help="Start even if the projected size does not fit."),
-    max_foreign_gpu_mem: Optional[str] = typer.Option(None, "--max-foreign-gpu-mem", help="Refuse if another process holds more on a GPU (default 2GiB)."),
-    ignore_busy_gpus: bool = typer.Option(False, "--ignore-busy-gpus", help="Start even if other processes hold GPU memory."),
+    rank: int | None = typer.Option(
+        None, "--rank", help="This process's rank (samples with index %% world == rank)."
+    ),
+    world: int | None = typer.Option(None, "--world", help="Number of ranks."),
+    min_free: str | None = typer.Option(
+        None, "--min-free", help="Stop below this free space (default 2%%, >= 1 GiB)."
+    ),
+    allow_partial: bool = typer.Option(
+        False, "--allow-partial", help="Start even if the projected size does not fit."
+    ),
+    max_foreign_gpu_mem: str | None = typer.Option(
+        None,
+        "--max-foreign-gpu-mem",
+        help="Refuse if another process holds more on a GPU (default 2GiB).",
+    ),
+    ignore_busy_gpus: bool = typer.Option(
+        False, "--ignore-busy-gpus", help="Start even if other processes hold GPU memory."
+    ),
 ) -> None:
     """Run the target over a prepared dataset; store aux and final hidden states, crash-safe."""
     from .extract import EXIT_STOPPED, ExtractConfig, ExtractStopped
@@ -146,7 +183,9 @@ def extract(
         try:
             layers = tuple(int(x) for x in aux_layers.replace(" ", "").strip("[]").split(","))
         except ValueError:
-            raise fail(f"--aux-layers {aux_layers!r}: expected three integers like 1,15,28", EXIT_USAGE) from None
+            raise fail(
+                f"--aux-layers {aux_layers!r}: expected three integers like 1,15,28", EXIT_USAGE
+            ) from None
     opts = dict(
         aux_layers=layers, device=device, dtype=dtype, store_dtype=store_dtype, batch_tokens=batch_tokens,
         rank=rank, world=world, min_free=min_free, max_foreign_gpu_mem=max_foreign_gpu_mem,
@@ -157,7 +196,10 @@ def extract(
     try:
         if resume is not None:
             if model or data or out:
-                raise fail("--resume takes the model, data and run directory from run.json; drop --model/--data/--out", EXIT_USAGE)
+                raise fail(
+                    "--resume takes the model, data and run directory from run.json; drop --model/--data/--out",
+                    EXIT_USAGE,
+                )
             s = run_extract(resume=str(resume), overrides=opts)
         else:
             if not (model and data and out):
@@ -180,8 +222,12 @@ def extract(
 @app.command()
 def verify(
     run: Path = typer.Argument(..., help="Extraction run directory."),
-    quick: bool = typer.Option(False, "--quick", help="Headers, shapes and sizes only; skip checksums."),
-    repair: bool = typer.Option(False, "--repair", help="Quarantine bad files and drop their journal entries."),
+    quick: bool = typer.Option(
+        False, "--quick", help="Headers, shapes and sizes only; skip checksums."
+    ),
+    repair: bool = typer.Option(
+        False, "--repair", help="Quarantine bad files and drop their journal entries."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check every committed sample; report missing, corrupt, orphan and duplicate samples."""
@@ -204,10 +250,16 @@ def verify(
         for p in rep.problems:
             console.print(f"  [red]{p.kind:9s}[/] {p.detail}", highlight=False)
         if rep.repaired:
-            console.print(f"repaired: bad files moved to {run}/quarantine/, their journal entries dropped; "
-                          f"now run: eyas extract --resume {run}", highlight=False)
+            console.print(
+                f"repaired: bad files moved to {run}/quarantine/, their journal entries dropped; "
+                f"now run: eyas extract --resume {run}",
+                highlight=False,
+            )
         elif rep.problems:
-            console.print(f"to fix: eyas verify --repair {run} && eyas extract --resume {run}", highlight=False)
+            console.print(
+                f"to fix: eyas verify --repair {run} && eyas extract --resume {run}",
+                highlight=False,
+            )
     if not rep.clean and not rep.repaired:
         raise typer.Exit(EXIT_PROBLEMS)
 
@@ -249,6 +301,54 @@ def status(
     if st.fs_warning:
         lines.append(f"warning    {st.fs_warning}")
     console.print("\n".join(lines), highlight=False)
+
+
+@app.command()
+def doctor(
+    runs: list[Path] | None = typer.Argument(None, help="Run directories to assess."),
+    deep: bool = typer.Option(
+        False, "--deep", help="Check every sample's checksums, not only headers and sizes."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+) -> None:
+    """Assess GPUs, disks and runs after a failure; end with an ordered plan."""
+    from .doctor import doctor as run_doctor
+    from .fsutil import human_bytes
+
+    rep = run_doctor(list(runs or []), deep=deep)
+    if as_json:
+        _print_json(rep.to_dict())
+        raise typer.Exit(EXIT_PROBLEMS if rep.needs_action else 0)
+    mark = {"ok": "[green]ok[/]   ", "warn": "[yellow]warn[/] ", "error": "[red]FAIL[/] "}
+    console.print("[bold]GPUs[/]")
+    if not rep.gpus.gpus:
+        console.print(f"  {rep.gpus.note}", highlight=False)
+    for g in rep.gpus.gpus:
+        util = f"{g.utilization}%" if g.utilization is not None else "?"
+        console.print(
+            f"  GPU {g.index} {g.name}: {human_bytes(g.used_bytes)} / {human_bytes(g.total_bytes)} used, {util} busy",
+            highlight=False,
+        )
+        for p in g.processes:
+            console.print(
+                f"    PID {p.pid} {human_bytes(p.used_bytes)}: {p.cmdline or p.name} [{p.owner()}]",
+                highlight=False,
+            )
+            if p.stop_command():
+                console.print(f"      stop: {p.stop_command()}", highlight=False)
+    for r in rep.runs:
+        console.print(f"[bold]Run {r.run}[/]", highlight=False)
+        for level, text in r.lines:
+            console.print(f"  {mark[level]}{text}", highlight=False)
+    console.print("[bold]Plan[/]")
+    if not rep.actions:
+        console.print("  nothing to do", highlight=False)
+    for n, a in enumerate(rep.actions, 1):
+        console.print(
+            f"  {n}. {a.text}" + (f"\n     $ {a.command}" if a.command else ""), highlight=False
+        )
+    if rep.needs_action:
+        raise typer.Exit(EXIT_PROBLEMS)
 
 
 def _print_json(obj) -> None:

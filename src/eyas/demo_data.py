@@ -71,7 +71,9 @@ def _follow_up(rng: random.Random, style: str, meta: dict) -> tuple[str, str] | 
     if meta["kind"] == "count":
         nxt = meta["value"] + 1
         meta["value"] = nxt
-        return "What number comes next?", str(nxt) if style == "terse" else f"The next number is {nxt}."
+        return "What number comes next?", str(
+            nxt
+        ) if style == "terse" else f"The next number is {nxt}."
     return None
 
 
@@ -86,7 +88,10 @@ def generate_conversations(n: int, seed: int = 0) -> list[dict]:
             q, a, meta = _task(rng, style)
             messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
             if rng.random() < 0.5 and (f := _follow_up(rng, style, meta)):
-                messages += [{"role": "user", "content": f[0]}, {"role": "assistant", "content": f[1]}]
+                messages += [
+                    {"role": "user", "content": f[0]},
+                    {"role": "assistant", "content": f[1]},
+                ]
         out.append({"id": f"demo-{seed}-{i:05d}", "messages": messages})
     return out
 

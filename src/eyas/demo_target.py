@@ -23,10 +23,18 @@ from .tiny import LLAMA3_TEMPLATE, TinySizes, build_tiny_target, train_tokenizer
 ASSETS = Path(__file__).parent / "assets"
 DEMO_TARGET = ASSETS / "demo-target"
 DEMO_CONVERSATIONS = ASSETS / "demo_conversations.jsonl"
-DEMO_SIZES = TinySizes(num_hidden_layers=8, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+DEMO_SIZES = TinySizes(
+    num_hidden_layers=8,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=256,
+)
 
 
-def build_demo_target(out: Path, *, steps: int = 1500, batch: int = 32, seed: int = 0, log=print) -> dict:
+def build_demo_target(
+    out: Path, *, steps: int = 1500, batch: int = 32, seed: int = 0, log=print
+) -> dict:
     """Train the demo target into `out`; returns training facts (loss, time, size)."""
     from transformers import AutoModelForCausalLM
 
@@ -41,7 +49,8 @@ def build_demo_target(out: Path, *, steps: int = 1500, batch: int = 32, seed: in
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
     warm = 50
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+        opt,
+        lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)),
     )
     g = torch.Generator().manual_seed(seed)
     model.train()
@@ -63,11 +72,18 @@ def build_demo_target(out: Path, *, steps: int = 1500, batch: int = 32, seed: in
         sched.step()
         losses.append(loss.item())
         if step % 100 == 0 or step == steps - 1:
-            log(f"step {step:5d} loss {sum(losses[-100:]) / len(losses[-100:]):.3f} ({time.time() - t0:.0f}s)")
+            log(
+                f"step {step:5d} loss {sum(losses[-100:]) / len(losses[-100:]):.3f} ({time.time() - t0:.0f}s)"
+            )
     model.eval()
     model.save_pretrained(out)
     size = sum(p.stat().st_size for p in Path(out).iterdir())
-    return {"steps": steps, "final_loss": sum(losses[-100:]) / len(losses[-100:]), "seconds": time.time() - t0, "bytes": size}
+    return {
+        "steps": steps,
+        "final_loss": sum(losses[-100:]) / len(losses[-100:]),
+        "seconds": time.time() - t0,
+        "bytes": size,
+    }
 
 
 def write_demo_conversations(path: Path, n: int = 300, seed: int = 7) -> None:

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .gpu import gpu_preflight
 from .fsutil import DiskFullError, filesystem_info, free_bytes, human_bytes, is_disk_full, read_json
+from .gpu import gpu_preflight
 from .prepare import PreparedDataset
 from .store import (
     STORE_VERSION,
@@ -92,11 +92,15 @@ class ExtractConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world:
-            raise ValueError(f"--rank {self.rank} is outside 0..{self.world - 1} (--world {self.world})")
+            raise ValueError(
+                f"--rank {self.rank} is outside 0..{self.world - 1} (--world {self.world})"
+            )
         if self.batch_tokens < 1:
             raise ValueError(f"--batch-tokens must be positive, got {self.batch_tokens}")
         if self.aux_layers is not None and len(self.aux_layers) != 3:
-            raise ValueError(f"--aux-layers needs exactly three layers, got {list(self.aux_layers)}")
+            raise ValueError(
+                f"--aux-layers needs exactly three layers, got {list(self.aux_layers)}"
+            )
         for d in (self.dtype, self.store_dtype or "auto"):
             if d not in ("auto", *_DTYPES):
                 raise ValueError(f"unknown dtype {d!r}; choose from auto, {', '.join(_DTYPES)}")
@@ -107,7 +111,17 @@ class ExtractConfig:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Fields of ExtractConfig that may differ between a run and its resume.
-_RESUMABLE = {"progress", "device", "queue_depth", "min_free", "allow_partial", "ignore_busy_gpus", "max_foreign_gpu_mem", "rank", "world"}
+_RESUMABLE = {
+    "progress",
+    "device",
+    "queue_depth",
+    "min_free",
+    "allow_partial",
+    "ignore_busy_gpus",
+    "max_foreign_gpu_mem",
+    "rank",
+    "world",
+}
 
 
 def parse_size(spec: str, total: int) -> int:
@@ -122,7 +136,9 @@ def parse_size(spec: str, total: int) -> int:
             return int(float(low[:-1]) * units[low[-1]])
         return int(float(low))
     except ValueError:
-        raise ValueError(f"cannot read size {spec!r}: use bytes, a K/M/G suffix or a percentage") from None
+        raise ValueError(
+            f"cannot read size {spec!r}: use bytes, a K/M/G suffix or a percentage"
+        ) from None
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
@@ -178,9 +194,14 @@ class Capture:
         n = len(self.layers)
         for i in aux_layers:
             if not 0 <= i < n:
-                raise ValueError(f"aux layer {i} is outside 0..{n - 1} (the target has {n} decoder layers)")
+                raise ValueError(
+                    f"aux layer {i} is outside 0..{n - 1} (the target has {n} decoder layers)"
+                )
         self.states: dict[str, torch.Tensor] = {}
-        self.handles = [self.layers[i].register_forward_hook(self._keep(f"aux{k}")) for k, i in enumerate(aux_layers)]
+        self.handles = [
+            self.layers[i].register_forward_hook(self._keep(f"aux{k}"))
+            for k, i in enumerate(aux_layers)
+        ]
         self.handles.append(base.norm.register_forward_hook(self._keep("last")))
 
     def _keep(self, key: str):
@@ -190,7 +211,9 @@ class Capture:
         return hook
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self.states.clear()
         self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         aux = torch.cat([self.states[f"aux{k}"] for k in range(3)], dim=-1)  # (B, T, 3H)
@@ -207,7 +230,11 @@ def load_target(cfg: ExtractConfig):
     device = cfg.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = _DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.bfloat16 if device != "cpu" else torch.float32)
+    dtype = (
+        _DTYPES[cfg.dtype]
+        if cfg.dtype != "auto"
+        else (torch.bfloat16 if device != "cpu" else torch.float32)
+    )
     kw = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code, local_files_only=True)
     if device == "multi":
         model = AutoModelForCausalLM.from_pretrained(cfg.model, device_map="auto", **kw)
@@ -250,17 +277,25 @@ def _config_dict(cfg: ExtractConfig) -> dict:
     return d
 
 
-def start_or_resume(cfg: ExtractConfig | None, resume: str | None = None, overrides: dict | None = None) -> tuple[ExtractConfig, Path, dict]:
+def start_or_resume(
+    cfg: ExtractConfig | None, resume: str | None = None, overrides: dict | None = None
+) -> tuple[ExtractConfig, Path, dict]:
     """Resolve the config of a new run, or load and check the stored one of a resumed run."""
     if resume is not None:
         run = Path(resume)
         meta = read_run_meta(run)
-        stored = {k: v for k, v in meta["config"].items() if k in ExtractConfig.__dataclass_fields__}
+        stored = {
+            k: v for k, v in meta["config"].items() if k in ExtractConfig.__dataclass_fields__
+        }
         stored["aux_layers"] = tuple(stored["aux_layers"]) if stored.get("aux_layers") else None
         cfg = ExtractConfig(**{**stored, **(overrides or {})})
-        changed = [k for k in (overrides or {}) if k not in _RESUMABLE and overrides[k] != stored.get(k)]
+        changed = [
+            k for k in (overrides or {}) if k not in _RESUMABLE and overrides[k] != stored.get(k)
+        ]
         if changed:
-            raise ValueError(f"{run}/run.json: {', '.join(changed)} cannot change on resume (start a new run)")
+            raise ValueError(
+                f"{run}/run.json: {', '.join(changed)} cannot change on resume (start a new run)"
+            )
         _check_same_inputs(cfg, meta, run)
         return cfg, run, meta
     assert cfg is not None
@@ -289,7 +324,9 @@ def resolve(cfg: ExtractConfig) -> ExtractConfig:
             raise ValueError(f"{cfg.model}/config.json has no num_hidden_layers; pass --aux-layers")
         aux = default_aux_layers(n)
     ab = lambda p: str(Path(p).resolve())  # noqa: E731
-    return replace(cfg, model=ab(cfg.model), data=ab(cfg.data), out=ab(cfg.out), aux_layers=tuple(aux))
+    return replace(
+        cfg, model=ab(cfg.model), data=ab(cfg.data), out=ab(cfg.out), aux_layers=tuple(aux)
+    )
 
 
 def _check_same_inputs(cfg: ExtractConfig, meta: dict, run: Path) -> None:
@@ -307,7 +344,13 @@ def _check_same_inputs(cfg: ExtractConfig, meta: dict, run: Path) -> None:
         )
 
 
-def new_run_meta(cfg: ExtractConfig, ds: PreparedDataset, model_config, dtype: torch.dtype, store_dtype: torch.dtype) -> dict:
+def new_run_meta(
+    cfg: ExtractConfig,
+    ds: PreparedDataset,
+    model_config,
+    dtype: torch.dtype,
+    store_dtype: torch.dtype,
+) -> dict:
     n = model_config.num_hidden_layers
     aux = tuple(cfg.aux_layers) if cfg.aux_layers else default_aux_layers(n)
     H = model_config.hidden_size
@@ -364,7 +407,9 @@ def recover(run: Path, rank: int, journal: Journal, mine: set[int], hidden_size:
             continue
         c = check_sample_file(p, checksums=True, hidden_size=hidden_size)
         if c.ok and int(c.header["__metadata__"]["sample_index"]) == idx:
-            journal.append(journal_entry(idx, c.header["__metadata__"]["sample_id"], p.read_bytes()))
+            journal.append(
+                journal_entry(idx, c.header["__metadata__"]["sample_id"], p.read_bytes())
+            )
             adopted += 1
         else:
             p.unlink(missing_ok=True)
@@ -372,16 +417,25 @@ def recover(run: Path, rank: int, journal: Journal, mine: set[int], hidden_size:
     return adopted
 
 
-def extract(cfg: ExtractConfig | None = None, *, resume: str | None = None, overrides: dict | None = None) -> ExtractSummary:
+def extract(
+    cfg: ExtractConfig | None = None, *, resume: str | None = None, overrides: dict | None = None
+) -> ExtractSummary:
     """Run or resume an extraction. Raises ExtractStopped for a clean early stop."""
     cfg, run, meta = start_or_resume(cfg, resume, overrides)
     ds = PreparedDataset.open(cfg.data)
     fs = filesystem_info(run)
     if (w := fs.warning()) is not None:
-        console.print(f"[yellow]warning:[/] {w}; a run of many hours should live on persistent storage", highlight=False)
+        console.print(
+            f"[yellow]warning:[/] {w}; a run of many hours should live on persistent storage",
+            highlight=False,
+        )
 
-    gpu_preflight(cfg.device, parse_size(cfg.max_foreign_gpu_mem, 1), cfg.ignore_busy_gpus,
-                  lambda m: console.print(m, highlight=False))
+    gpu_preflight(
+        cfg.device,
+        parse_size(cfg.max_foreign_gpu_mem, 1),
+        cfg.ignore_busy_gpus,
+        lambda m: console.print(m, highlight=False),
+    )
     model, input_device, dtype = load_target(cfg)
     store_dtype = _DTYPES[cfg.store_dtype] if cfg.store_dtype else dtype
     run.mkdir(parents=True, exist_ok=True)
@@ -400,12 +454,19 @@ def extract(cfg: ExtractConfig | None = None, *, resume: str | None = None, over
         mine = [i for i in range(len(ds)) if i % cfg.world == cfg.rank]
         adopted = recover(run, cfg.rank, journal, set(mine), H)
         if adopted:
-            console.print(f"adopted {adopted} complete sample(s) whose journal entry was lost", highlight=False)
+            console.print(
+                f"adopted {adopted} complete sample(s) whose journal entry was lost",
+                highlight=False,
+            )
         done = done_indices(run, cfg.rank)
         lengths = ds.lengths().tolist()
         todo_tokens = sum(lengths[i] for i in mine if i not in done)
-        _check_disk(run, cfg, todo_tokens * meta["bytes_per_token"] + 4096 * (len(mine) - len(done)))
-        return _run_loop(cfg, run, meta, ds, model, input_device, store_dtype, aux, mine, done, journal)
+        _check_disk(
+            run, cfg, todo_tokens * meta["bytes_per_token"] + 4096 * (len(mine) - len(done))
+        )
+        return _run_loop(
+            cfg, run, meta, ds, model, input_device, store_dtype, aux, mine, done, journal
+        )
     finally:
         journal.close()
         release_lock(lock)
@@ -428,7 +489,9 @@ def _check_disk(run: Path, cfg: ExtractConfig, need: int) -> None:
         )
 
 
-def _run_loop(cfg, run, meta, ds, model, input_device, store_dtype, aux, mine, done, journal) -> ExtractSummary:
+def _run_loop(
+    cfg, run, meta, ds, model, input_device, store_dtype, aux, mine, done, journal
+) -> ExtractSummary:
     lengths = ds.lengths().tolist()
     batches = plan_batches(lengths, mine, cfg.batch_tokens)
     todo = [b for b in batches if any(i not in done for i in b)]
@@ -461,6 +524,7 @@ def _run_loop(cfg, run, meta, ds, model, input_device, store_dtype, aux, mine, d
                     stats["committed"] += 1
                     stats["bytes"] += entry["size"]
                     stats["tokens"] += entry["tokens"]
+                journal.flush()
                 if time.monotonic() - last_sync > 1.0:
                     journal.sync()
                     last_sync = time.monotonic()
@@ -477,7 +541,11 @@ def _run_loop(cfg, run, meta, ds, model, input_device, store_dtype, aux, mine, d
         stop_reason.append(f"stopped by {signal.Signals(signum).name}")
         stop.set()
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if threading.current_thread() is threading.main_thread() else {}
+    old = (
+        {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
     wt = threading.Thread(target=writer, name="eyas-writer", daemon=True)
     wt.start()
     t0 = time.monotonic()
@@ -494,7 +562,9 @@ def _run_loop(cfg, run, meta, ds, model, input_device, store_dtype, aux, mine, d
                 if stop.is_set():
                     break
                 if free_bytes(run) < floor:
-                    stop_reason.append(f"free space on {run} fell below --min-free {human_bytes(floor)}")
+                    stop_reason.append(
+                        f"free space on {run} fell below --min-free {human_bytes(floor)}"
+                    )
                     break
                 q.put(_forward_batch(ds, batch, done, capture, input_device, store_dtype, pad_id))
                 rep.advance(stats["committed"] + stats["failed"] - committed_seen)
@@ -547,7 +617,15 @@ def _forward_batch(ds, batch, done, capture: Capture, device, store_dtype, pad_i
         elif not (torch.isfinite(a).all() and torch.isfinite(h).all()):
             problem = "non-finite values (NaN/Inf) in hidden states"
         if problem:
-            out.append({"index": i, "id": rec["id"], "file": rec["file"], "line": rec["line"], "reason": problem})
+            out.append(
+                {
+                    "index": i,
+                    "id": rec["id"],
+                    "file": rec["file"],
+                    "line": rec["line"],
+                    "reason": problem,
+                }
+            )
             continue
         out.append(Sample(i, rec["id"], f"{rec['file']}:{rec['line']}", torch.from_numpy(x.copy()),
                           torch.from_numpy(m.copy()), a, h))  # fmt: skip
@@ -565,4 +643,11 @@ def load_run_config(run: str | Path) -> ExtractConfig:
     return replace(ExtractConfig(**stored))
 
 
-__all__ = ["ExtractConfig", "extract", "ExtractStopped", "EXIT_STOPPED", "StoreError", "errors_path"]
+__all__ = [
+    "ExtractConfig",
+    "extract",
+    "ExtractStopped",
+    "EXIT_STOPPED",
+    "StoreError",
+    "errors_path",
+]

@@ -147,7 +147,9 @@ def filesystem_info(path: str | Path, mounts_file: str = "/proc/mounts") -> File
                     best, mount_point, device, fs_type = len(mp), mp, parts[0], parts[2]
     except OSError:
         pass
-    return FilesystemInfo(str(Path(path).absolute()), mount_point, device, fs_type, usage.total, usage.free)
+    return FilesystemInfo(
+        str(Path(path).absolute()), mount_point, device, fs_type, usage.total, usage.free
+    )
 
 
 def free_bytes(path: str | Path) -> int:

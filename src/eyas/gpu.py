@@ -32,7 +32,9 @@ class GpuProcess:
     def stop_command(self) -> str | None:
         if self.container:
             rt = self.container_runtime or "docker"
-            return f"{rt} update --restart=no {self.container[:12]} && {rt} stop {self.container[:12]}"
+            return (
+                f"{rt} update --restart=no {self.container[:12]} && {rt} stop {self.container[:12]}"
+            )
         if self.unit:
             return f"systemctl {'--user ' if self.user_unit else ''}disable --now {self.unit}"
         return None
@@ -75,7 +77,9 @@ def owner_from_cgroup(text: str) -> tuple[str | None, bool, str | None, str | No
     for path in sorted(paths, key=lambda p: -len(p)):
         m = re.search(r"(docker|libpod|cri-containerd|crio)-([0-9a-f]{12,64})\.scope", path)
         if m:
-            rt = {"libpod": "podman", "cri-containerd": "crictl", "crio": "crictl"}.get(m.group(1), "docker")
+            rt = {"libpod": "podman", "cri-containerd": "crictl", "crio": "crictl"}.get(
+                m.group(1), "docker"
+            )
             return None, False, m.group(2), rt
         m = re.search(r"/(docker|kubepods[^/]*)/(?:.*/)?([0-9a-f]{64})", path)
         if m:
@@ -94,7 +98,9 @@ def owner_from_cgroup(text: str) -> tuple[str | None, bool, str | None, str | No
     return None, False, None, None
 
 
-def describe_process(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, str | None, bool, str | None, str | None]:
+def describe_process(
+    pid: int, proc_root: Path = Path("/proc")
+) -> tuple[str, str | None, bool, str | None, str | None]:
     """(cmdline, unit, user_unit, container, runtime) for a PID; blanks where unreadable."""
     base = proc_root / str(pid)
     try:
@@ -127,7 +133,14 @@ def _from_nvml() -> list[Gpu] | None:
             except Exception:
                 util = None
             name = pynvml.nvmlDeviceGetName(h)
-            g = Gpu(i, pynvml.nvmlDeviceGetUUID(h), name if isinstance(name, str) else name.decode(), mem.used, mem.total, util)
+            g = Gpu(
+                i,
+                pynvml.nvmlDeviceGetUUID(h),
+                name if isinstance(name, str) else name.decode(),
+                mem.used,
+                mem.total,
+                util,
+            )
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
                 g.processes.append(GpuProcess(p.pid, i, p.usedGpuMemory or 0, ""))
             gpus.append(g)
@@ -151,7 +164,9 @@ def parse_query_gpu(csv: str) -> list[Gpu]:
         f = [x.strip() for x in line.split(",")]
         if len(f) < 6 or _int(f[0]) is None:
             continue
-        gpus.append(Gpu(int(f[0]), f[1], f[2], (_int(f[3]) or 0) * MIB, (_int(f[4]) or 0) * MIB, _int(f[5])))
+        gpus.append(
+            Gpu(int(f[0]), f[1], f[2], (_int(f[3]) or 0) * MIB, (_int(f[4]) or 0) * MIB, _int(f[5]))
+        )
     return gpus
 
 
@@ -162,25 +177,50 @@ def parse_query_apps(csv: str, uuid_to_index: dict[str, int]) -> list[GpuProcess
         f = [x.strip() for x in line.split(",", 3)]
         if len(f) < 3 or _int(f[1]) is None:
             continue
-        procs.append(GpuProcess(int(f[1]), uuid_to_index.get(f[0], -1), (_int(f[2]) or 0) * MIB, f[3] if len(f) > 3 else ""))
+        procs.append(
+            GpuProcess(
+                int(f[1]),
+                uuid_to_index.get(f[0], -1),
+                (_int(f[2]) or 0) * MIB,
+                f[3] if len(f) > 3 else "",
+            )
+        )
     return procs
 
 
-def query_gpus(proc_root: Path = Path("/proc")) -> GpuReport:
+def query_gpus(proc_root: Path | None = None) -> GpuReport:
+    """All GPUs with their processes; `proc_root` (or $EYAS_PROC_ROOT) replays a captured /proc."""
+    import os
+
+    proc_root = proc_root or Path(os.environ.get("EYAS_PROC_ROOT", "/proc"))
     gpus, source = _from_nvml(), "nvml"
     if gpus is None:
         source = "nvidia-smi"
         try:
-            rc, out = _run_smi(["--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu", "--format=csv,noheader,nounits"])
+            rc, out = _run_smi(
+                [
+                    "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu",
+                    "--format=csv,noheader,nounits",
+                ]
+            )
         except FileNotFoundError:
-            return GpuReport([], "none", "no NVIDIA driver found (no NVML, no nvidia-smi on PATH): no GPUs to check")
+            return GpuReport(
+                [],
+                "none",
+                "no NVIDIA driver found (no NVML, no nvidia-smi on PATH): no GPUs to check",
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             return GpuReport([], "none", f"nvidia-smi could not run: {exc}")
         if rc != 0:
             first = out.strip().splitlines()[0] if out.strip() else f"exit code {rc}"
             return GpuReport([], "none", f"nvidia-smi failed: {first}")
         gpus = parse_query_gpu(out)
-        rc, out = _run_smi(["--query-compute-apps=gpu_uuid,pid,used_memory,process_name", "--format=csv,noheader,nounits"])
+        rc, out = _run_smi(
+            [
+                "--query-compute-apps=gpu_uuid,pid,used_memory,process_name",
+                "--format=csv,noheader,nounits",
+            ]
+        )
         if rc == 0:
             by_uuid = {g.uuid: g.index for g in gpus}
             for p in parse_query_apps(out, by_uuid):
@@ -188,7 +228,9 @@ def query_gpus(proc_root: Path = Path("/proc")) -> GpuReport:
                     gpus[p.gpu_index].processes.append(p)
     for g in gpus:
         for p in g.processes:
-            p.cmdline, p.unit, p.user_unit, p.container, p.container_runtime = describe_process(p.pid, proc_root)
+            p.cmdline, p.unit, p.user_unit, p.container, p.container_runtime = describe_process(
+                p.pid, proc_root
+            )
             if not p.cmdline:
                 p.cmdline = p.name
     if not gpus:
@@ -207,7 +249,11 @@ def gpus_for_device(device: str, count: int) -> list[int]:
     if device == "cpu":
         return []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    phys = [int(x) for x in visible.split(",") if x.strip().isdigit()] if visible else list(range(count))
+    phys = (
+        [int(x) for x in visible.split(",") if x.strip().isdigit()]
+        if visible
+        else list(range(count))
+    )
     if device in ("auto", "multi"):
         return phys if device == "multi" else phys[:1]
     if device == "cuda":
@@ -216,7 +262,9 @@ def gpus_for_device(device: str, count: int) -> list[int]:
     return [phys[int(m.group(1))]] if m and int(m.group(1)) < len(phys) else []
 
 
-def busy_processes(report: GpuReport, indices: list[int], limit_bytes: int, own_pid: int) -> list[GpuProcess]:
+def busy_processes(
+    report: GpuReport, indices: list[int], limit_bytes: int, own_pid: int
+) -> list[GpuProcess]:
     busy = []
     for g in report.gpus:
         if g.index in indices:
@@ -234,12 +282,18 @@ def gpu_preflight(device: str, max_foreign: int, ignore: bool, log) -> None:
     if not report.gpus:
         log(f"GPU preflight: {report.note}")
         return
-    busy = busy_processes(report, gpus_for_device(device, len(report.gpus)), max_foreign, os.getpid())
+    busy = busy_processes(
+        report, gpus_for_device(device, len(report.gpus)), max_foreign, os.getpid()
+    )
     if not busy:
         return
     lines = [
         f"  GPU {p.gpu_index}: PID {p.pid} holds {p.used_bytes / (1 << 30):.1f} GiB: {p.cmdline or p.name} [{p.owner()}]"
-        + (f"\n    stop it with: {p.stop_command()}" if p.stop_command() else f"\n    stop it with: kill {p.pid}")
+        + (
+            f"\n    stop it with: {p.stop_command()}"
+            if p.stop_command()
+            else f"\n    stop it with: kill {p.pid}"
+        )
         for p in busy
     ]
     msg = "other processes hold memory on the GPUs this run needs:\n" + "\n".join(lines)

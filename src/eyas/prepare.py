@@ -30,7 +30,14 @@ from safetensors.numpy import load_file as np_load_file
 from safetensors.numpy import save as np_save
 
 from . import __version__
-from .fsutil import atomic_write, atomic_write_bytes, atomic_write_json, fsync_dir, read_json, sha256_file
+from .fsutil import (
+    atomic_write,
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_dir,
+    read_json,
+    sha256_file,
+)
 from .ui import Reporter
 
 FORMAT_VERSION = 1
@@ -129,7 +136,13 @@ def iter_records(path: Path) -> Iterator[RawRecord]:
             doc = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise RecordError(f"{path}: not valid JSON: {exc}") from exc
-        items = doc if isinstance(doc, list) else doc.get("data", [doc]) if isinstance(doc, dict) else [doc]
+        items = (
+            doc
+            if isinstance(doc, list)
+            else doc.get("data", [doc])
+            if isinstance(doc, dict)
+            else [doc]
+        )
         for i, item in enumerate(items):
             yield RawRecord(str(path), i + 1, item)  # "line" = 1-based element index
         return
@@ -169,7 +182,13 @@ def to_messages(obj: dict) -> tuple[str, list[dict] | str]:
     if "messages" in obj:
         fmt, turns, rkey, ckey, roles = "openai", obj["messages"], "role", "content", None
     elif "conversations" in obj:
-        fmt, turns, rkey, ckey, roles = "sharegpt", obj["conversations"], "from", "value", SHAREGPT_ROLES
+        fmt, turns, rkey, ckey, roles = (
+            "sharegpt",
+            obj["conversations"],
+            "from",
+            "value",
+            SHAREGPT_ROLES,
+        )
     elif "text" in obj:
         if not isinstance(obj["text"], str):
             raise RecordError(f"'text' must be a string, got {type(obj['text']).__name__}")
@@ -179,7 +198,9 @@ def to_messages(obj: dict) -> tuple[str, list[dict] | str]:
     else:
         raise RecordError("no 'messages', 'conversations' or 'text' field")
     if not isinstance(turns, list):
-        raise RecordError(f"'{'messages' if fmt == 'openai' else 'conversations'}' must be a list, got {type(turns).__name__}")
+        raise RecordError(
+            f"'{'messages' if fmt == 'openai' else 'conversations'}' must be a list, got {type(turns).__name__}"
+        )
     messages = []
     for i, t in enumerate(turns):
         if not isinstance(t, dict):
@@ -194,7 +215,9 @@ def to_messages(obj: dict) -> tuple[str, list[dict] | str]:
         elif role not in ROLES:
             raise RecordError(f"turn {i} has unknown role {role!r}")
         if not isinstance(content, str):
-            raise RecordError(f"turn {i} ({role}) content must be a string, got {type(content).__name__}")
+            raise RecordError(
+                f"turn {i} ({role}) content must be a string, got {type(content).__name__}"
+            )
         if role == "assistant" and not content.strip():
             raise RecordError(f"turn {i} is an empty assistant turn")
         messages.append({"role": role, "content": content})
@@ -206,7 +229,9 @@ def to_messages(obj: dict) -> tuple[str, list[dict] | str]:
 # ---------------------------------------------------------------------------- loss mask
 
 
-def assistant_spans(tokenizer, messages: list[dict], last_turn_only: bool = False) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(
+    tokenizer, messages: list[dict], last_turn_only: bool = False
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans the assistant produced."""
 
     def render(msgs, gen=False):
@@ -231,7 +256,9 @@ def assistant_spans(tokenizer, messages: list[dict], last_turn_only: bool = Fals
     return full, spans
 
 
-def tokenize_with_mask(tokenizer, text: str, spans: list[tuple[int, int]] | None) -> tuple[list[int], list[int]]:
+def tokenize_with_mask(
+    tokenizer, text: str, spans: list[tuple[int, int]] | None
+) -> tuple[list[int], list[int]]:
     """Token ids of `text`; a token is trainable when it overlaps an assistant span (all if None)."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
@@ -336,7 +363,9 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     results: list = []
     with Reporter("prepare", len(raws), unit="records", enabled=cfg.progress) as rep:
         if cfg.num_workers > 1 and len(chunks) > 1:
-            with ProcessPoolExecutor(cfg.num_workers, initializer=_init_worker, initargs=(cfg.model,)) as ex:
+            with ProcessPoolExecutor(
+                cfg.num_workers, initializer=_init_worker, initargs=(cfg.model,)
+            ) as ex:
                 for res in ex.map(_prepare_chunk, chunks):
                     results.extend(res)
                     rep.advance(len(res))
@@ -356,7 +385,15 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
             rid, reason = res
             if reason.startswith("overlong"):
                 summary.skipped_overlong += 1
-                errors.append({"file": raw.file, "line": raw.line, "id": rid, "reason": reason, "kind": "skipped"})
+                errors.append(
+                    {
+                        "file": raw.file,
+                        "line": raw.line,
+                        "id": rid,
+                        "reason": reason,
+                        "kind": "skipped",
+                    }
+                )
                 continue
         elif res.id in seen:
             rid, reason = res.id, f"duplicate id {res.id!r} (first seen at {seen[res.id]})"
@@ -365,7 +402,9 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
             samples.append(res)
             continue
         reasons[_reason_kind(reason)] += 1
-        errors.append({"file": raw.file, "line": raw.line, "id": rid, "reason": reason, "kind": "error"})
+        errors.append(
+            {"file": raw.file, "line": raw.line, "id": rid, "reason": reason, "kind": "error"}
+        )
 
     summary.failed = sum(reasons.values())
     summary.reasons = dict(reasons.most_common())
@@ -377,12 +416,18 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     return summary
 
 
-def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg: PrepareConfig, tok, summary) -> str:
+def write_dataset(
+    out: Path, samples: list[Prepared], errors: list[dict], cfg: PrepareConfig, tok, summary
+) -> str:
     lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
     offsets = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    ids = np.fromiter((t for s in samples for t in s.input_ids), dtype=np.int32, count=int(offsets[-1]))
-    mask = np.fromiter((t for s in samples for t in s.loss_mask), dtype=np.uint8, count=int(offsets[-1]))
+    ids = np.fromiter(
+        (t for s in samples for t in s.input_ids), dtype=np.int32, count=int(offsets[-1])
+    )
+    mask = np.fromiter(
+        (t for s in samples for t in s.loss_mask), dtype=np.uint8, count=int(offsets[-1])
+    )
     vocab = len(tok)
     if ids.size and int(ids.max()) >= vocab:
         raise ValueError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size {vocab}")
@@ -408,7 +453,10 @@ def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg: P
     atomic_write_bytes(out / files["tokens"], tensor_bytes)
     atomic_write_bytes(out / files["records"], records_bytes)
     atomic_write_bytes(out / files["vocab_freq"], np_save({"counts": counts}))
-    atomic_write(out / files["errors"], lambda f: f.write("".join(json.dumps(e) + "\n" for e in errors).encode()))
+    atomic_write(
+        out / files["errors"],
+        lambda f: f.write("".join(json.dumps(e) + "\n" for e in errors).encode()),
+    )
     n = max(len(samples), 1)
     meta = {
         "format_version": FORMAT_VERSION,
@@ -439,7 +487,11 @@ def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg: P
     # The new dataset is committed; files of earlier versions are no longer referenced.
     keep = set(files.values()) | {"dataset.json"}
     for p in out.iterdir():
-        if p.is_file() and p.name not in keep and p.name.split("-")[0] in ("tokens", "records", "vocab_freq", "errors"):
+        if (
+            p.is_file()
+            and p.name not in keep
+            and p.name.split("-")[0] in ("tokens", "records", "vocab_freq", "errors")
+        ):
             p.unlink()
     link = out / "errors.jsonl.tmp-link"
     link.unlink(missing_ok=True)
@@ -472,10 +524,14 @@ class PreparedDataset:
         path = Path(path)
         mpath = path / "dataset.json"
         if not mpath.is_file():
-            raise DatasetError(f"{path}: not a prepared dataset (no dataset.json); run `eyas prepare` first")
+            raise DatasetError(
+                f"{path}: not a prepared dataset (no dataset.json); run `eyas prepare` first"
+            )
         meta = read_json(mpath)
         if meta.get("format_version") != FORMAT_VERSION:
-            raise DatasetError(f"{mpath}: format_version {meta.get('format_version')} is not {FORMAT_VERSION}")
+            raise DatasetError(
+                f"{mpath}: format_version {meta.get('format_version')} is not {FORMAT_VERSION}"
+            )
         files = meta["files"]
         if check:
             for k in ("tokens", "records"):
@@ -483,7 +539,9 @@ class PreparedDataset:
                 if not f.is_file():
                     raise DatasetError(f"{f}: missing (listed in {mpath})")
                 if sha256_file(f) != files[k]["sha256"]:
-                    raise DatasetError(f"{f}: checksum does not match {mpath}; re-run `eyas prepare`")
+                    raise DatasetError(
+                        f"{f}: checksum does not match {mpath}; re-run `eyas prepare`"
+                    )
         t = np_load_file(str(path / files["tokens"]["name"]))
         with open(path / files["records"]["name"], encoding="utf-8") as f:
             records = [json.loads(line) for line in f]

@@ -31,7 +31,14 @@ import torch
 import xxhash
 from safetensors.torch import load as st_load
 
-from .fsutil import DiskFullError, atomic_write_bytes, atomic_write_json, fsync_dir, is_temp_file, read_json
+from .fsutil import (
+    DiskFullError,
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_dir,
+    is_temp_file,
+    read_json,
+)
 
 STORE_VERSION = 1
 SAMPLES_PER_DIR = 1000
@@ -82,7 +89,14 @@ class Sample:
     last_hidden_states: torch.Tensor  # (T, H)
 
 
-_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.uint8: "U8", torch.int64: "I64"}
+_DTYPE_NAMES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.int64: "I64",
+}
 
 
 def encode_sample(s: Sample, run_meta: dict) -> bytearray:
@@ -110,12 +124,18 @@ def encode_sample(s: Sample, run_meta: dict) -> bytearray:
         "last_hidden_state": run_meta["last_hidden_state"],
         "model_fingerprint": run_meta["model_fingerprint"],
         "checksum": CHECKSUM,
-        "checksums": json.dumps({k: xxhash.xxh3_128_hexdigest(b) for k, b in raw.items()}, sort_keys=True),
+        "checksums": json.dumps(
+            {k: xxhash.xxh3_128_hexdigest(b) for k, b in raw.items()}, sort_keys=True
+        ),
     }
     header: dict = {"__metadata__": meta}
     off = 0
     for k, t in tensors.items():
-        header[k] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + raw[k].nbytes]}
+        header[k] = {
+            "dtype": _DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [off, off + raw[k].nbytes],
+        }
         off += raw[k].nbytes
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)  # safetensors aligns the data start to 8 bytes
@@ -179,6 +199,10 @@ class Journal:
         self._f.write((json.dumps(entry, sort_keys=True) + "\n").encode())
         self._pending += 1
 
+    def flush(self) -> None:
+        """Hand entries to the kernel (survives a killed process; `sync` survives power loss)."""
+        self._f.flush()
+
     def sync(self) -> None:
         if self._pending:
             try:
@@ -186,7 +210,9 @@ class Journal:
                 os.fsync(self._f.fileno())
             except OSError as exc:
                 if exc.errno in (28, 122):
-                    raise DiskFullError(exc.errno, f"no space left appending to {self.path}") from exc
+                    raise DiskFullError(
+                        exc.errno, f"no space left appending to {self.path}"
+                    ) from exc
                 raise
             self._pending = 0
 
@@ -230,7 +256,9 @@ def read_all_journals(run: Path) -> dict[int, list[dict]]:
 
 
 def rewrite_journal(path: Path, entries: list[dict]) -> None:
-    atomic_write_bytes(path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in entries).encode())
+    atomic_write_bytes(
+        path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in entries).encode()
+    )
 
 
 def append_error(run: Path, rank: int, entry: dict) -> None:
@@ -274,7 +302,9 @@ def parse_header(data: bytes | memoryview, path: Path) -> tuple[dict, int]:
         raise StoreError(f"{path}: file is {len(data)} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", bytes(data[:8]))
     if n > len(data) - 8 or n > 100_000_000:
-        raise StoreError(f"{path}: header length {n} exceeds the file size {len(data)} (truncated?)")
+        raise StoreError(
+            f"{path}: header length {n} exceeds the file size {len(data)} (truncated?)"
+        )
     try:
         header = json.loads(bytes(data[8 : 8 + n]))
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -282,7 +312,14 @@ def parse_header(data: bytes | memoryview, path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def check_sample_bytes(data: bytes | memoryview, path: Path, *, checksums: bool, hidden_size: int | None = None, entry: dict | None = None) -> Check:
+def check_sample_bytes(
+    data: bytes | memoryview,
+    path: Path,
+    *,
+    checksums: bool,
+    hidden_size: int | None = None,
+    entry: dict | None = None,
+) -> Check:
     """Check header, shapes, dtypes, token count and (optionally) every checksum."""
     try:
         header, base = parse_header(data, path)
@@ -302,21 +339,31 @@ def check_sample_bytes(data: bytes | memoryview, path: Path, *, checksums: bool,
                 raise StoreError(f"{path}: tensor {name} has {b - a} bytes for shape {shape} {dt}")
             end = max(end, b)
             if shape[0] != T:
-                raise StoreError(f"{path}: {name} has {shape[0]} rows, expected {T} tokens (token-count mismatch)")
+                raise StoreError(
+                    f"{path}: {name} has {shape[0]} rows, expected {T} tokens (token-count mismatch)"
+                )
         H = header["last_hidden_states"]["shape"][1]
         if header["aux_hidden_states"]["shape"][1] != 3 * H:
-            raise StoreError(f"{path}: aux_hidden_states width {header['aux_hidden_states']['shape'][1]} != 3 x {H}")
+            raise StoreError(
+                f"{path}: aux_hidden_states width {header['aux_hidden_states']['shape'][1]} != 3 x {H}"
+            )
         if hidden_size is not None and H != hidden_size:
             raise StoreError(f"{path}: hidden size {H}, run expects {hidden_size}")
         if header["input_ids"]["dtype"] != "I32" or header["loss_mask"]["dtype"] != "U8":
             raise StoreError(f"{path}: input_ids/loss_mask dtypes are not int32/uint8")
         if base + end != len(data):
-            raise StoreError(f"{path}: file is {len(data)} bytes, header says {base + end} (truncated or padded)")
+            raise StoreError(
+                f"{path}: file is {len(data)} bytes, header says {base + end} (truncated or padded)"
+            )
         if entry is not None:
             if entry.get("size") != len(data):
-                raise StoreError(f"{path}: size {len(data)} differs from the journal's {entry.get('size')}")
+                raise StoreError(
+                    f"{path}: size {len(data)} differs from the journal's {entry.get('size')}"
+                )
             if int(meta["sample_index"]) != entry["index"]:
-                raise StoreError(f"{path}: holds sample {meta['sample_index']}, journal says {entry['index']}")
+                raise StoreError(
+                    f"{path}: holds sample {meta['sample_index']}, journal says {entry['index']}"
+                )
         if checksums:
             sums = json.loads(meta["checksums"])
             for name in TENSORS:
@@ -324,7 +371,11 @@ def check_sample_bytes(data: bytes | memoryview, path: Path, *, checksums: bool,
                 got = xxhash.xxh3_128_hexdigest(data[base + a : base + b])
                 if got != sums.get(name):
                     raise StoreError(f"{path}: checksum mismatch in {name} (data corrupted)")
-            if entry is not None and "file_xxh3" in entry and xxhash.xxh3_128_hexdigest(data) != entry["file_xxh3"]:
+            if (
+                entry is not None
+                and "file_xxh3" in entry
+                and xxhash.xxh3_128_hexdigest(data) != entry["file_xxh3"]
+            ):
                 raise StoreError(f"{path}: whole-file checksum differs from the journal")
         return Check(path, True, header=header, nbytes=len(data))
     except StoreError as exc:
@@ -340,7 +391,9 @@ def _prod(shape) -> int:
     return n
 
 
-def check_sample_file(path: Path, *, checksums: bool = True, hidden_size: int | None = None, entry: dict | None = None) -> Check:
+def check_sample_file(
+    path: Path, *, checksums: bool = True, hidden_size: int | None = None, entry: dict | None = None
+) -> Check:
     try:
         if checksums:
             data = path.read_bytes()
@@ -370,7 +423,9 @@ class _Sized:
 
 
 def _check_head(head: bytes, size: int, path: Path, hidden_size, entry) -> Check:
-    return check_sample_bytes(_Sized(head, size), path, checksums=False, hidden_size=hidden_size, entry=entry)  # type: ignore[arg-type]
+    return check_sample_bytes(
+        _Sized(head, size), path, checksums=False, hidden_size=hidden_size, entry=entry
+    )  # type: ignore[arg-type]
 
 
 def load_sample(run: Path, index: int, *, verify: bool = False) -> dict[str, torch.Tensor]:
@@ -401,7 +456,11 @@ def iter_sample_files(run: Path) -> Iterator[Path]:
 
 def stray_temp_files(run: Path) -> list[Path]:
     return [p for p in iter_sample_files(run) if is_temp_file(p)] + [
-        p for sub in ("journal", "errors") if (run / sub).is_dir() for p in (run / sub).iterdir() if is_temp_file(p)
+        p
+        for sub in ("journal", "errors")
+        if (run / sub).is_dir()
+        for p in (run / sub).iterdir()
+        if is_temp_file(p)
     ]
 
 
@@ -460,12 +519,25 @@ def read_lock(path: Path) -> LockInfo | None:
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, OSError):
-        return LockInfo(path, -1, "?", "?", None, False)  # torn lock file: no writer finished writing it
+        return LockInfo(
+            path, -1, "?", "?", None, False
+        )  # torn lock file: no writer finished writing it
     live = None
     if d.get("host") == socket.gethostname():
         pid = int(d.get("pid", -1))
-        live = pid > 0 and pid_alive(pid) and (d.get("proc_start") is None or _proc_start(pid) == d.get("proc_start"))
-    return LockInfo(path, int(d.get("pid", -1)), d.get("host", "?"), d.get("started", "?"), d.get("proc_start"), live)
+        live = (
+            pid > 0
+            and pid_alive(pid)
+            and (d.get("proc_start") is None or _proc_start(pid) == d.get("proc_start"))
+        )
+    return LockInfo(
+        path,
+        int(d.get("pid", -1)),
+        d.get("host", "?"),
+        d.get("started", "?"),
+        d.get("proc_start"),
+        live,
+    )
 
 
 class LockHeld(RuntimeError):
@@ -499,7 +571,9 @@ def acquire_lock(path: Path) -> LockInfo | None:
                 except FileNotFoundError:
                     pass
                 continue
-            raise LockHeld(f"{path} is held by {holder.describe()}; another extract is running on this run") from None
+            raise LockHeld(
+                f"{path} is held by {holder.describe()}; another extract is running on this run"
+            ) from None
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
             f.flush()
@@ -513,4 +587,3 @@ def release_lock(path: Path) -> None:
     info = read_lock(path)
     if info is not None and info.pid == os.getpid():
         path.unlink(missing_ok=True)
-

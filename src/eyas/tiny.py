@@ -60,7 +60,9 @@ class TinySizes:
 
     def __post_init__(self) -> None:
         if self.num_hidden_layers < 1 or self.hidden_size < 8:
-            raise ValueError(f"tiny target too small: layers={self.num_hidden_layers} hidden={self.hidden_size}")
+            raise ValueError(
+                f"tiny target too small: layers={self.num_hidden_layers} hidden={self.hidden_size}"
+            )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} attention heads"
@@ -74,7 +76,14 @@ def offline_corpus(extra: list[str] | None = None, max_chars: int = 400_000) -> 
     texts = list(extra or []) + corpus_text(generate_conversations(400, seed=1))
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     total = sum(map(len, texts))
-    for name in ("this.py", "textwrap.py", "argparse.py", "json/__init__.py", "random.py", "string.py"):
+    for name in (
+        "this.py",
+        "textwrap.py",
+        "argparse.py",
+        "json/__init__.py",
+        "random.py",
+        "string.py",
+    ):
         p = stdlib / name
         if p.exists() and total < max_chars:
             t = p.read_text(encoding="utf-8", errors="replace")
@@ -128,7 +137,9 @@ def _arch_config(arch: str, vocab_size: int, sizes: TinySizes, tokenizer):
     if arch == "llama":
         return AutoConfig.for_model("llama", **common)
     if arch in ("qwen3", "qwen2"):
-        return AutoConfig.for_model(arch, head_dim=sizes.hidden_size // sizes.num_attention_heads, **common)
+        return AutoConfig.for_model(
+            arch, head_dim=sizes.hidden_size // sizes.num_attention_heads, **common
+        )
     if arch == "deepseek_v3":
         h = sizes.hidden_size
         common.pop("num_key_value_heads")
@@ -187,7 +198,22 @@ def _like_config(like: Path, sizes: TinySizes, vocab_size: int):
             head_dim=sizes.hidden_size // sizes.num_attention_heads,
         )
         return AutoConfig.for_model(arch, **d)
-    keep = {k: v for k, v in d.items() if k not in tiny.to_dict() or k in ("rope_parameters", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act")}
+    keep = {
+        k: v
+        for k, v in d.items()
+        if k not in tiny.to_dict()
+        or k
+        in (
+            "rope_parameters",
+            "rope_theta",
+            "rms_norm_eps",
+            "tie_word_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "hidden_act",
+        )
+    }
     for k, v in keep.items():
         setattr(tiny, k, v)
     return tiny

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from .fsutil import fsync_dir, is_temp_file
 from .store import (
+    StoreError,
     check_sample_file,
     iter_sample_files,
     journal_path,
-    StoreError,
     read_all_journals,
     read_lock,
     read_run_meta,
@@ -72,7 +72,9 @@ class VerifyReport:
         }  # fmt: skip
 
 
-def verify(run: str | Path, *, quick: bool = False, repair: bool = False, workers: int | None = None) -> VerifyReport:
+def verify(
+    run: str | Path, *, quick: bool = False, repair: bool = False, workers: int | None = None
+) -> VerifyReport:
     run = Path(run)
     meta = read_run_meta(run)
     H = meta["hidden_size"]
@@ -90,7 +92,11 @@ def verify(run: str | Path, *, quick: bool = False, repair: bool = False, worker
     def check(item):
         idx, refs = item
         entry = refs[0][1]
-        return idx, refs, check_sample_file(run / entry["path"], checksums=not quick, hidden_size=H, entry=entry)
+        return (
+            idx,
+            refs,
+            check_sample_file(run / entry["path"], checksums=not quick, hidden_size=H, entry=entry),
+        )
 
     bad: set[int] = set()
     with ThreadPoolExecutor(workers or min(8, (os.cpu_count() or 2))) as ex:
@@ -105,7 +111,14 @@ def verify(run: str | Path, *, quick: bool = False, repair: bool = False, worker
                 bad.add(idx)
             if len(refs) > 1:
                 ranks = ", ".join(f"rank {r}" for r, _ in refs)
-                rep.problems.append(Problem("duplicate", refs[0][1]["path"], f"sample {idx} journaled {len(refs)} times ({ranks})", idx))
+                rep.problems.append(
+                    Problem(
+                        "duplicate",
+                        refs[0][1]["path"],
+                        f"sample {idx} journaled {len(refs)} times ({ranks})",
+                        idx,
+                    )
+                )
     rep.seconds = time.monotonic() - t0
 
     named = {run / e["path"] for refs in by_index.values() for _, e in refs}
@@ -118,9 +131,15 @@ def verify(run: str | Path, *, quick: bool = False, repair: bool = False, worker
         rep.problems.append(Problem("temp", str(p), f"{p}: temp file left by an interrupted write"))
 
     if repair and rep.problems:
-        live = [lk for lk in (read_lock(p) for p in sorted((run / "locks").glob("*.lock"))) if lk and lk.live is not False]
+        live = [
+            lk
+            for lk in (read_lock(p) for p in sorted((run / "locks").glob("*.lock")))
+            if lk and lk.live is not False
+        ]
         if live:
-            raise StoreError(f"{run}: cannot repair while a writer holds the run: {live[0].describe()}")
+            raise StoreError(
+                f"{run}: cannot repair while a writer holds the run: {live[0].describe()}"
+            )
         _repair(run, rep, journals, bad)
         rep.repaired = True
     return rep

@@ -44,7 +44,9 @@ def weight_layout(model_dir: str | Path) -> list:
     for s in shards:
         h = _header(d / s)
         h.pop("__metadata__", None)
-        out.append([s, (d / s).stat().st_size, {k: [v["dtype"], v["shape"]] for k, v in sorted(h.items())}])
+        out.append(
+            [s, (d / s).stat().st_size, {k: [v["dtype"], v["shape"]] for k, v in sorted(h.items())}]
+        )
     return out
 
 
@@ -61,9 +63,19 @@ def read_tensor(model_dir: str | Path, names: list[str]) -> torch.Tensor:
 
 def lm_head_weight(model_dir: str | Path) -> torch.Tensor:
     """(V, H) output projection of the target; falls back to tied input embeddings."""
-    return read_tensor(model_dir, ["lm_head.weight", "model.embed_tokens.weight", "model.language_model.embed_tokens.weight"])
+    return read_tensor(
+        model_dir,
+        ["lm_head.weight", "model.embed_tokens.weight", "model.language_model.embed_tokens.weight"],
+    )
 
 
 def embed_weight(model_dir: str | Path) -> torch.Tensor:
     """(V, H) input embeddings of the target."""
-    return read_tensor(model_dir, ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight"])
+    return read_tensor(
+        model_dir,
+        [
+            "model.embed_tokens.weight",
+            "model.language_model.embed_tokens.weight",
+            "embed_tokens.weight",
+        ],
+    )

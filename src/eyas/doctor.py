@@ -1,0 +1,240 @@
+"""`eyas doctor`: after a failure, what state is everything in, and what to do now.
+
+One report over the machine and any number of run directories: GPU occupancy with the
+owning systemd unit or container and the command that stops it; each run's filesystem,
+free space and what the run still needs; each run's state (inputs still in place and
+unchanged, progress, errors of the last session, stray temp files, locks, integrity).
+It ends with an ordered plan. Nothing is changed: doctor only reads.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .fsutil import human_bytes
+from .gpu import GpuReport, query_gpus
+from .status import ago, run_status
+from .store import StoreError, read_errors, read_run_meta
+
+FOREIGN_GPU_BYTES = 2 << 30  # what counts as "holding" a GPU, as in extract's preflight
+
+
+@dataclass
+class Action:
+    text: str
+    command: str | None = None
+    blocking: bool = True  # False: the plan can go ahead without it (e.g. the resume itself)
+
+
+@dataclass
+class RunReport:
+    run: str
+    ok: bool = True
+    lines: list[tuple[str, str]] = field(default_factory=list)  # (level, text)
+    facts: dict = field(default_factory=dict)
+
+    def add(self, level: str, text: str) -> None:
+        self.lines.append((level, text))
+        if level == "error":
+            self.ok = False
+
+
+@dataclass
+class DoctorReport:
+    gpus: GpuReport
+    runs: list[RunReport]
+    actions: list[Action]
+
+    @property
+    def needs_action(self) -> bool:
+        return any(a.blocking for a in self.actions)
+
+    def to_dict(self) -> dict:
+        return {
+            "gpus": {
+                "source": self.gpus.source, "note": self.gpus.note,
+                "devices": [
+                    {"index": g.index, "name": g.name, "uuid": g.uuid, "used_bytes": g.used_bytes,
+                     "total_bytes": g.total_bytes, "utilization": g.utilization,
+                     "processes": [{"pid": p.pid, "used_bytes": p.used_bytes, "cmdline": p.cmdline, "unit": p.unit,
+                                    "user_unit": p.user_unit, "container": p.container, "stop_command": p.stop_command()}
+                                   for p in g.processes]}
+                    for g in self.gpus.gpus
+                ],
+            },
+            "runs": [{"run": r.run, "ok": r.ok, "findings": [{"level": lv, "text": t} for lv, t in r.lines], **r.facts} for r in self.runs],
+            "plan": [{"step": i + 1, "text": a.text, "command": a.command, "blocking": a.blocking} for i, a in enumerate(self.actions)],
+            "needs_action": self.needs_action,
+        }  # fmt: skip
+
+
+def doctor(
+    runs: list[str | Path], *, deep: bool = False, proc_root: Path | None = None
+) -> DoctorReport:
+    gpus = query_gpus(proc_root)
+    actions: list[Action] = []
+    seen_units: set[str] = set()
+    for g in gpus.gpus:
+        for p in g.processes:
+            if p.used_bytes < FOREIGN_GPU_BYTES:
+                continue
+            key = p.unit or p.container or str(p.pid)
+            if key in seen_units:
+                continue
+            seen_units.add(key)
+            cmd = p.stop_command() or f"kill {p.pid}"
+            actions.append(
+                Action(
+                    f"stop {p.owner()} (PID {p.pid}, {p.cmdline or p.name}), which holds GPU memory",
+                    cmd,
+                )
+            )
+    reports = [_check_run(Path(r), deep, actions) for r in runs]
+    return DoctorReport(gpus, reports, actions)
+
+
+def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
+    from .extract import model_fingerprint
+    from .prepare import PreparedDataset
+    from .verify import verify
+
+    rep = RunReport(str(run))
+    try:
+        meta = read_run_meta(run)
+    except (StoreError, OSError, ValueError) as exc:
+        rep.add("error", f"config: {exc}")
+        actions.append(
+            Action(f"{run} is not a usable run directory; check the path or start a new run")
+        )
+        return rep
+    rep.add(
+        "ok",
+        f"config: run.json present (eyas {meta.get('eyas_version')}, created {meta.get('created')})",
+    )
+
+    # Inputs still in place and unchanged?
+    model = Path(meta["model_path"])
+    try:
+        fp = model_fingerprint(model)
+        if fp == meta["model_fingerprint"]:
+            rep.add("ok", f"model: {model} present, fingerprint matches")
+        else:
+            rep.add(
+                "error",
+                f"model: {model} changed (fingerprint {fp}, run made with {meta['model_fingerprint']})",
+            )
+            actions.append(
+                Action(f"restore the model the run was made with at {model}, or start a new run")
+            )
+    except (OSError, ValueError, KeyError) as exc:
+        rep.add("error", f"model: not usable at {model} ({exc})")
+        actions.append(Action(f"put the target model back at {model} (it was moved or deleted)"))
+    data = Path(meta["dataset_path"])
+    try:
+        ds = PreparedDataset.open(data, check=False)
+        if ds.fingerprint == meta["dataset_fingerprint"]:
+            rep.add("ok", f"dataset: {data} present, fingerprint matches")
+        else:
+            rep.add(
+                "error",
+                f"dataset: {data} changed (fingerprint {ds.fingerprint}, run made from {meta['dataset_fingerprint']})",
+            )
+            actions.append(Action(f"restore the prepared dataset at {data}, or start a new run"))
+    except (OSError, ValueError, KeyError) as exc:
+        rep.add("error", f"dataset: not usable at {data} ({exc})")
+        actions.append(Action(f"put the prepared dataset back at {data} (it was moved or deleted)"))
+
+    st = run_status(run)
+    rep.facts = {"done": st.done, "total": st.total, "remaining": st.remaining, "failed": st.failed,
+                 "bytes_needed": st.bytes_needed, "free_bytes": st.free_bytes}  # fmt: skip
+    rep.add(
+        "ok",
+        f"progress: {st.done}/{st.total} samples done, {st.remaining} remaining, {st.failed} failed; last commit {ago(st.last_commit)}",
+    )
+
+    # Disk.
+    from .fsutil import filesystem_info
+
+    fs = filesystem_info(run)
+    margin = fs.free_bytes - st.bytes_needed
+    line = (f"disk: {fs.mount_point} ({fs.fs_type} on {fs.device}), {human_bytes(fs.free_bytes)} free, "
+            f"run still needs ~{human_bytes(st.bytes_needed)}")  # fmt: skip
+    if margin >= 0:
+        rep.add("ok", f"{line}: fits with {human_bytes(margin)} to spare")
+    else:
+        rep.add("error", f"{line}: short by {human_bytes(-margin)}")
+        actions.append(
+            Action(
+                f"free at least {human_bytes(-margin)} on {fs.mount_point} (or move the run to a larger disk)"
+            )
+        )
+    if (w := fs.warning()) is not None:
+        rep.add("warn", f"disk: {w}")
+
+    # Last session's errors, temp files, locks.
+    errors = read_errors(run)
+    if errors:
+        reasons = Counter(e.get("reason", "?") for e in errors).most_common(3)
+        rep.add(
+            "warn",
+            f"errors: {len(errors)} sample(s) failed their checks: "
+            + "; ".join(f"{n}x {r}" for r, n in reasons),
+        )
+    if st.temp_files:
+        rep.add(
+            "warn", f"temp files: {st.temp_files} left by an interrupted write (removed on resume)"
+        )
+    live = [lk for lk in st.locks if lk["live"]]
+    for lk in st.locks:
+        rep.add(
+            "warn" if not lk["live"] else "ok",
+            f"lock: {lk['describe']}" + ("" if lk["live"] else "; it is taken over on resume"),
+        )
+
+    # Integrity.
+    v = verify(run, quick=not deep)
+    kinds = {
+        k: v.count(k) for k in ("missing", "corrupt", "orphan", "duplicate", "temp") if v.count(k)
+    }
+    depth = "checksums" if deep else "headers and sizes; --deep for checksums"
+    if kinds.get("orphan"):
+        rep.add(
+            "warn",
+            f"integrity: {kinds['orphan']} complete-looking file(s) without a journal entry "
+            "(written just before the crash); resume checks every checksum and adopts or redoes them",
+        )
+    if not any(k in kinds for k in ("missing", "corrupt", "duplicate")):
+        rep.add("ok", f"integrity: {v.ok}/{v.checked} committed samples intact ({depth})")
+    else:
+        rep.add(
+            "error",
+            f"integrity ({depth}): "
+            + ", ".join(f"{n} {k}" for k, n in kinds.items() if k not in ("temp", "orphan")),
+        )
+        for p in v.problems[:10]:
+            if p.kind not in ("temp", "orphan"):
+                rep.add("error", f"  {p.kind}: {p.detail}")
+        actions.append(
+            Action(
+                f"quarantine damaged samples of {run} so they are re-extracted",
+                f"eyas verify --repair {run}",
+            )
+        )
+
+    if live:
+        actions.append(
+            Action(
+                f"a writer is running on {run} ({live[0]['describe']}); let it finish",
+                None,
+                blocking=False,
+            )
+        )
+    elif st.remaining > 0 or any(k in kinds for k in ("missing", "corrupt")):
+        actions.append(
+            Action(
+                f"resume the extraction of {run}", f"eyas extract --resume {run}", blocking=False
+            )
+        )
+    return rep
