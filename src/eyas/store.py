@@ -439,6 +439,19 @@ def load_sample(run: Path, index: int, *, verify: bool = False) -> dict[str, tor
     return st_load(data)
 
 
+def open_sample(run: Path, index: int, names: tuple[str, ...] = TENSORS) -> dict[str, torch.Tensor]:
+    """Tensors of one committed sample through a memory map (no full read of the file)."""
+    from safetensors import safe_open
+
+    with safe_open(run / sample_relpath(index), framework="pt") as f:
+        return {n: f.get_tensor(n) for n in names}
+
+
+def committed_indices(run: Path) -> list[int]:
+    """Indices of every committed sample of a run (all ranks), ascending."""
+    return sorted({e["index"] for es in read_all_journals(run).values() for e in es})
+
+
 def sample_header(run: Path, index: int) -> dict:
     path = run / sample_relpath(index)
     with open(path, "rb") as f:

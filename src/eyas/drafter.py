@@ -1,0 +1,267 @@
+"""The EAGLE-3 drafter, top to bottom: config, small blocks, the model, training-time test.
+
+Shapes: B batch, T tokens, H hidden size, D draft vocabulary, V target vocabulary.
+
+    aux (B, T, 3H) --fc--> fused (B, T, H)
+    [input_layernorm(embed(x_{t+1})) ; hidden_norm(fused_t)]  (B, T, 2H)
+        -> one Llama decoder layer (q/k/v take 2H) -> h (B, T, H)
+        -> norm -> lm_head -> logits over the draft vocabulary (B, T, D)
+
+Training-time test (TTT) unrolls k steps. Step i > 0 at root t takes [embed(x_{t+1+i}) ;
+h_{i-1}(t)] at RoPE position t+i, and attends to step 0's keys at roots 0..t plus its own
+chain's keys at root t (steps 1..i): exactly what the drafter sees at inference, where the
+prefix is built from target states and each drafted token adds one entry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    hidden_size: int
+    """H: the target's hidden size (the drafter works at the same width)."""
+    intermediate_size: int
+    """Width of the decoder layer's MLP."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    """V: the target vocabulary (token embeddings are the target's, frozen)."""
+    draft_vocab_size: int
+    """D: the lm_head's output size."""
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    norm_before_residual: bool = False
+    """If true the residual of the decoder layer is hidden_norm(fused), else fused itself."""
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{self.num_attention_heads} heads not divisible by {self.num_key_value_heads} kv heads")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft vocab {self.draft_vocab_size} > target vocab {self.vocab_size}")
+
+    @classmethod
+    def from_target(cls, cfg, draft_vocab_size: int, **overrides) -> DrafterConfig:
+        """Sizes from a transformers config of the target (MLA/MoE targets get a Llama layer)."""
+        H, heads = cfg.hidden_size, cfg.num_attention_heads
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        kw = dict(
+            hidden_size=H,
+            intermediate_size=getattr(cfg, "intermediate_size", 4 * H),
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=H // heads,
+            vocab_size=cfg.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=float(theta or getattr(cfg, "rope_theta", 10000.0) or 10000.0),
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
+            hidden_act=getattr(cfg, "hidden_act", "silu"),
+        )
+        if kw["num_attention_heads"] % kw["num_key_value_heads"]:
+            kw["num_key_value_heads"] = heads
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (Llama's half-rotation layout); x (B, h, T, d), pos (B, T)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = pos.float()[:, None, :, None] * inv  # (B, 1, T, d/2)
+    cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, 2H) -> q (B, h, T, d), k and v (B, h, T, d) with kv heads repeated."""
+        B, T, _ = x.shape
+        c = self.c
+        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q, k = rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta)
+        rep = c.num_attention_heads // c.num_key_value_heads
+        return q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+
+    def attend(self, q, prefix_k, prefix_v, chain_k: list, chain_v: list, prefix_mask) -> torch.Tensor:
+        """q (B, h, Tq, d) attends to prefix keys (B, h, Tk, d) under `prefix_mask` (Tq, Tk),
+        plus, per query position, the chain keys (B, h, Tq, d) of the drafter's earlier steps."""
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        s = (q @ prefix_k.transpose(-1, -2)) * scale  # (B, h, Tq, Tk)
+        s = s.masked_fill(~prefix_mask, float("-inf"))
+        diag = [(q * k).sum(-1, keepdim=True) * scale for k in chain_k]  # each (B, h, Tq, 1)
+        p = torch.softmax(torch.cat([s, *diag], -1).float(), -1).to(q.dtype)
+        Tk = prefix_k.shape[2]
+        out = p[..., :Tk] @ prefix_v  # (B, h, Tq, d)
+        for j, v in enumerate(chain_v):
+            out = out + p[..., Tk + j : Tk + j + 1] * v
+        B, h, Tq, d = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, h * d))  # (B, Tq, H)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.act = {"silu": F.silu, "gelu": F.gelu}.get(c.hidden_act, F.silu)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """The drafter's single layer. Exported as `layers.0.*` (vLLM) or `midlayer.*` (SGLang)."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.c = c
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def inputs(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, H) x2 -> the attention input (B, T, 2H) and the residual (B, T, H)."""
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(emb), normed], -1)  # (B, T, 2H)
+        return x, normed if self.c.norm_before_residual else hidden
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h = residual + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H)
+
+
+class Drafter(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.config = c
+        H = c.hidden_size
+        self.embed_tokens = nn.Embedding(c.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.midlayer = DecoderLayer(c)
+        self.norm = RMSNorm(H, c.rms_norm_eps)
+        self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+
+    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
+        """draft_ids ascending (D,): d2t[i] = draft_ids[i] - i; t2d marks draft ids in V."""
+        self.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        self.t2d.zero_()
+        self.t2d[draft_ids] = True
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)  # (D,) target ids
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))  # (B, T, D)
+
+    def forward_ttt(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Unroll `steps` TTT steps over whole sequences.
+
+        input_ids (B, T) and aux (B, T, 3H). Step i at root t consumes x_{t+1+i} (padded with
+        0 past the end; such positions are masked by the loss). Returns per step the logits
+        (B, T, D) and the output states h_i (B, T, H).
+        """
+        B, T = input_ids.shape
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        pos0 = torch.arange(T, device=input_ids.device).expand(B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+        hidden = self.fc(aux)  # (B, T, H)
+        prefix_k = prefix_v = None
+        chain_k: list[torch.Tensor] = []
+        chain_v: list[torch.Tensor] = []
+        out = []
+        for i in range(steps):
+            ids = F.pad(input_ids[:, 1 + i :], (0, 1 + i))  # (B, T): x_{t+1+i}
+            x, residual = layer.inputs(self.embed_tokens(ids), hidden)  # (B, T, 2H), (B, T, H)
+            q, k, v = attn.qkv(x, pos0 + i)
+            if i == 0:
+                prefix_k, prefix_v = k, v
+            else:
+                chain_k.append(k)
+                chain_v.append(v)
+            a = attn.attend(q, prefix_k, prefix_v, chain_k, chain_v, causal)
+            hidden = layer.finish(a, residual)  # (B, T, H)
+            out.append((self.logits(hidden), hidden))
+        return out
+
+    # -------------------------------------------------------------- inference
+
+    @torch.no_grad()
+    def prefix_kv(self, next_ids: torch.Tensor, aux: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step-0 keys/values for roots start..start+n-1: next_ids (1, n) are x_{t+1}, aux (1, n, 3H)."""
+        x, _ = self.midlayer.inputs(self.embed_tokens(next_ids), self.fc(aux))
+        pos = torch.arange(start, start + next_ids.shape[1], device=next_ids.device)[None]
+        _, k, v = self.midlayer.self_attn.qkv(x, pos)
+        return k, v
+
+    @torch.no_grad()
+    def draft(self, prefix_k, prefix_v, next_id: int, last_aux: torch.Tensor, root: int, k: int) -> list[int]:
+        """Greedy chain of `k` draft tokens from the last root (position `root`).
+
+        prefix_k/v (1, h, root+1, d) hold step 0 of every root so far (the last included);
+        next_id is x_{root+1} (the token the target just produced); last_aux (1, 1, 3H).
+        """
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        dev = prefix_k.device
+        full = torch.ones(1, prefix_k.shape[2], dtype=torch.bool, device=dev)
+        hidden = self.fc(last_aux)  # (1, 1, H)
+        tok = torch.tensor([[next_id]], device=dev)
+        chain_k: list[torch.Tensor] = []
+        chain_v: list[torch.Tensor] = []
+        drafts = []
+        for i in range(k):
+            x, residual = layer.inputs(self.embed_tokens(tok), hidden)  # (1, 1, 2H)
+            q, kk, vv = attn.qkv(x, torch.tensor([[root + i]], device=dev))
+            if i > 0:
+                chain_k.append(kk)
+                chain_v.append(vv)
+            a = attn.attend(q, prefix_k, prefix_v, chain_k, chain_v, full)
+            hidden = layer.finish(a, residual)  # (1, 1, H)
+            d = int(self.logits(hidden)[0, -1].argmax())
+            tok = self.draft_ids[d].view(1, 1)
+            drafts.append(int(tok))
+        return drafts
