@@ -45,9 +45,13 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"{self.num_attention_heads} heads not divisible by {self.num_key_value_heads} kv heads")
+            raise ValueError(
+                f"{self.num_attention_heads} heads not divisible by {self.num_key_value_heads} kv heads"
+            )
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"draft vocab {self.draft_vocab_size} > target vocab {self.vocab_size}")
+            raise ValueError(
+                f"draft vocab {self.draft_vocab_size} > target vocab {self.vocab_size}"
+            )
 
     @classmethod
     def from_target(cls, cfg, draft_vocab_size: int, **overrides) -> DrafterConfig:
@@ -95,7 +99,10 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     d = x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
     ang = pos.float()[:, None, :, None] * inv  # (B, 1, T, d/2)
-    cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
+    cos, sin = (
+        torch.cat([ang, ang], -1).cos().to(x.dtype),
+        torch.cat([ang, ang], -1).sin().to(x.dtype),
+    )
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -109,7 +116,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def qkv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self, x: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, 2H) -> q (B, h, T, d), k and v (B, h, T, d) with kv heads repeated."""
         B, T, _ = x.shape
         c = self.c
@@ -120,7 +129,9 @@ class Attention(nn.Module):
         rep = c.num_attention_heads // c.num_key_value_heads
         return q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
 
-    def attend(self, q, prefix_k, prefix_v, chain_k: list, chain_v: list, prefix_mask) -> torch.Tensor:
+    def attend(
+        self, q, prefix_k, prefix_v, chain_k: list, chain_v: list, prefix_mask
+    ) -> torch.Tensor:
         """q (B, h, Tq, d) attends to prefix keys (B, h, Tk, d) under `prefix_mask` (Tq, Tk),
         plus, per query position, the chain keys (B, h, Tq, d) of the drafter's earlier steps."""
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -198,7 +209,9 @@ class Drafter(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))  # (B, T, D)
 
-    def forward_ttt(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def forward_ttt(
+        self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Unroll `steps` TTT steps over whole sequences.
 
         input_ids (B, T) and aux (B, T, 3H). Step i at root t consumes x_{t+1+i} (padded with
@@ -231,7 +244,9 @@ class Drafter(nn.Module):
     # -------------------------------------------------------------- inference
 
     @torch.no_grad()
-    def prefix_kv(self, next_ids: torch.Tensor, aux: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefix_kv(
+        self, next_ids: torch.Tensor, aux: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Step-0 keys/values for roots start..start+n-1: next_ids (1, n) are x_{t+1}, aux (1, n, 3H)."""
         x, _ = self.midlayer.inputs(self.embed_tokens(next_ids), self.fc(aux))
         pos = torch.arange(start, start + next_ids.shape[1], device=next_ids.device)[None]
@@ -239,7 +254,9 @@ class Drafter(nn.Module):
         return k, v
 
     @torch.no_grad()
-    def draft(self, prefix_k, prefix_v, next_id: int, last_aux: torch.Tensor, root: int, k: int) -> list[int]:
+    def draft(
+        self, prefix_k, prefix_v, next_id: int, last_aux: torch.Tensor, root: int, k: int
+    ) -> list[int]:
         """Greedy chain of `k` draft tokens from the last root (position `root`).
 
         prefix_k/v (1, h, root+1, d) hold step 0 of every root so far (the last included);

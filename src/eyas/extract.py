@@ -408,13 +408,22 @@ def recover(run: Path, rank: int, journal: Journal, mine: set[int], hidden_size:
         c = check_sample_file(p, checksums=True, hidden_size=hidden_size)
         if c.ok and int(c.header["__metadata__"]["sample_index"]) == idx:
             journal.append(
-                journal_entry(idx, c.header["__metadata__"]["sample_id"], p.read_bytes())
+                journal_entry(
+                    idx, c.header["__metadata__"]["sample_id"], _head(p, c.header), c.nbytes
+                )
             )
             adopted += 1
         else:
             p.unlink(missing_ok=True)
     journal.sync()
     return adopted
+
+
+def _head(path: Path, header: dict) -> bytes:
+    """The header bytes (length prefix included) of a sample file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return n.to_bytes(8, "little") + f.read(n)
 
 
 def extract(
@@ -609,7 +618,7 @@ def _forward_batch(ds, batch, done, capture: Capture, device, store_dtype, pad_i
             continue
         x, m = rows[r]
         n = len(x)
-        a, h = aux[r, :n].clone(), last[r, :n].clone()  # padded positions never reach the store
+        a, h = aux[r, :n], last[r, :n]  # padded positions never reach the store
         rec = ds.records[i]
         problem = None
         if a.shape[0] != n or h.shape[0] != n:

@@ -12,7 +12,7 @@ Layout of a run directory::
 Guarantee: a sample is either fully committed and checksummed, or absent. A sample file
 is published atomically (temp file, fsync, rename, directory fsync) and *then* journaled;
 a sample counts as done only when a journal entry exists and the file matches it (size
-and whole-file xxh3-128). Each tensor's xxh3-128 is also kept in the file's header, so a
+and the xxh3-128 of its header). Each tensor's xxh3-128 is also kept in the file's header, so a
 file is checkable on its own. No pickle: tensors are safetensors, metadata is JSON.
 This module is the only code that opens sample files.
 """
@@ -33,6 +33,7 @@ from safetensors.torch import load as st_load
 
 from .fsutil import (
     DiskFullError,
+    atomic_write,
     atomic_write_bytes,
     atomic_write_json,
     fsync_dir,
@@ -99,7 +100,27 @@ _DTYPE_NAMES = {
 }
 
 
-def encode_sample(s: Sample, run_meta: dict) -> bytearray:
+@dataclass
+class Encoded:
+    """A sample file as its header bytes (length prefix included) and raw tensor buffers."""
+
+    header: bytes
+    parts: list[memoryview]
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(p.nbytes for p in self.parts)
+
+    def write(self, f) -> None:
+        f.write(self.header)
+        for p in self.parts:
+            f.write(p)
+
+    def tobytes(self) -> bytes:
+        return self.header + b"".join(bytes(p) for p in self.parts)
+
+
+def encode_sample(s: Sample, run_meta: dict) -> Encoded:
     """Serialize one sample as safetensors bytes, with per-tensor checksums in the header.
 
     The header is written here rather than by `safetensors.save`, whose metadata order
@@ -139,34 +160,32 @@ def encode_sample(s: Sample, run_meta: dict) -> bytearray:
         off += raw[k].nbytes
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)  # safetensors aligns the data start to 8 bytes
-    buf = bytearray(8 + len(h) + off)
-    buf[:8] = struct.pack("<Q", len(h))
-    buf[8 : 8 + len(h)] = h
-    pos = 8 + len(h)
-    for b in raw.values():
-        buf[pos : pos + b.nbytes] = b
-        pos += b.nbytes
-    return buf
+    return Encoded(struct.pack("<Q", len(h)) + h, list(raw.values()))
 
 
 def commit_sample(run: Path, s: Sample, run_meta: dict) -> dict:
-    """Publish a sample file atomically; returns its journal entry (not yet journaled)."""
-    data = encode_sample(s, run_meta)
-    rel = sample_relpath(s.index)
-    path = run / rel
+    """Publish a sample file atomically; returns its journal entry (not yet journaled).
+
+    The buffers go straight to the file (no assembled copy); the journal keeps the
+    header's hash, and the header holds every tensor's checksum, so one hash pass over
+    the data suffices.
+    """
+    enc = encode_sample(s, run_meta)
+    path = run / sample_relpath(s.index)
     if not path.parent.is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
         fsync_dir(path.parent.parent)
-    atomic_write_bytes(path, data)
-    return journal_entry(s.index, s.sample_id, data)
+    atomic_write(path, enc.write, reserve=enc.size)
+    return journal_entry(s.index, s.sample_id, enc.header, enc.size)
 
 
-def journal_entry(index: int, sample_id: str, data: bytes) -> dict:
+def journal_entry(index: int, sample_id: str, header: bytes, size: int) -> dict:
+    """A journal line: where the sample is, its size and the xxh3-128 of its header bytes."""
     import time
 
-    header, _ = parse_header(data, Path(sample_relpath(index)))
-    return {"index": index, "id": sample_id, "path": sample_relpath(index), "size": len(data),
-            "file_xxh3": xxhash.xxh3_128_hexdigest(data), "tokens": int(header["__metadata__"]["tokens"]),
+    meta = parse_header(header, Path(sample_relpath(index)))[0]["__metadata__"]
+    return {"index": index, "id": sample_id, "path": sample_relpath(index), "size": size,
+            "header_xxh3": xxhash.xxh3_128_hexdigest(header), "tokens": int(meta["tokens"]),
             "t": round(time.time(), 3)}  # fmt: skip
 
 
@@ -360,6 +379,10 @@ def check_sample_bytes(
                 raise StoreError(
                     f"{path}: size {len(data)} differs from the journal's {entry.get('size')}"
                 )
+            if xxhash.xxh3_128_hexdigest(bytes(data[:base])) != entry.get("header_xxh3"):
+                raise StoreError(
+                    f"{path}: header differs from the one journaled (not the committed file)"
+                )
             if int(meta["sample_index"]) != entry["index"]:
                 raise StoreError(
                     f"{path}: holds sample {meta['sample_index']}, journal says {entry['index']}"
@@ -371,12 +394,6 @@ def check_sample_bytes(
                 got = xxhash.xxh3_128_hexdigest(data[base + a : base + b])
                 if got != sums.get(name):
                     raise StoreError(f"{path}: checksum mismatch in {name} (data corrupted)")
-            if (
-                entry is not None
-                and "file_xxh3" in entry
-                and xxhash.xxh3_128_hexdigest(data) != entry["file_xxh3"]
-            ):
-                raise StoreError(f"{path}: whole-file checksum differs from the journal")
         return Check(path, True, header=header, nbytes=len(data))
     except StoreError as exc:
         return Check(path, False, str(exc), nbytes=len(data))
