@@ -351,6 +351,170 @@ def doctor(
         raise typer.Exit(EXIT_PROBLEMS)
 
 
+@app.command()
+def train(
+    data: Path = typer.Option(..., "--data", help="Extraction run directory."),
+    out: Path = typer.Option(..., "--out", help="Training directory."),
+    model: Path | None = typer.Option(
+        None, "--model", help="Target model dir (default: the run's)."
+    ),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue from the latest checkpoint in --out."
+    ),
+    epochs: int = typer.Option(3, "--epochs"),
+    ttt_steps: int = typer.Option(7, "--ttt-steps", help="Unrolled training-time-test steps."),
+    step_decay: float = typer.Option(
+        0.8, "--step-decay", help="Loss weight of step i is decay**i."
+    ),
+    lr: float = typer.Option(1e-4, "--lr"),
+    warmup_steps: int = typer.Option(50, "--warmup-steps"),
+    batch_tokens: int = typer.Option(8192, "--batch-tokens", help="Tokens per micro-batch."),
+    grad_accum: int = typer.Option(1, "--grad-accum"),
+    val_fraction: float = typer.Option(0.05, "--val-fraction"),
+    eval_every: int = typer.Option(0, "--eval-every", help="Also evaluate every N steps."),
+    save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
+    keep_checkpoints: int = typer.Option(2, "--keep-checkpoints"),
+    draft_vocab_size: int | None = typer.Option(None, "--draft-vocab-size"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    device: str = typer.Option("auto", "--device"),
+    seed: int = typer.Option(0, "--seed"),
+    verify_data: bool = typer.Option(False, "--verify-data", help="Check checksums on first read."),
+) -> None:
+    """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
+    from .store import StoreError
+    from .train import EXIT_STOPPED, TrainConfig, TrainStopped
+    from .train import train as run_train
+
+    _quiet_transformers()
+    cfg = _config(
+        TrainConfig, data=str(data), out=str(out), model=str(model) if model else None, epochs=epochs,
+        ttt_steps=ttt_steps, step_decay=step_decay, lr=lr, warmup_steps=warmup_steps, batch_tokens=batch_tokens,
+        grad_accum=grad_accum, val_fraction=val_fraction, eval_every=eval_every, save_every=save_every,
+        keep_checkpoints=keep_checkpoints, draft_vocab_size=draft_vocab_size, dtype=dtype, device=device,
+        seed=seed, verify_data=verify_data,
+    )  # fmt: skip
+    try:
+        res = run_train(cfg, resume=resume)
+    except TrainStopped as exc:
+        raise fail(str(exc), EXIT_STOPPED) from None
+    except (StoreError, ValueError, OSError, KeyError) as exc:
+        raise fail(str(exc)) from None
+    v = res["val"]
+    tail = (
+        f"; val acc/step {[round(a, 3) for a in v['acc']]}, est. acceptance {v['accept_len'][-1]:.2f}"
+        if v
+        else ""
+    )
+    console.print(
+        f"trained {res['steps']} steps at {res['tokens_per_s']:.0f} tokens/s{tail} -> {out}",
+        highlight=False,
+    )
+
+
+@app.command()
+def export(
+    train_dir: Path = typer.Argument(..., help="Training directory (from eyas train)."),
+    fmt: str = typer.Option(
+        ...,
+        "--format",
+        help="vllm (speculators Eagle3Speculator) or sglang (LlamaForCausalLMEagle3).",
+    ),
+    out: Path = typer.Option(
+        ..., "--out", help="Directory to write config.json and model.safetensors to."
+    ),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    speculative_tokens: int = typer.Option(
+        3, "--speculative-tokens", help="Default draft length in the vLLM config."
+    ),
+) -> None:
+    """Write the trained drafter in a format vLLM or SGLang loads."""
+    from .export import ExportError
+    from .export import export as run_export
+
+    try:
+        path = run_export(train_dir, fmt, out, dtype=dtype, speculative_tokens=speculative_tokens)
+    except ExportError as exc:
+        raise fail(str(exc), EXIT_USAGE if "--" in str(exc) else EXIT_PROBLEMS) from None
+    except OSError as exc:
+        raise fail(str(exc)) from None
+    if fmt == "vllm":
+        hint = f'vllm serve TARGET --speculative-config \'{{"method":"eagle3","model":"{path}","num_speculative_tokens":{speculative_tokens}}}\''
+    else:
+        hint = f"python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 --speculative-draft-model-path {path}"
+    console.print(f"exported {fmt} drafter to {path}\n  serve with: {hint}", highlight=False)
+
+
+@app.command()
+def evaluate(
+    model: Path = typer.Option(..., "--model", help="Target model directory."),
+    drafter: Path = typer.Option(..., "--drafter", help="Exported drafter (either format)."),
+    data: Path = typer.Option(
+        ..., "--data", help="JSONL conversations; prompts end before the last assistant turn."
+    ),
+    draft_tokens: int = typer.Option(3, "--draft-tokens", help="Chain length K."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    limit: int = typer.Option(20, "--limit", help="Prompts to use (0: all)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check."""
+    from .evaluate import evaluate as run_eval
+    from .export import ExportError
+
+    _quiet_transformers()
+    try:
+        res = run_eval(
+            str(model),
+            str(drafter),
+            str(data),
+            k=draft_tokens,
+            max_new_tokens=max_new_tokens,
+            limit=limit or None,
+        )
+    except (ExportError, ValueError, OSError) as exc:
+        raise fail(str(exc)) from None
+    d = res.to_dict()
+    if as_json:
+        _print_json(d)
+    else:
+        pos = ", ".join(f"{a:.2f}" if a is not None else "-" for a in d["per_position_acceptance"])
+        console.print(
+            f"{d['prompts']} prompts, {d['rounds']} rounds: mean acceptance length {d['acceptance_length']:.2f} "
+            f"(K={draft_tokens}); per-position acceptance [{pos}]\n"
+            f"speculative {d['spec_tokens_per_s']:.1f} tok/s vs greedy {d['greedy_tokens_per_s']:.1f} tok/s "
+            f"(x{d['speedup']}); lossless: {'yes' if d['lossless'] else 'NO'}",
+            highlight=False,
+        )
+        for m in d["mismatches"][:3]:
+            console.print(
+                f"  prompt {m['prompt']} differs at token {m['first_difference_at']}",
+                highlight=False,
+            )
+    if not d["lossless"]:
+        raise typer.Exit(EXIT_PROBLEMS)
+
+
+@app.command()
+def demo(
+    workdir: Path = typer.Option(
+        Path("eyas-demo"), "--workdir", help="Where the demo writes everything (rebuilt each time)."
+    ),
+    epochs: int = typer.Option(10, "--epochs"),
+    as_json: bool = typer.Option(False, "--json", help="Also print the summary as JSON."),
+) -> None:
+    """Run the whole pipeline on the built-in demo target and conversations."""
+    from .demo import run_demo
+
+    _quiet_transformers()
+    try:
+        summary = run_demo(workdir, epochs=epochs)
+    except ValueError as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
+    if as_json:
+        _print_json(summary)
+    if not summary["lossless"]:
+        raise fail("speculative decoding differed from greedy decoding")
+
+
 def _print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 

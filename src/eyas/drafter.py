@@ -89,16 +89,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = upcast(x)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """Half precision -> float32 for norms and softmax; float32/64 stay as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (Llama's half-rotation layout); x (B, h, T, d), pos (B, T)."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = pos.float()[:, None, :, None] * inv  # (B, 1, T, d/2)
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=f) / d))
+    ang = pos.to(f)[:, None, :, None] * inv  # (B, 1, T, d/2)
     cos, sin = (
         torch.cat([ang, ang], -1).cos().to(x.dtype),
         torch.cat([ang, ang], -1).sin().to(x.dtype),
@@ -138,7 +144,7 @@ class Attention(nn.Module):
         s = (q @ prefix_k.transpose(-1, -2)) * scale  # (B, h, Tq, Tk)
         s = s.masked_fill(~prefix_mask, float("-inf"))
         diag = [(q * k).sum(-1, keepdim=True) * scale for k in chain_k]  # each (B, h, Tq, 1)
-        p = torch.softmax(torch.cat([s, *diag], -1).float(), -1).to(q.dtype)
+        p = torch.softmax(upcast(torch.cat([s, *diag], -1)), -1).to(q.dtype)
         Tk = prefix_k.shape[2]
         out = p[..., :Tk] @ prefix_v  # (B, h, Tq, d)
         for j, v in enumerate(chain_v):

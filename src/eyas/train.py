@@ -207,7 +207,7 @@ def ttt_loss(
         right = dids[logits.argmax(-1)] == shift(batch["tgt_top"], 1 + i, -1)  # (B, T)
         cond = scored & all_right
         all_right = all_right & right
-        stats.append([float(loss_sum), float(lmask.sum()), float((right & scored).sum()), float(scored.sum()),
+        stats.append([float(loss_sum.detach()), float(lmask.sum()), float((right & scored).sum()), float(scored.sum()),
                       float((right & cond).sum()), float(cond.sum())])  # fmt: skip
     return total, torch.tensor(stats, dtype=torch.float64)
 
@@ -542,7 +542,7 @@ def plot_metrics(out: Path) -> list[Path]:
             if not rs:
                 continue
             for i in range(len(rs[0][key])):
-                ax.plot([r["step"] for r in rs], [r[key][i] for r in rs], style, label=f"{split} step {i}",
+                ax.plot([r["step"] for r in rs], [r[key][i] for r in rs], style, label=f"{split} step {i}", color=f"C{i}",
                         alpha=0.5 if split == "train" else 1.0, markersize=3)  # fmt: skip
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(title)

@@ -1,0 +1,167 @@
+"""`eyas demo`: the whole pipeline on the shipped demo target and conversations.
+
+prepare -> extract -> verify -> train -> export (vLLM and SGLang) -> evaluate, in a work
+directory, a few minutes on 2 CPU cores. Evaluation uses conversations held out from
+training (generated with another seed), so the measured acceptance is not memorised.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from rich.table import Table
+
+from .demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+from .ui import console
+
+MARKER = ".eyas-demo"
+EVAL_SEED = 99
+
+
+def run_demo(
+    workdir: Path, *, epochs: int = 10, ttt_steps: int = 5, eval_prompts: int = 30
+) -> dict:
+    from .demo_data import generate_conversations, write_jsonl
+    from .evaluate import evaluate
+    from .export import export
+    from .extract import ExtractConfig, extract
+    from .prepare import PrepareConfig, prepare
+    from .train import TrainConfig, train
+    from .verify import verify
+
+    workdir = Path(workdir)
+    if workdir.exists() and any(workdir.iterdir()):
+        if not (workdir / MARKER).exists():
+            raise ValueError(
+                f"{workdir} exists and is not an eyas demo directory; choose another --workdir"
+            )
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / MARKER).write_text("made by eyas demo; deleted and rebuilt by the next eyas demo\n")
+    t_all = time.monotonic()
+    timings = {}
+
+    def stage(name: str):
+        console.rule(f"[bold]{name}")
+        timings[name] = time.monotonic()
+
+    def done(name: str):
+        timings[name] = time.monotonic() - timings[name]
+
+    stage("prepare")
+    ds = workdir / "dataset"
+    p = prepare(
+        PrepareConfig(
+            model=str(DEMO_TARGET),
+            data=(str(DEMO_CONVERSATIONS),),
+            out=str(ds),
+            draft_vocab_size=512,
+        )
+    )
+    done("prepare")
+
+    stage("extract")
+    run = workdir / "run"
+    x = extract(
+        ExtractConfig(
+            model=str(DEMO_TARGET), data=str(ds), out=str(run), batch_tokens=4096, min_free="64M"
+        )
+    )
+    done("extract")
+
+    stage("verify")
+    v = verify(run)
+    if not v.clean:
+        raise RuntimeError(
+            f"verify found problems in {run}: {[pr.detail for pr in v.problems[:3]]}"
+        )
+    console.print(
+        f"verify: {v.ok}/{v.checked} samples intact, {v.mb_per_s:.0f} MB/s", highlight=False
+    )
+    done("verify")
+
+    stage("train")
+    tdir = workdir / "train"
+    t = train(TrainConfig(data=str(run), out=str(tdir), epochs=epochs, ttt_steps=ttt_steps, lr=3e-3, warmup_steps=10,
+                          batch_tokens=2048, val_fraction=0.1, save_every=50))  # fmt: skip
+    done("train")
+
+    stage("export")
+    ex_vllm = export(tdir, "vllm", workdir / "drafter-vllm")
+    ex_sglang = export(tdir, "sglang", workdir / "drafter-sglang")
+    console.print(f"exported {ex_vllm} and {ex_sglang}", highlight=False)
+    done("export")
+
+    stage("evaluate")
+    held_out = workdir / "eval_conversations.jsonl"
+    write_jsonl(held_out, generate_conversations(eval_prompts, seed=EVAL_SEED))
+    e = evaluate(
+        str(DEMO_TARGET), str(ex_vllm), str(held_out), k=3, max_new_tokens=48, limit=eval_prompts
+    )
+    done("evaluate")
+
+    ed = e.to_dict()
+    val = t["val"]
+    summary = {
+        "samples": x.done_before + x.committed,
+        "tokens": p.tokens,
+        "trainable_tokens": p.trainable_tokens,
+        "bytes_per_token": x.bytes_written / max(x.tokens, 1),
+        "val_acc_per_step": [round(a, 3) for a in val["acc"]],
+        "val_cond_acc_per_step": [round(a, 3) for a in val["cond_acc"]],
+        "estimated_acceptance_length_k3": round(
+            val["accept_len"][min(2, len(val["accept_len"]) - 1)], 3
+        ),
+        "measured_acceptance_length_k3": ed["acceptance_length"],
+        "per_position_acceptance": ed["per_position_acceptance"],
+        "train_tokens_per_s": round(t["tokens_per_s"], 1),
+        "spec_tokens_per_s": ed["spec_tokens_per_s"],
+        "greedy_tokens_per_s": ed["greedy_tokens_per_s"],
+        "lossless": ed["lossless"],
+        "plots": [str(tdir / "loss.png"), str(tdir / "accuracy.png")],
+        "drafters": [str(ex_vllm), str(ex_sglang)],
+        "seconds": round(time.monotonic() - t_all, 1),
+        "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
+    }
+    _print_table(summary)
+    return summary
+
+
+def _print_table(s: dict) -> None:
+    tab = Table(title="eyas demo", show_header=False, title_style="bold")
+    tab.add_column(style="bold")
+    tab.add_column()
+    rows = [
+        ("samples", f"{s['samples']}"),
+        ("tokens", f"{s['tokens']:,} ({s['trainable_tokens']:,} trainable)"),
+        ("bytes per token on disk", f"{s['bytes_per_token']:.0f}"),
+        ("val acc per TTT step", " ".join(f"{a:.2f}" for a in s["val_acc_per_step"])),
+        ("val conditional acc", " ".join(f"{a:.2f}" for a in s["val_cond_acc_per_step"])),
+        (
+            "acceptance length, K=3",
+            f"estimated {s['estimated_acceptance_length_k3']:.2f}, measured {s['measured_acceptance_length_k3']:.2f}",
+        ),
+        (
+            "per-position acceptance",
+            " ".join(f"{a:.2f}" for a in s["per_position_acceptance"] if a is not None),
+        ),
+        (
+            "decoding tokens/s",
+            f"speculative {s['spec_tokens_per_s']:.0f} vs greedy {s['greedy_tokens_per_s']:.0f} (tiny target on CPU)",
+        ),
+        ("lossless", "yes" if s["lossless"] else "NO"),
+        ("training tokens/s", f"{s['train_tokens_per_s']:.0f}"),
+        ("plots", "\n".join(s["plots"])),
+        ("exported drafters", "\n".join(s["drafters"])),
+        (
+            "time",
+            f"{s['seconds']:.0f}s ("
+            + ", ".join(f"{k} {v:.0f}s" for k, v in s["stage_seconds"].items())
+            + ")",
+        ),
+    ]
+    for k, v in rows:
+        tab.add_row(k, v)
+    console.print(tab)

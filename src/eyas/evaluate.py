@@ -1,0 +1,238 @@
+"""Stage 6, `evaluate`: real speculative decoding with the HF target and an exported drafter.
+
+Greedy, chain of K drafts, as serving engines run EAGLE-3: the target's aux hidden states
+of every accepted position feed the drafter's prefix (one key/value entry per position),
+the drafter proposes K tokens, the target verifies them in one forward pass, the longest
+matching prefix plus one bonus token is kept. The output is compared token for token with
+plain greedy decoding of the target (lossless), and both are timed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .export import load_export
+from .prepare import RecordError, _parse, iter_records, to_messages
+
+
+@dataclass
+class EvalResult:
+    prompts: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    per_position: list[list[int]] = field(default_factory=list)  # [accepted, drafted] per position
+    spec_tokens: int = 0
+    spec_seconds: float = 0.0
+    base_tokens: int = 0
+    base_seconds: float = 0.0
+    mismatches: list[dict] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens produced per target forward in decoding (1 + accepted per round)."""
+        return 1 + self.accepted / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompts": self.prompts, "rounds": self.rounds, "draft_tokens": self.drafted, "accepted": self.accepted,
+            "acceptance_length": round(self.acceptance_length, 3),
+            "per_position_acceptance": [round(a / d, 3) if d else None for a, d in self.per_position],
+            "spec_tokens_per_s": round(self.spec_tokens / self.spec_seconds, 1) if self.spec_seconds else 0.0,
+            "greedy_tokens_per_s": round(self.base_tokens / self.base_seconds, 1) if self.base_seconds else 0.0,
+            "speedup": round((self.spec_tokens / self.spec_seconds) / (self.base_tokens / self.base_seconds), 3)
+            if self.spec_seconds and self.base_seconds and self.base_tokens else None,
+            "lossless": not self.mismatches, "mismatches": self.mismatches,
+        }  # fmt: skip
+
+
+class AuxTap:
+    """Forward hooks on the target's aux layers (HF `hidden_states[k]` = output of layer k-1)."""
+
+    def __init__(self, model, aux_hf: list[int]):
+        layers = model.get_decoder().layers
+        self.out: dict[int, torch.Tensor] = {}
+        self.handles = [
+            layers[k - 1].register_forward_hook(self._keep(j)) for j, k in enumerate(aux_hf)
+        ]
+
+    def _keep(self, j):
+        def hook(_m, _i, o):
+            self.out[j] = o[0] if isinstance(o, tuple) else o
+
+        return hook
+
+    def aux(self) -> torch.Tensor:
+        return torch.cat([self.out[j] for j in range(3)], -1)  # (1, n, 3H)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def load_prompts(tokenizer, path: Path, limit: int | None) -> list[list[int]]:
+    """Conversations cut before their last assistant turn, rendered with a generation prompt."""
+    prompts = []
+    for rec in iter_records(Path(path)):
+        try:
+            fmt, msgs = to_messages(_parse(rec))
+        except RecordError:
+            continue
+        if fmt == "text":
+            continue
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        text = tokenizer.apply_chat_template(
+            msgs[:last], tokenize=False, add_generation_prompt=True
+        )
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if limit and len(prompts) >= limit:
+            break
+    return prompts
+
+
+def _cache_kw(model, cache) -> dict:
+    """transformers 5 names the argument `cache`; earlier releases `past_key_values`."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
+def _crop(cache, keep: int) -> None:
+    drop = cache.get_seq_length() - keep
+    if drop > 0:
+        cache.crop(-drop)  # a negative length drops that many tokens, in every release
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    kw = _cache_kw(model, cache)
+    out = model(torch.tensor([prompt]), **kw)
+    tok = int(out.logits[0, -1].argmax())
+    gen = [tok]
+    while len(gen) < max_new and tok not in eos:
+        out = model(torch.tensor([[tok]]), **kw)
+        tok = int(out.logits[0, -1].argmax())
+        gen.append(tok)
+    return gen
+
+
+@torch.no_grad()
+def speculative(
+    model,
+    tap: AuxTap,
+    drafter,
+    prompt: list[int],
+    max_new: int,
+    k: int,
+    eos: set[int],
+    res: EvalResult,
+) -> list[int]:
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    kw = _cache_kw(model, cache)
+    out = model(torch.tensor([prompt]), **kw)
+    aux = tap.aux()  # (1, P, 3H)
+    x_next = int(out.logits[0, -1].argmax())
+    gen = [x_next]
+    n_ctx = len(prompt)  # positions with target KV and states
+    # Drafter prefix: root t pairs the target state f_t with the next token x_{t+1}.
+    pk, pv = drafter.prefix_kv(torch.tensor([prompt[1:] + [x_next]]), aux, 0)
+    last_aux = aux[:, -1:]
+    while len(gen) < max_new and x_next not in eos:
+        drafts = drafter.draft(pk, pv, x_next, last_aux, root=n_ctx - 1, k=k)
+        out = model(torch.tensor([[x_next, *drafts]]), **kw)
+        preds = out.logits[0].argmax(-1).tolist()  # (k+1,)
+        new_aux = tap.aux()  # (1, k+1, 3H)
+        n = 0
+        while n < k and drafts[n] == preds[n]:
+            n += 1
+        res.rounds += 1
+        res.drafted += k
+        res.accepted += n
+        for j in range(k):
+            res.per_position[j][1] += 1
+            res.per_position[j][0] += int(j < n)
+        _crop(cache, n_ctx + 1 + n)
+        new = drafts[:n] + [preds[n]]
+        kv = drafter.prefix_kv(torch.tensor([new]), new_aux[:, : n + 1], n_ctx)
+        pk, pv = torch.cat([pk, kv[0]], 2), torch.cat([pv, kv[1]], 2)
+        last_aux = new_aux[:, n : n + 1]
+        n_ctx += n + 1
+        x_next = new[-1]
+        for t in new:
+            gen.append(t)
+            if t in eos or len(gen) >= max_new:
+                x_next = t
+                break
+    return gen[:max_new]
+
+
+def evaluate(
+    model_dir: str,
+    drafter_dir: str,
+    data: str,
+    *,
+    k: int = 3,
+    max_new_tokens: int = 64,
+    limit: int | None = 20,
+) -> EvalResult:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, local_files_only=True
+    ).eval()
+    drafter, aux_hf = load_export(drafter_dir)
+    if (
+        drafter.config.hidden_size != model.config.hidden_size
+        or drafter.config.vocab_size != model.config.vocab_size
+    ):
+        raise ValueError(f"{drafter_dir}: drafter (H={drafter.config.hidden_size}, V={drafter.config.vocab_size}) does not "
+                         f"fit target {model_dir} (H={model.config.hidden_size}, V={model.config.vocab_size})")  # fmt: skip
+    eos = {tok.eos_token_id} | set(_as_list(model.config.eos_token_id))
+    eos.discard(None)
+    prompts = load_prompts(tok, Path(data), limit)
+    if not prompts:
+        raise ValueError(f"{data}: no usable conversations with an assistant turn")
+    res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)])
+    tap = AuxTap(model, aux_hf)
+    try:
+        for i, p in enumerate(prompts):
+            t0 = time.perf_counter()
+            base = greedy(model, p, max_new_tokens, eos)
+            t1 = time.perf_counter()
+            spec = speculative(model, tap, drafter, p, max_new_tokens, k, eos, res)
+            t2 = time.perf_counter()
+            res.base_seconds += t1 - t0
+            res.spec_seconds += t2 - t1
+            res.base_tokens += len(base)
+            res.spec_tokens += len(spec)
+            if spec != base:
+                first = next(
+                    (j for j, (a, b) in enumerate(zip(spec, base, strict=False)) if a != b),
+                    min(len(spec), len(base)),
+                )
+                res.mismatches.append(
+                    {
+                        "prompt": i,
+                        "first_difference_at": first,
+                        "greedy": tok.decode(base),
+                        "speculative": tok.decode(spec),
+                    }
+                )
+    finally:
+        tap.remove()
+    return res
+
+
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]

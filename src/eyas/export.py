@@ -1,0 +1,190 @@
+"""Stage 5, `export`: write a trained drafter in the formats serving engines load.
+
+- `vllm`: the speculators format (`Eagle3Speculator`), decoder layer as `layers.0.*`.
+- `sglang`: the EAGLE format (`LlamaForCausalLMEagle3`), decoder layer as `midlayer.*`.
+
+Both carry `fc`, the layer, `norm`, `lm_head` [D, H], `d2t` (int64) and `t2d` (bool), and the
+target's token embeddings copied exactly (never random ones). Aux layer ids are written in
+the engines' convention (HF `hidden_states` indices) and `norm_before_residual` is written
+explicitly because loaders disagree on its default. `load_export` reads either format back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import __version__
+from .drafter import Drafter, DrafterConfig
+from .fsutil import atomic_write_json, read_json
+
+FORMATS = ("vllm", "sglang")
+_LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ExportError(ValueError):
+    pass
+
+
+def trained_weights(train_dir: Path) -> tuple[dict, dict, dict]:
+    """(state dict, drafter config dict, train.json) of a training directory."""
+    from .train import latest_checkpoint
+
+    train_dir = Path(train_dir)
+    if not (train_dir / "train.json").is_file():
+        raise ExportError(f"{train_dir}: not a training directory (no train.json)")
+    info = read_json(train_dir / "train.json")
+    final = train_dir / "drafter.safetensors"
+    if not final.is_file():
+        ckpt = latest_checkpoint(train_dir)
+        if ckpt is None:
+            raise ExportError(f"{train_dir}: no drafter.safetensors and no complete checkpoint")
+        final = ckpt / "drafter.safetensors"
+    cfg_path = train_dir / "drafter_config.json"
+    if not cfg_path.is_file():
+        raise ExportError(
+            f"{cfg_path}: missing (training did not finish); finish or resume training first"
+        )
+    return load_file(str(final)), read_json(cfg_path), info
+
+
+def _llama_fields(c: DrafterConfig) -> dict:
+    return {
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def export_config(
+    fmt: str, c: DrafterConfig, aux_hf: list[int], target: dict, dtype: str, k: int
+) -> dict:
+    if fmt == "vllm":
+        return {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.1.0",
+            "draft_vocab_size": c.draft_vocab_size,
+            "norm_before_residual": c.norm_before_residual,
+            "norm_before_fc": False,
+            "target_hidden_size": c.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": aux_hf,
+            "transformer_layer_config": _llama_fields(c),
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
+                "verifier": {
+                    "name_or_path": target["path"],
+                    "architectures": target["architectures"],
+                },
+            },
+            "torch_dtype": dtype,
+            "eyas_version": __version__,
+        }
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_fields(c),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.hidden_size,
+        "norm_before_residual": c.norm_before_residual,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_hf, "use_aux_hidden_state": True},
+        "torch_dtype": dtype,
+        "eyas_version": __version__,
+    }
+
+
+def export(
+    train_dir: str | Path,
+    fmt: str,
+    out: str | Path,
+    *,
+    dtype: str = "float32",
+    speculative_tokens: int = 3,
+) -> Path:
+    if fmt not in FORMATS:
+        raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if dtype not in _DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    state, cdict, info = trained_weights(Path(train_dir))
+    c = DrafterConfig(**cdict)
+    target_cfg = (
+        read_json(Path(info["model_path"]) / "config.json")
+        if (Path(info["model_path"]) / "config.json").is_file()
+        else {}
+    )
+    target = {"path": info["model_path"], "architectures": target_cfg.get("architectures", [])}
+    prefix = _LAYER_PREFIX[fmt]
+    tensors = {}
+    for name, t in state.items():
+        if name.startswith("midlayer."):
+            name = prefix + name.removeprefix("midlayer.")
+        if t.is_floating_point():
+            t = t.to(_DTYPES[dtype])
+        elif name == "t2d":
+            t = t.bool()
+        elif name == "d2t":
+            t = t.long()
+        tensors[name] = t.contiguous()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    atomic_write_json(
+        out / "config.json",
+        export_config(fmt, c, info["aux_layers_hf"], target, dtype, speculative_tokens),
+    )
+    return out
+
+
+def load_export(path: str | Path) -> tuple[Drafter, list[int]]:
+    """A Drafter from an export directory of either format, and its aux layer ids (HF convention)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ExportError(f"{path}: no config.json (not an exported drafter)")
+    cfg = json.loads(cfg_file.read_text())
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch == "Eagle3Speculator":
+        layer, aux = cfg["transformer_layer_config"], cfg["eagle_aux_hidden_state_layer_ids"]
+        prefix = "layers.0."
+    elif arch == "LlamaForCausalLMEagle3":
+        layer, aux = cfg, cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        prefix = "midlayer."
+    else:
+        raise ExportError(f"{cfg_file}: unknown architecture {arch!r}")
+    c = DrafterConfig(
+        hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+        num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
+        head_dim=layer["head_dim"], vocab_size=layer["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
+        rms_norm_eps=layer["rms_norm_eps"], rope_theta=layer["rope_theta"],
+        max_position_embeddings=layer["max_position_embeddings"], hidden_act=layer["hidden_act"],
+        norm_before_residual=cfg["norm_before_residual"],
+    )  # fmt: skip
+    drafter = Drafter(c)
+    raw = load_file(str(path / "model.safetensors"))
+    state = {
+        ("midlayer." + k.removeprefix(prefix) if k.startswith(prefix) else k): v
+        for k, v in raw.items()
+    }
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ExportError(f"{path}/model.safetensors: missing {missing}, unexpected {unexpected}")
+    return drafter.eval(), list(aux)

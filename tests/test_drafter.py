@@ -1,0 +1,103 @@
+"""The drafter: TTT attention against a slow explicit reference; inference matches training."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from eyas.drafter import Drafter, DrafterConfig
+
+
+def _drafter(seed=0, **kw) -> Drafter:
+    torch.manual_seed(seed)
+    c = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      vocab_size=50, draft_vocab_size=20, **kw)  # fmt: skip
+    d = Drafter(c)
+    for p in d.parameters():  # norms away from 1, so a wrong wiring shows
+        p.data.normal_(0, 0.3) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
+    d.embed_tokens.weight.data.normal_()
+    d.set_draft_vocab(torch.sort(torch.randperm(50)[:20]).values)
+    return d.double().eval()  # float64: differences from the reference are wiring, not rounding
+
+
+def slow_reference(
+    d: Drafter, ids: torch.Tensor, aux: torch.Tensor, steps: int
+) -> list[torch.Tensor]:
+    """Position by position, step by step, with explicit key lists (one sequence)."""
+    layer, attn = d.midlayer, d.midlayer.self_attn
+    T = ids.shape[0]
+    tok = lambda j: int(ids[j]) if j < T else 0  # noqa: E731
+    hidden = {t: d.fc(aux[t])[None, None] for t in range(T)}  # step-0 input state per root
+    keys: dict[tuple[int, int], tuple] = {}  # (step, root) -> (k, v), each (h, d)
+    logits = []
+    for i in range(steps):
+        out_h, out_l, queries = {}, [], {}
+        for t in range(T):
+            x, res = layer.inputs(d.embed_tokens(torch.tensor([[tok(t + 1 + i)]])), hidden[t])
+            q, k, v = attn.qkv(x, torch.tensor([[t + i]]))
+            keys[(i, t)] = (k[0, :, 0], v[0, :, 0])
+            queries[t] = (q[0, :, 0], res)
+        for t in range(T):
+            q, res = queries[t]
+            ks = [keys[(0, r)] for r in range(t + 1)] + [keys[(j, t)] for j in range(1, i + 1)]
+            K = torch.stack([k for k, _ in ks], 1)  # (h, n, d)
+            V = torch.stack([v for _, v in ks], 1)
+            w = torch.softmax(
+                (K @ q[:, :, None]).squeeze(-1) / math.sqrt(q.shape[-1]), -1
+            )  # (h, n)
+            o = (w[:, :, None] * V).sum(1).reshape(1, 1, -1)  # (1, 1, h*d)
+            out_h[t] = layer.finish(attn.o_proj(o), res)
+            out_l.append(d.logits(out_h[t])[0, 0])
+        hidden = out_h
+        logits.append(torch.stack(out_l))
+    return logits
+
+
+def test_ttt_matches_slow_reference():
+    for norm_before_residual in (False, True):
+        d = _drafter(norm_before_residual=norm_before_residual)
+        torch.manual_seed(1)
+        ids, aux = torch.randint(0, 50, (2, 9)), torch.randn(2, 9, 96, dtype=torch.float64)
+        with torch.no_grad():
+            fast = d.forward_ttt(ids, aux, steps=4)
+            for b in range(2):
+                ref = slow_reference(d, ids[b], aux[b], steps=4)
+                for i in range(4):
+                    torch.testing.assert_close(fast[i][0][b], ref[i], atol=1e-10, rtol=1e-9)
+
+
+def test_ttt_step_sees_its_chain_not_other_roots():
+    """Changing the token at a later root changes nothing at earlier roots, at any step."""
+    d = _drafter()
+    ids, aux = torch.randint(0, 50, (1, 10)), torch.randn(1, 10, 96, dtype=torch.float64)
+    ids2 = ids.clone()
+    ids2[0, 8] = (ids[0, 8] + 1) % 50
+    with torch.no_grad():
+        a, b = d.forward_ttt(ids, aux, 3), d.forward_ttt(ids2, aux, 3)
+    for i in range(3):
+        # step i at root t reads x_{t+1+i}: roots t < 7 - i never see position 8
+        torch.testing.assert_close(a[i][0][0, : 7 - i], b[i][0][0, : 7 - i])
+        assert not torch.allclose(a[i][0][0, 7 - i], b[i][0][0, 7 - i])
+
+
+def test_inference_chain_equals_training_unroll():
+    d = _drafter()
+    M, k = 7, 4
+    torch.manual_seed(3)
+    ids, aux = torch.randint(0, 50, (1, M + 1)), torch.randn(1, M, 96, dtype=torch.float64)
+    pk, pv = d.prefix_kv(ids[:, 1 : M + 1], aux, 0)  # step 0 of roots 0..M-1 (x_{t+1})
+    drafts = d.draft(pk, pv, int(ids[0, M]), aux[:, M - 1 :], root=M - 1, k=k)
+    seq = torch.cat([ids, torch.tensor([drafts[:-1]])], 1)  # teacher-force the drafts
+    aux_full = torch.cat([aux, torch.randn(1, k, 96, dtype=torch.float64)], 1)
+    with torch.no_grad():
+        outs = d.forward_ttt(seq, aux_full, k)
+    got = [int(d.draft_ids[outs[i][0][0, M - 1].argmax()]) for i in range(k)]
+    assert got == drafts
+
+
+def test_draft_vocab_mapping():
+    d = _drafter()
+    ids = d.draft_ids
+    assert torch.equal(ids, torch.nonzero(d.t2d).squeeze(1))
+    assert torch.equal(d.d2t, ids - torch.arange(20))
