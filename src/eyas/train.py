@@ -453,6 +453,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
                 opt.step()
                 state = {"step": state["step"] + 1, "epoch": epoch, "batch": bi + len(group)}
                 if state["step"] % 10 == 0 or state["batch"] >= len(batches):
+                    if world > 1:
+                        dist.all_reduce(window)
                     s = summarize(window)
                     _log(out, rank, {"split": "train", **state, "lr": lr_at(state["step"] - 1),
                                      "tokens_per_s": tokens_seen * world / max(time.monotonic() - t0, 1e-9), **s})  # fmt: skip

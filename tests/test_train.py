@@ -1,0 +1,214 @@
+"""train, export, evaluate: kill-and-resume, data parallel, export round-trip, lossless decoding."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import eyas
+from safetensors.torch import load_file
+
+from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.export import load_export
+from eyas.extract import ExtractConfig, extract
+from eyas.prepare import PrepareConfig, prepare
+from eyas.train import TrainConfig, latest_checkpoint, train
+from eyas.weights import embed_weight
+
+TRAIN_ARGS = ["--lr", "3e-3", "--warmup-steps", "5", "--batch-tokens", "1024", "--ttt-steps", "3", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> Path:
+    """An extraction run of the demo target over 150 demo conversations."""
+    base = tmp_path_factory.mktemp("demo")
+    src = base / "conv.jsonl"
+    src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:150]))
+    prepare(PrepareConfig(model=str(DEMO_TARGET), data=(str(src),), out=str(base / "ds"), draft_vocab_size=400, progress=False))
+    extract(ExtractConfig(model=str(DEMO_TARGET), data=str(base / "ds"), out=str(base / "run"), progress=False))
+    return base / "run"
+
+
+@pytest.fixture(scope="module")
+def trained(demo_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("trained") / "train"
+    train(TrainConfig(data=str(demo_run), out=str(out), epochs=3, lr=3e-3, warmup_steps=5, batch_tokens=1024,
+                      ttt_steps=3, progress=False))  # fmt: skip
+    return out
+
+
+def _train_cmd(run, out, *extra):
+    return [sys.executable, "-m", "eyas.cli", "train", "--data", str(run), "--out", str(out), *TRAIN_ARGS, *map(str, extra)]
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "drafter.safetensors"))
+
+
+def test_sigkill_and_sigterm_then_resume_give_identical_weights(demo_run, tmp_path):
+    ref = tmp_path / "ref"
+    subprocess.run(_train_cmd(demo_run, ref, "--epochs", "6", "--save-every", "4"), check=True, capture_output=True)
+    out = tmp_path / "out"
+    # 1. SIGKILL once a checkpoint beyond step 8 exists (mid-epoch, between checkpoints).
+    p = subprocess.Popen(_train_cmd(demo_run, out, "--epochs", "6", "--save-every", "4"), stderr=subprocess.DEVNULL)
+    while p.poll() is None and not ((c := latest_checkpoint(out)) and int(c.name.split("-")[1]) >= 8):
+        time.sleep(0.005)
+    time.sleep(0.05)
+    assert p.poll() is None, "training ended before it could be killed"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    killed_at = int(latest_checkpoint(out).name.split("-")[1])
+    # 2. Resume, then SIGTERM: it saves a checkpoint and exits 75.
+    p = subprocess.Popen(_train_cmd(demo_run, out, "--epochs", "6", "--save-every", "4", "--resume"),
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    while p.poll() is None and int(latest_checkpoint(out).name.split("-")[1]) <= killed_at + 4:
+        time.sleep(0.005)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 75, err
+    assert "checkpoint saved" in err and "--resume" in err
+    # 3. Resume to the end.
+    r = eyas(*_train_cmd(demo_run, out, "--epochs", "6", "--save-every", "4", "--resume")[3:])
+    assert r.returncode == 0, r.stderr
+    a, b = _weights(ref), _weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert steps == sorted(steps) and len(steps) == len(set(steps))  # re-done steps were not logged twice
+
+
+def test_data_parallel_matches_single_process(demo_run, tmp_path):
+    single, multi = tmp_path / "single", tmp_path / "ddp"
+    subprocess.run(_train_cmd(demo_run, single, "--epochs", "1"), check=True, capture_output=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
+           "train", "--data", str(demo_run), "--out", str(multi), *TRAIN_ARGS, "--epochs", "1"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((multi / "train.json").read_text())["world"] == 2
+
+    def losses(d):
+        return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = losses(single), losses(multi)
+    assert [x["step"] for x in a] == [x["step"] for x in b] and len(a) >= 2
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(torch.tensor(x["loss"]), torch.tensor(y["loss"]), rtol=1e-4, atol=1e-5)
+        assert x["acc"] == pytest.approx(y["acc"], abs=0.02)
+    wa, wb = _weights(single), _weights(multi)
+    for k in wa:
+        torch.testing.assert_close(wa[k].float(), wb[k].float(), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_export_roundtrip_and_fields(trained, tmp_path, fmt):
+    out = tmp_path / fmt
+    r = eyas("export", trained, "--format", fmt, "--out", out)
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    w = load_file(str(out / "model.safetensors"))
+    H, V, D = 128, 1024, 400
+    tcfg = json.loads((DEMO_TARGET / "config.json").read_text())
+    n = tcfg["num_hidden_layers"]
+    aux = [2, n // 2, n - 3]  # the engines' convention for [1, n//2-1, n-4]
+    if fmt == "vllm":
+        assert cfg["architectures"] == ["Eagle3Speculator"] and cfg["speculators_model_type"] == "eagle3"
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == aux
+        assert cfg["norm_before_residual"] is False and cfg["norm_before_fc"] is False
+        assert cfg["draft_vocab_size"] == D and cfg["target_hidden_size"] == H
+        layer = cfg["transformer_layer_config"]
+        for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
+                    "max_position_embeddings", "vocab_size"):  # fmt: skip
+            assert key in layer, key
+        assert layer["num_hidden_layers"] == 1 and layer["vocab_size"] == V and layer["model_type"] == "llama"
+        sc = cfg["speculators_config"]
+        assert sc["algorithm"] == "eagle3" and sc["proposal_methods"][0]["speculative_tokens"] == 3
+        assert sc["verifier"]["architectures"] == ["LlamaForCausalLM"]
+        prefix = "layers.0."
+    else:
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+        assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}
+        assert cfg["vocab_size"] == V and cfg["draft_vocab_size"] == D and cfg["norm_before_residual"] is False
+        prefix = "midlayer."
+    assert w["fc.weight"].shape == (H, 3 * H)
+    assert w[prefix + "self_attn.q_proj.weight"].shape[1] == 2 * H and w[prefix + "self_attn.k_proj.weight"].shape[1] == 2 * H
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        assert w[f"{prefix}{name}.weight"].shape == (H,)
+    assert w["lm_head.weight"].shape == (D, H) and w["norm.weight"].shape == (H,)
+    assert w["d2t"].dtype == torch.int64 and w["d2t"].shape == (D,)
+    assert w["t2d"].dtype == torch.bool and w["t2d"].shape == (V,) and int(w["t2d"].sum()) == D
+    assert torch.equal(w["embed_tokens.weight"], embed_weight(DEMO_TARGET))  # the target's, exactly
+    # Reloaded, the export computes the same logits as the checkpoint it came from.
+    from eyas.drafter import Drafter, DrafterConfig
+
+    orig = Drafter(DrafterConfig(**json.loads((trained / "drafter_config.json").read_text())))
+    orig.load_state_dict(_weights(trained))
+    back, aux_ids = load_export(out)
+    assert aux_ids == aux
+    torch.manual_seed(0)
+    ids, feats = torch.randint(0, V, (2, 12)), torch.randn(2, 12, 3 * H)
+    with torch.no_grad():
+        for (la, ha), (lb, hb) in zip(orig.eval().forward_ttt(ids, feats, 3), back.forward_ttt(ids, feats, 3), strict=True):
+            assert torch.equal(la, lb) and torch.equal(ha, hb)
+
+
+def test_evaluate_is_lossless_and_accepts(trained, tmp_path):
+    ex = tmp_path / "ex"
+    assert eyas("export", trained, "--format", "sglang", "--out", ex).returncode == 0
+    held_out = tmp_path / "held.jsonl"
+    from eyas.demo_data import generate_conversations, write_jsonl
+
+    write_jsonl(held_out, generate_conversations(12, seed=4242))
+    r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", ex, "--data", held_out, "--draft-tokens", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["lossless"] and d["prompts"] == 12 and d["rounds"] > 0
+    assert d["acceptance_length"] > 1.2  # a trained drafter really skips target steps
+    assert len(d["per_position_acceptance"]) == 3
+    assert d["per_position_acceptance"][0] >= d["per_position_acceptance"][2]
+
+
+def test_evaluate_reports_a_lossy_decoder(trained, tmp_path, monkeypatch):
+    """The lossless check can fail: a decoder that alters one token is caught."""
+    import eyas.evaluate as ev
+    from eyas.export import export
+
+    ex = export(trained, "vllm", tmp_path / "ex")
+    real = ev.speculative
+
+    def lossy(*a, **kw):
+        out = real(*a, **kw)
+        return [out[0] + 1, *out[1:]]
+
+    monkeypatch.setattr(ev, "speculative", lossy)
+    held = tmp_path / "p.jsonl"
+    held.write_text(DEMO_CONVERSATIONS.read_text().splitlines()[0] + "\n")
+    res = ev.evaluate(str(DEMO_TARGET), str(ex), str(held), k=2, max_new_tokens=8)
+    assert res.to_dict()["lossless"] is False and res.mismatches[0]["first_difference_at"] == 0
+
+
+def test_deepseek_v3_target_end_to_end(targets, conversations, tmp_path):
+    """The Kimi-K2 family (MLA + MoE): extract, train, export, lossless speculative decoding."""
+    t = targets["deepseek_v3"]
+    prepare(PrepareConfig(model=str(t), data=(str(conversations),), out=str(tmp_path / "ds"), progress=False))
+    extract(ExtractConfig(model=str(t), data=str(tmp_path / "ds"), out=str(tmp_path / "run"), progress=False))
+    train(TrainConfig(data=str(tmp_path / "run"), out=str(tmp_path / "tr"), epochs=1, ttt_steps=2, batch_tokens=2048, progress=False))
+    assert eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex").returncode == 0
+    r = eyas("evaluate", "--model", t, "--drafter", tmp_path / "ex", "--data", conversations, "--limit", "3",
+             "--max-new-tokens", "12", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["lossless"]
+
+
+def test_train_refuses_mismatched_directory(demo_run, trained, tmp_path):
+    r = eyas("train", "--data", demo_run, "--out", trained, "--epochs", "3", "--lr", "1")
+    assert r.returncode == 1 and "config differs" in r.stderr
+    r = eyas("train", "--data", tmp_path / "nope", "--out", tmp_path / "t")
+    assert r.returncode == 1 and "run.json" in r.stderr
+    assert (trained / "loss.png").stat().st_size > 1000 and (trained / "accuracy.png").stat().st_size > 1000
