@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 from eyas.demo_data import generate_conversations, write_jsonl
-from eyas.extract import Capture, ExtractConfig, extract, load_target, plan_batches
+from eyas.extract import ExtractConfig, extract
 from eyas.prepare import PrepareConfig, PreparedDataset, prepare
+from eyas.target import Capture, load_target, plan_batches
 from eyas.tiny import TinySizes, build_tiny_target
 
 
 def bare_loop(cfg: ExtractConfig, ds: PreparedDataset) -> tuple[float, int]:
-    model, device, _ = load_target(cfg)
+    model, device, _ = load_target(cfg.model, cfg.device, cfg.dtype)
     base = Capture(model, (1, 2, 3)).base  # the decoder stack without the lm_head, as extract uses
     lengths = ds.lengths().tolist()
     tokens = 0

@@ -17,11 +17,20 @@ def test_eyas_demo(tmp_path):
     assert abs(s["estimated_acceptance_length_k3"] - s["measured_acceptance_length_k3"]) < 0.5
     for p in s["plots"] + [d + "/config.json" for d in s["drafters"]]:
         assert (work / p).exists() or __import__("pathlib").Path(p).exists(), p
-    for needle in ("eyas demo", "bytes per token on disk", "acceptance length, K=3", "val acc per TTT step"):
+    for needle in (
+        "eyas demo",
+        "bytes per token on disk",
+        "acceptance length, K=3",
+        "val acc per TTT step",
+    ):
         assert needle in r.stderr
     # A second run rebuilds the same directory; a foreign directory is refused.
     other = tmp_path / "mine"
     other.mkdir()
     (other / "notes.txt").write_text("keep me")
     r = eyas("demo", "--workdir", other)
-    assert r.returncode == 2 and "not an eyas demo directory" in r.stderr and (other / "notes.txt").exists()
+    assert (
+        r.returncode == 2
+        and "not an eyas demo directory" in r.stderr
+        and (other / "notes.txt").exists()
+    )

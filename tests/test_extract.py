@@ -12,9 +12,11 @@ import torch
 from conftest import eyas
 from transformers import AutoModelForCausalLM
 
-from eyas.extract import ExtractConfig, default_aux_layers, extract, plan_batches
+from eyas.extract import ExtractConfig, extract
+from eyas.lock import acquire_lock
 from eyas.prepare import PrepareConfig, PreparedDataset, prepare
-from eyas.store import acquire_lock, load_sample, lock_path, read_all_journals, read_run_meta
+from eyas.store import load_sample, lock_path, read_all_journals, read_run_meta
+from eyas.target import default_aux_layers, plan_batches
 from eyas.verify import verify
 
 

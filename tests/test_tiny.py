@@ -10,7 +10,7 @@ import torch
 from conftest import eyas
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from eyas.extract import default_aux_layers
+from eyas.target import default_aux_layers
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,18 @@ from eyas.prepare import PrepareConfig, prepare
 from eyas.train import TrainConfig, latest_checkpoint, train
 from eyas.weights import embed_weight
 
-TRAIN_ARGS = ["--lr", "3e-3", "--warmup-steps", "5", "--batch-tokens", "1024", "--ttt-steps", "3", "--seed", "3"]
+TRAIN_ARGS = [
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "5",
+    "--batch-tokens",
+    "1024",
+    "--ttt-steps",
+    "3",
+    "--seed",
+    "3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +42,20 @@ def demo_run(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("demo")
     src = base / "conv.jsonl"
     src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:150]))
-    prepare(PrepareConfig(model=str(DEMO_TARGET), data=(str(src),), out=str(base / "ds"), draft_vocab_size=400, progress=False))
-    extract(ExtractConfig(model=str(DEMO_TARGET), data=str(base / "ds"), out=str(base / "run"), progress=False))
+    prepare(
+        PrepareConfig(
+            model=str(DEMO_TARGET),
+            data=(str(src),),
+            out=str(base / "ds"),
+            draft_vocab_size=400,
+            progress=False,
+        )
+    )
+    extract(
+        ExtractConfig(
+            model=str(DEMO_TARGET), data=str(base / "ds"), out=str(base / "run"), progress=False
+        )
+    )
     return base / "run"
 
 
@@ -45,7 +68,18 @@ def trained(demo_run, tmp_path_factory) -> Path:
 
 
 def _train_cmd(run, out, *extra):
-    return [sys.executable, "-m", "eyas.cli", "train", "--data", str(run), "--out", str(out), *TRAIN_ARGS, *map(str, extra)]
+    return [
+        sys.executable,
+        "-m",
+        "eyas.cli",
+        "train",
+        "--data",
+        str(run),
+        "--out",
+        str(out),
+        *TRAIN_ARGS,
+        *map(str, extra),
+    ]
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
@@ -54,11 +88,19 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 def test_sigkill_and_sigterm_then_resume_give_identical_weights(demo_run, tmp_path):
     ref = tmp_path / "ref"
-    subprocess.run(_train_cmd(demo_run, ref, "--epochs", "6", "--save-every", "4"), check=True, capture_output=True)
+    subprocess.run(
+        _train_cmd(demo_run, ref, "--epochs", "6", "--save-every", "4"),
+        check=True,
+        capture_output=True,
+    )
     out = tmp_path / "out"
     # 1. SIGKILL once a checkpoint beyond step 8 exists (mid-epoch, between checkpoints).
-    p = subprocess.Popen(_train_cmd(demo_run, out, "--epochs", "6", "--save-every", "4"), stderr=subprocess.DEVNULL)
-    while p.poll() is None and not ((c := latest_checkpoint(out)) and int(c.name.split("-")[1]) >= 8):
+    p = subprocess.Popen(
+        _train_cmd(demo_run, out, "--epochs", "6", "--save-every", "4"), stderr=subprocess.DEVNULL
+    )
+    while p.poll() is None and not (
+        (c := latest_checkpoint(out)) and int(c.name.split("-")[1]) >= 8
+    ):
         time.sleep(0.005)
     time.sleep(0.05)
     assert p.poll() is None, "training ended before it could be killed"
@@ -79,8 +121,14 @@ def test_sigkill_and_sigterm_then_resume_give_identical_weights(demo_run, tmp_pa
     assert r.returncode == 0, r.stderr
     a, b = _weights(ref), _weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
-    assert steps == sorted(steps) and len(steps) == len(set(steps))  # re-done steps were not logged twice
+    steps = [
+        json.loads(x)["step"]
+        for x in (out / "metrics.jsonl").read_text().splitlines()
+        if '"train"' in x
+    ]
+    assert steps == sorted(steps) and len(steps) == len(
+        set(steps)
+    )  # re-done steps were not logged twice
 
 
 def test_data_parallel_matches_single_process(demo_run, tmp_path):
@@ -98,7 +146,9 @@ def test_data_parallel_matches_single_process(demo_run, tmp_path):
     a, b = losses(single), losses(multi)
     assert [x["step"] for x in a] == [x["step"] for x in b] and len(a) >= 2
     for x, y in zip(a, b, strict=True):
-        torch.testing.assert_close(torch.tensor(x["loss"]), torch.tensor(y["loss"]), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(x["loss"]), torch.tensor(y["loss"]), rtol=1e-4, atol=1e-5
+        )
         assert x["acc"] == pytest.approx(y["acc"], abs=0.02)
     wa, wb = _weights(single), _weights(multi)
     for k in wa:
@@ -117,7 +167,10 @@ def test_export_roundtrip_and_fields(trained, tmp_path, fmt):
     n = tcfg["num_hidden_layers"]
     aux = [2, n // 2, n - 3]  # the engines' convention for [1, n//2-1, n-4]
     if fmt == "vllm":
-        assert cfg["architectures"] == ["Eagle3Speculator"] and cfg["speculators_model_type"] == "eagle3"
+        assert (
+            cfg["architectures"] == ["Eagle3Speculator"]
+            and cfg["speculators_model_type"] == "eagle3"
+        )
         assert cfg["eagle_aux_hidden_state_layer_ids"] == aux
         assert cfg["norm_before_residual"] is False and cfg["norm_before_fc"] is False
         assert cfg["draft_vocab_size"] == D and cfg["target_hidden_size"] == H
@@ -126,18 +179,32 @@ def test_export_roundtrip_and_fields(trained, tmp_path, fmt):
                     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
                     "max_position_embeddings", "vocab_size"):  # fmt: skip
             assert key in layer, key
-        assert layer["num_hidden_layers"] == 1 and layer["vocab_size"] == V and layer["model_type"] == "llama"
+        assert (
+            layer["num_hidden_layers"] == 1
+            and layer["vocab_size"] == V
+            and layer["model_type"] == "llama"
+        )
         sc = cfg["speculators_config"]
         assert sc["algorithm"] == "eagle3" and sc["proposal_methods"][0]["speculative_tokens"] == 3
         assert sc["verifier"]["architectures"] == ["LlamaForCausalLM"]
         prefix = "layers.0."
     else:
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
-        assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}
-        assert cfg["vocab_size"] == V and cfg["draft_vocab_size"] == D and cfg["norm_before_residual"] is False
+        assert cfg["eagle_config"] == {
+            "eagle_aux_hidden_state_layer_ids": aux,
+            "use_aux_hidden_state": True,
+        }
+        assert (
+            cfg["vocab_size"] == V
+            and cfg["draft_vocab_size"] == D
+            and cfg["norm_before_residual"] is False
+        )
         prefix = "midlayer."
     assert w["fc.weight"].shape == (H, 3 * H)
-    assert w[prefix + "self_attn.q_proj.weight"].shape[1] == 2 * H and w[prefix + "self_attn.k_proj.weight"].shape[1] == 2 * H
+    assert (
+        w[prefix + "self_attn.q_proj.weight"].shape[1] == 2 * H
+        and w[prefix + "self_attn.k_proj.weight"].shape[1] == 2 * H
+    )
     for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         assert w[f"{prefix}{name}.weight"].shape == (H,)
     assert w["lm_head.weight"].shape == (D, H) and w["norm.weight"].shape == (H,)
@@ -154,7 +221,9 @@ def test_export_roundtrip_and_fields(trained, tmp_path, fmt):
     torch.manual_seed(0)
     ids, feats = torch.randint(0, V, (2, 12)), torch.randn(2, 12, 3 * H)
     with torch.no_grad():
-        for (la, ha), (lb, hb) in zip(orig.eval().forward_ttt(ids, feats, 3), back.forward_ttt(ids, feats, 3), strict=True):
+        for (la, ha), (lb, hb) in zip(
+            orig.eval().forward_ttt(ids, feats, 3), back.forward_ttt(ids, feats, 3), strict=True
+        ):
             assert torch.equal(la, lb) and torch.equal(ha, hb)
 
 
@@ -165,7 +234,18 @@ def test_evaluate_is_lossless_and_accepts(trained, tmp_path):
     from eyas.demo_data import generate_conversations, write_jsonl
 
     write_jsonl(held_out, generate_conversations(12, seed=4242))
-    r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", ex, "--data", held_out, "--draft-tokens", "3", "--json")
+    r = eyas(
+        "evaluate",
+        "--model",
+        DEMO_TARGET,
+        "--drafter",
+        ex,
+        "--data",
+        held_out,
+        "--draft-tokens",
+        "3",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["lossless"] and d["prompts"] == 12 and d["rounds"] > 0
@@ -196,10 +276,30 @@ def test_evaluate_reports_a_lossy_decoder(trained, tmp_path, monkeypatch):
 def test_deepseek_v3_target_end_to_end(targets, conversations, tmp_path):
     """The Kimi-K2 family (MLA + MoE): extract, train, export, lossless speculative decoding."""
     t = targets["deepseek_v3"]
-    prepare(PrepareConfig(model=str(t), data=(str(conversations),), out=str(tmp_path / "ds"), progress=False))
-    extract(ExtractConfig(model=str(t), data=str(tmp_path / "ds"), out=str(tmp_path / "run"), progress=False))
-    train(TrainConfig(data=str(tmp_path / "run"), out=str(tmp_path / "tr"), epochs=1, ttt_steps=2, batch_tokens=2048, progress=False))
-    assert eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex").returncode == 0
+    prepare(
+        PrepareConfig(
+            model=str(t), data=(str(conversations),), out=str(tmp_path / "ds"), progress=False
+        )
+    )
+    extract(
+        ExtractConfig(
+            model=str(t), data=str(tmp_path / "ds"), out=str(tmp_path / "run"), progress=False
+        )
+    )
+    train(
+        TrainConfig(
+            data=str(tmp_path / "run"),
+            out=str(tmp_path / "tr"),
+            epochs=1,
+            ttt_steps=2,
+            batch_tokens=2048,
+            progress=False,
+        )
+    )
+    assert (
+        eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex").returncode
+        == 0
+    )
     r = eyas("evaluate", "--model", t, "--drafter", tmp_path / "ex", "--data", conversations, "--limit", "3",
              "--max-new-tokens", "12", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -211,4 +311,6 @@ def test_train_refuses_mismatched_directory(demo_run, trained, tmp_path):
     assert r.returncode == 1 and "config differs" in r.stderr
     r = eyas("train", "--data", tmp_path / "nope", "--out", tmp_path / "t")
     assert r.returncode == 1 and "run.json" in r.stderr
-    assert (trained / "loss.png").stat().st_size > 1000 and (trained / "accuracy.png").stat().st_size > 1000
+    assert (trained / "loss.png").stat().st_size > 1000 and (
+        trained / "accuracy.png"
+    ).stat().st_size > 1000

@@ -175,7 +175,8 @@ def extract(
     from .extract import EXIT_STOPPED, ExtractConfig, ExtractStopped
     from .extract import extract as run_extract
     from .gpu import GpuBusy
-    from .store import LockHeld, StoreError
+    from .lock import LockHeld
+    from .store import StoreError
 
     _quiet_transformers()
     layers = None

@@ -96,8 +96,8 @@ def doctor(
 
 
 def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
-    from .extract import model_fingerprint
     from .prepare import PreparedDataset
+    from .target import model_fingerprint
     from .verify import verify
 
     rep = RunReport(str(run))

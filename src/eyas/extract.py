@@ -16,8 +16,6 @@ How:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import queue
 import signal
 import sys
@@ -31,26 +29,32 @@ import torch
 from . import __version__
 from .fsutil import DiskFullError, filesystem_info, free_bytes, human_bytes, is_disk_full, read_json
 from .gpu import gpu_preflight
+from .lock import acquire_lock, release_lock
 from .prepare import PreparedDataset
 from .store import (
     STORE_VERSION,
     Journal,
     Sample,
-    StoreError,
-    acquire_lock,
     append_error,
     bytes_per_token,
     check_sample_file,
     commit_sample,
-    errors_path,
     iter_sample_files,
     journal_entry,
     journal_path,
     lock_path,
     read_journal,
     read_run_meta,
-    release_lock,
     write_run_meta,
+)
+from .target import (
+    DTYPES,
+    Capture,
+    default_aux_layers,
+    load_target,
+    model_fingerprint,
+    plan_batches,
+    resolve_device,
 )
 from .ui import Reporter, console
 
@@ -102,13 +106,11 @@ class ExtractConfig:
                 f"--aux-layers needs exactly three layers, got {list(self.aux_layers)}"
             )
         for d in (self.dtype, self.store_dtype or "auto"):
-            if d not in ("auto", *_DTYPES):
-                raise ValueError(f"unknown dtype {d!r}; choose from auto, {', '.join(_DTYPES)}")
+            if d not in ("auto", *DTYPES):
+                raise ValueError(f"unknown dtype {d!r}; choose from auto, {', '.join(DTYPES)}")
         parse_size(self.min_free, 1)
         parse_size(self.max_foreign_gpu_mem, 1)
 
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Fields of ExtractConfig that may differ between a run and its resume.
 _RESUMABLE = {
@@ -139,114 +141,6 @@ def parse_size(spec: str, total: int) -> int:
         raise ValueError(
             f"cannot read size {spec!r}: use bytes, a K/M/G suffix or a percentage"
         ) from None
-
-
-def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
-    """[1, n//2-1, n-4] as outputs of 0-based decoder layers (the EAGLE-3 default)."""
-    return (1, n_layers // 2 - 1, n_layers - 4)
-
-
-def model_fingerprint(model_dir: str | Path) -> str:
-    """Hash of the config and the weight layout (names, shapes, dtypes, sizes), not the weights."""
-    from .weights import weight_layout
-
-    d = Path(model_dir)
-    cfg = read_json(d / "config.json")
-    for k in ("transformers_version", "_name_or_path", "torch_dtype", "dtype"):
-        cfg.pop(k, None)
-    h = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode())
-    h.update(json.dumps(weight_layout(d), sort_keys=True).encode())
-    return h.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------- batch plan
-
-
-def plan_batches(lengths: list[int], indices: list[int], batch_tokens: int) -> list[list[int]]:
-    """Pack samples of similar length so that batch_size x longest <= batch_tokens.
-
-    Deterministic in its inputs; a sample longer than the budget gets a batch of its own.
-    """
-    order = sorted(indices, key=lambda i: (lengths[i], i))
-    batches, cur, longest = [], [], 0
-    for i in order:
-        n = lengths[i]
-        if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-# ---------------------------------------------------------------------------- capture
-
-
-class Capture:
-    """Forward hooks that keep the aux layers' outputs and the final norm's output."""
-
-    def __init__(self, model, aux_layers: tuple[int, ...]):
-        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        self.base = base
-        self.layers = base.layers
-        n = len(self.layers)
-        for i in aux_layers:
-            if not 0 <= i < n:
-                raise ValueError(
-                    f"aux layer {i} is outside 0..{n - 1} (the target has {n} decoder layers)"
-                )
-        self.states: dict[str, torch.Tensor] = {}
-        self.handles = [
-            self.layers[i].register_forward_hook(self._keep(f"aux{k}"))
-            for k, i in enumerate(aux_layers)
-        ]
-        self.handles.append(base.norm.register_forward_hook(self._keep("last")))
-
-    def _keep(self, key: str):
-        def hook(_module, _inputs, output):
-            self.states[key] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    @torch.inference_mode()
-    def run(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.states.clear()
-        self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        aux = torch.cat([self.states[f"aux{k}"] for k in range(3)], dim=-1)  # (B, T, 3H)
-        return aux, self.states["last"]  # (B, T, H)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def load_target(cfg: ExtractConfig):
-    from transformers import AutoModelForCausalLM
-
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = (
-        _DTYPES[cfg.dtype]
-        if cfg.dtype != "auto"
-        else (torch.bfloat16 if device != "cpu" else torch.float32)
-    )
-    kw = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code, local_files_only=True)
-    if device == "multi":
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, device_map="auto", **kw)
-        input_device = next(model.parameters()).device
-    else:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, **kw).to(device)
-        input_device = torch.device(device)
-    model.eval()
-    return model, input_device, dtype
-
-
-# ---------------------------------------------------------------------------- the run
 
 
 class ExtractStopped(Exception):
@@ -440,13 +334,15 @@ def extract(
         )
 
     gpu_preflight(
-        cfg.device,
+        resolve_device(cfg.device),
         parse_size(cfg.max_foreign_gpu_mem, 1),
         cfg.ignore_busy_gpus,
         lambda m: console.print(m, highlight=False),
     )
-    model, input_device, dtype = load_target(cfg)
-    store_dtype = _DTYPES[cfg.store_dtype] if cfg.store_dtype else dtype
+    model, input_device, dtype = load_target(
+        cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code
+    )
+    store_dtype = DTYPES[cfg.store_dtype] if cfg.store_dtype else dtype
     run.mkdir(parents=True, exist_ok=True)
     if not meta:
         meta = new_run_meta(cfg, ds, model.config, dtype, store_dtype)
@@ -639,24 +535,3 @@ def _forward_batch(ds, batch, done, capture: Capture, device, store_dtype, pad_i
         out.append(Sample(i, rec["id"], f"{rec['file']}:{rec['line']}", torch.from_numpy(x.copy()),
                           torch.from_numpy(m.copy()), a, h))  # fmt: skip
     return out
-
-
-def resume_overrides(**kw) -> dict:
-    return {k: v for k, v in kw.items() if v is not None}
-
-
-def load_run_config(run: str | Path) -> ExtractConfig:
-    meta = read_run_meta(Path(run))
-    stored = {k: v for k, v in meta["config"].items() if k in ExtractConfig.__dataclass_fields__}
-    stored["aux_layers"] = tuple(stored["aux_layers"]) if stored.get("aux_layers") else None
-    return replace(ExtractConfig(**stored))
-
-
-__all__ = [
-    "ExtractConfig",
-    "extract",
-    "ExtractStopped",
-    "EXIT_STOPPED",
-    "StoreError",
-    "errors_path",
-]

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .fsutil import filesystem_info
-from .store import read_all_journals, read_errors, read_lock, read_run_meta, stray_temp_files
+from .lock import read_lock
+from .store import read_all_journals, read_errors, read_run_meta, stray_temp_files
 
 
 @dataclass

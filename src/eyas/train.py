@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from .drafter import Drafter, DrafterConfig
-from .extract import plan_batches
 from .fsutil import atomic_write_json, fsync_dir, read_json
 from .store import committed_indices, open_sample, read_run_meta
+from .target import plan_batches
 from .ui import console
 from .weights import embed_weight, lm_head_weight
 

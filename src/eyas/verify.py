@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .fsutil import fsync_dir, is_temp_file
+from .lock import read_lock
 from .store import (
     StoreError,
     check_sample_file,
     iter_sample_files,
     journal_path,
     read_all_journals,
-    read_lock,
     read_run_meta,
     rewrite_journal,
     stray_temp_files,
