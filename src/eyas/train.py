@@ -31,7 +31,7 @@ from .drafter import Drafter, DrafterConfig
 from .fsutil import atomic_write_json, fsync_dir, read_json
 from .store import committed_indices, open_sample, read_run_meta
 from .target import plan_batches
-from .ui import console
+from .ui import Reporter, console
 from .weights import embed_weight, lm_head_weight
 
 EXIT_STOPPED = 75
@@ -427,6 +427,11 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
 
     t0, tokens_seen = time.monotonic(), 0
     window = torch.zeros(steps, 6, dtype=torch.float64)
+    shown = {"loss": float("nan"), "acc": float("nan")}
+    rep = Reporter("train", total_steps, unit="steps", enabled=cfg.progress and rank == 0, extra=lambda: (
+        f"loss0 {shown['loss']:.3f} acc0 {shown['acc']:.2f} {tokens_seen * world / max(time.monotonic() - t0, 1e-9):,.0f} tok/s"))  # fmt: skip
+    rep.__enter__()
+    rep.skip(state["step"])
     try:
         for epoch in range(state["epoch"], cfg.epochs):
             batches = epoch_batches(lengths, train_idx, cfg.batch_tokens, cfg.seed, epoch)
@@ -452,10 +457,12 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 opt.step()
                 state = {"step": state["step"] + 1, "epoch": epoch, "batch": bi + len(group)}
+                rep.advance()
                 if state["step"] % 10 == 0 or state["batch"] >= len(batches):
                     if world > 1:
                         dist.all_reduce(window)
                     s = summarize(window)
+                    shown.update(loss=s["loss"][0], acc=s["acc"][0])
                     _log(out, rank, {"split": "train", **state, "lr": lr_at(state["step"] - 1),
                                      "tokens_per_s": tokens_seen * world / max(time.monotonic() - t0, 1e-9), **s})  # fmt: skip
                     window.zero_()
@@ -484,6 +491,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
             atomic_write_json(out / "drafter_config.json", drafter.config.to_dict())
             plot_metrics(out)
     finally:
+        rep.__exit__(None, None, None)
         for sig, h in handlers.items():
             signal.signal(sig, h)
     elapsed = time.monotonic() - t0
