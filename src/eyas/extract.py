@@ -38,7 +38,7 @@ from .store import (
     append_error,
     bytes_per_token,
     check_sample_file,
-    commit_sample,
+    commit_samples,
     iter_sample_files,
     journal_entry,
     journal_path,
@@ -419,12 +419,10 @@ def _run_loop(
             if writer_error:
                 continue  # drain without committing after a failure
             try:
-                for s in item:
-                    if isinstance(s, dict):  # a failed sample
-                        append_error(run, cfg.rank, s)
-                        stats["failed"] += 1
-                        continue
-                    entry = commit_sample(run, s, meta)
+                for e in (s for s in item if isinstance(s, dict)):  # failed samples
+                    append_error(run, cfg.rank, e)
+                    stats["failed"] += 1
+                for entry in commit_samples(run, [s for s in item if isinstance(s, Sample)], meta):
                     journal.append(entry)
                     stats["committed"] += 1
                     stats["bytes"] += entry["size"]
@@ -506,6 +504,10 @@ def _forward_batch(ds, batch, done, capture: Capture, device, store_dtype, pad_i
         ids[r, : len(x)] = torch.from_numpy(x.astype("int64"))
         att[r, : len(x)] = 1
     aux, last = capture.run(ids.to(device), att.to(device))  # (B, T, 3H), (B, T, H)
+    # One reduction pass finds rows that may hold NaN/Inf (a sum is finite iff its terms are,
+    # barring overflow); only those rows get the exact elementwise check below.
+    sums = aux.sum(-1, dtype=torch.float32) + last.sum(-1, dtype=torch.float32)  # (B, T)
+    suspect = (~torch.isfinite(sums) & (att.to(sums.device) == 1)).any(-1).tolist()  # (B,)
     aux = aux.to("cpu", store_dtype)
     last = last.to("cpu", store_dtype)
     out: list = []
@@ -519,7 +521,7 @@ def _forward_batch(ds, batch, done, capture: Capture, device, store_dtype, pad_i
         problem = None
         if a.shape[0] != n or h.shape[0] != n:
             problem = f"token-count mismatch: {n} ids but {a.shape[0]} hidden-state rows"
-        elif not (torch.isfinite(a).all() and torch.isfinite(h).all()):
+        elif suspect[r] and not (torch.isfinite(a).all() and torch.isfinite(h).all()):
             problem = "non-finite values (NaN/Inf) in hidden states"
         if problem:
             out.append(

@@ -46,11 +46,15 @@ def is_temp_file(path: Path) -> bool:
     return TMP_MARK in path.name
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, reserve: int = 0) -> None:
+def atomic_write(
+    path: Path, write: Callable[[BinaryIO], None], *, reserve: int = 0, sync_dir: bool = True
+) -> None:
     """Publish `path` atomically; `write(f)` fills the temp file.
 
     `reserve` bytes are allocated up front with posix_fallocate so that a full disk
     surfaces as ENOSPC here, before any byte is written, rather than at close time.
+    With `sync_dir=False` the caller fsyncs the directory itself (once for many files)
+    before it relies on the rename.
     """
     path = Path(path)
     tmp = temp_path_for(path)
@@ -69,7 +73,8 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, reserve: int 
         if is_disk_full(exc):
             raise DiskFullError(exc.errno, f"no space left writing {path}") from exc
         raise
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -162,20 +162,27 @@ def encode_sample(s: Sample, run_meta: dict) -> Encoded:
     return Encoded(struct.pack("<Q", len(h)) + h, list(raw.values()))
 
 
-def commit_sample(run: Path, s: Sample, run_meta: dict) -> dict:
-    """Publish a sample file atomically; returns its journal entry (not yet journaled).
+def commit_samples(run: Path, samples: list[Sample], run_meta: dict) -> list[dict]:
+    """Publish sample files atomically; returns their journal entries (not yet journaled).
 
-    The buffers go straight to the file (no assembled copy); the journal keeps the
-    header's hash, and the header holds every tensor's checksum, so one hash pass over
-    the data suffices.
+    Each file is written and fsynced under a temp name and renamed; the directories are
+    fsynced once for the group, and only then may the entries be journaled. The buffers
+    go straight to the file (no assembled copy); the journal keeps the header's hash and
+    the header holds every tensor's checksum, so one hash pass over the data suffices.
     """
-    enc = encode_sample(s, run_meta)
-    path = run / sample_relpath(s.index)
-    if not path.parent.is_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fsync_dir(path.parent.parent)
-    atomic_write(path, enc.write, reserve=enc.size)
-    return journal_entry(s.index, s.sample_id, enc.header, enc.size)
+    entries, dirs = [], set()
+    for s in samples:
+        enc = encode_sample(s, run_meta)
+        path = run / sample_relpath(s.index)
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fsync_dir(path.parent.parent)
+        atomic_write(path, enc.write, reserve=enc.size, sync_dir=False)
+        dirs.add(path.parent)
+        entries.append(journal_entry(s.index, s.sample_id, enc.header, enc.size))
+    for d in sorted(dirs):
+        fsync_dir(d)
+    return entries
 
 
 def journal_entry(index: int, sample_id: str, header: bytes, size: int) -> dict:
