@@ -148,7 +148,7 @@ def test_doctor_report_after_a_crash(tmp_path, targets, llama_dataset):
     os.truncate(files[2], 100)
     p = eyas("doctor", run, env=smi_env("busy_systemd"))
     assert p.returncode == 1, p.stderr
-    out = p.stderr
+    out = p.stdout
     for needle in ("NVIDIA H100 80GB HBM3", "vllm.service", "systemctl disable --now vllm.service", "lock: PID",
                    "stale", "truncated", f"eyas verify --repair {run}", f"eyas extract --resume {run}"):  # fmt: skip
         assert needle in out, needle
@@ -177,12 +177,12 @@ def test_doctor_clean_and_resumable(tmp_path, targets, llama_dataset):
     p = eyas("doctor", run, env=smi_env("no_driver"))
     assert p.returncode == 0, p.stderr  # nothing blocks: the plan is just the resume
     assert (
-        "couldn't communicate with the NVIDIA driver" in p.stderr
-        and f"eyas extract --resume {run}" in p.stderr
+        "couldn't communicate with the NVIDIA driver" in p.stdout
+        and f"eyas extract --resume {run}" in p.stdout
     )
     assert eyas("extract", "--resume", run).returncode == 0
     p = eyas("doctor", run, "--deep", env=smi_env("idle"))
-    assert p.returncode == 0 and "nothing to do" in p.stderr and "checksums" in p.stderr
+    assert p.returncode == 0 and "nothing to do" in p.stdout and "checksums" in p.stdout
 
 
 def test_doctor_moved_model_and_missing_run(tmp_path, targets, llama_dataset):
@@ -193,4 +193,4 @@ def test_doctor_moved_model_and_missing_run(tmp_path, targets, llama_dataset):
     shutil.move(model, tmp_path / "elsewhere")
     p = eyas("doctor", run, tmp_path / "no-such-run", env=smi_env("idle"))
     assert p.returncode == 1
-    assert f"put the target model back at {model}" in p.stderr and "no run.json" in p.stderr
+    assert f"put the target model back at {model}" in p.stdout and "no run.json" in p.stdout

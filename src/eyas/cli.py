@@ -13,8 +13,12 @@ import sys
 from pathlib import Path
 
 import typer
+from rich.console import Console
+from rich.markup import escape
 
 from .ui import console
+
+report = Console(soft_wrap=True)  # reports go to stdout; progress and errors to stderr
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -38,7 +42,7 @@ def _quiet_transformers() -> None:
 
 
 def fail(msg: str, code: int = EXIT_PROBLEMS) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {msg}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
     return typer.Exit(code)
 
 
@@ -116,12 +120,13 @@ def prepare(
     console.print(
         f"prepared {s.prepared}/{s.records} records, {s.tokens} tokens ({s.trainable_tokens} trainable), "
         f"{s.truncated} truncated, {s.skipped_overlong} skipped as overlong, {s.failed} failed -> {s.out}",
+        markup=False,
         highlight=False,
     )
     for reason, n in s.reasons.items():
-        console.print(f"  {n:6d}  {reason}", highlight=False)
+        console.print(f"  {n:6d}  {reason}", markup=False, highlight=False)
     if s.failed:
-        console.print(f"  details: {Path(s.out) / 'errors.jsonl'}", highlight=False)
+        console.print(f"  details: {Path(s.out) / 'errors.jsonl'}", markup=False, highlight=False)
     if s.error_rate > cfg.max_error_rate:
         raise fail(
             f"{s.error_rate:.1%} of records failed (> --max-error-rate {cfg.max_error_rate:.1%})"
@@ -214,6 +219,7 @@ def extract(
     console.print(
         f"extracted {s.committed} samples ({s.tokens} tokens, {s.bytes_written / max(s.tokens, 1):.0f} B/token) "
         f"in {s.seconds:.1f}s; {s.done_before + s.committed}/{s.total} done, {s.failed} failed -> {s.run}",
+        markup=False,
         highlight=False,
     )
     if s.failed:
@@ -243,22 +249,25 @@ def verify(
         _print_json(rep.to_dict())
     else:
         what = "headers and sizes" if quick else "headers, sizes and checksums"
-        console.print(
+        report.print(
             f"checked {rep.checked} samples ({what}): {rep.ok} ok; "
             f"{rep.bytes_read / 1e6:.1f} MB in {rep.seconds:.2f}s ({rep.mb_per_s:.0f} MB/s)",
+            markup=False,
             highlight=False,
         )
         for p in rep.problems:
-            console.print(f"  [red]{p.kind:9s}[/] {p.detail}", highlight=False)
+            report.print(f"  [red]{p.kind:9s}[/] {escape(p.detail)}", highlight=False)
         if rep.repaired:
-            console.print(
+            report.print(
                 f"repaired: bad files moved to {run}/quarantine/, their journal entries dropped; "
                 f"now run: eyas extract --resume {run}",
+                markup=False,
                 highlight=False,
             )
         elif rep.problems:
-            console.print(
+            report.print(
                 f"to fix: eyas verify --repair {run} && eyas extract --resume {run}",
+                markup=False,
                 highlight=False,
             )
     if not rep.clean and not rep.repaired:
@@ -301,7 +310,7 @@ def status(
         lines.append(f"temp files {st.temp_files} stray (removed on resume)")
     if st.fs_warning:
         lines.append(f"warning    {st.fs_warning}")
-    console.print("\n".join(lines), highlight=False)
+    report.print("\n".join(lines), markup=False, highlight=False)
 
 
 @app.command()
@@ -321,32 +330,36 @@ def doctor(
         _print_json(rep.to_dict())
         raise typer.Exit(EXIT_PROBLEMS if rep.needs_action else 0)
     mark = {"ok": "[green]ok[/]   ", "warn": "[yellow]warn[/] ", "error": "[red]FAIL[/] "}
-    console.print("[bold]GPUs[/]")
+    report.print("[bold]GPUs[/]")
     if not rep.gpus.gpus:
-        console.print(f"  {rep.gpus.note}", highlight=False)
+        report.print(f"  {rep.gpus.note}", markup=False, highlight=False)
     for g in rep.gpus.gpus:
         util = f"{g.utilization}%" if g.utilization is not None else "?"
-        console.print(
+        report.print(
             f"  GPU {g.index} {g.name}: {human_bytes(g.used_bytes)} / {human_bytes(g.total_bytes)} used, {util} busy",
+            markup=False,
             highlight=False,
         )
         for p in g.processes:
-            console.print(
+            report.print(
                 f"    PID {p.pid} {human_bytes(p.used_bytes)}: {p.cmdline or p.name} [{p.owner()}]",
+                markup=False,
                 highlight=False,
             )
             if p.stop_command():
-                console.print(f"      stop: {p.stop_command()}", highlight=False)
+                report.print(f"      stop: {p.stop_command()}", markup=False, highlight=False)
     for r in rep.runs:
-        console.print(f"[bold]Run {r.run}[/]", highlight=False)
+        report.print(f"[bold]Run {escape(r.run)}[/]", highlight=False)
         for level, text in r.lines:
-            console.print(f"  {mark[level]}{text}", highlight=False)
-    console.print("[bold]Plan[/]")
+            report.print(f"  {mark[level]}{escape(text)}", highlight=False)
+    report.print("[bold]Plan[/]")
     if not rep.actions:
-        console.print("  nothing to do", highlight=False)
+        report.print("  nothing to do", markup=False, highlight=False)
     for n, a in enumerate(rep.actions, 1):
-        console.print(
-            f"  {n}. {a.text}" + (f"\n     $ {a.command}" if a.command else ""), highlight=False
+        report.print(
+            f"  {n}. {a.text}" + (f"\n     $ {a.command}" if a.command else ""),
+            markup=False,
+            highlight=False,
         )
     if rep.needs_action:
         raise typer.Exit(EXIT_PROBLEMS)
@@ -380,6 +393,9 @@ def train(
     device: str = typer.Option("auto", "--device"),
     seed: int = typer.Option(0, "--seed"),
     verify_data: bool = typer.Option(False, "--verify-data", help="Check checksums on first read."),
+    intermediate_size: int | None = typer.Option(
+        None, "--intermediate-size", help="Drafter MLP width (default: the target's)."
+    ),
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
     from .store import StoreError
@@ -392,7 +408,7 @@ def train(
         ttt_steps=ttt_steps, step_decay=step_decay, lr=lr, warmup_steps=warmup_steps, batch_tokens=batch_tokens,
         grad_accum=grad_accum, val_fraction=val_fraction, eval_every=eval_every, save_every=save_every,
         keep_checkpoints=keep_checkpoints, draft_vocab_size=draft_vocab_size, dtype=dtype, device=device,
-        seed=seed, verify_data=verify_data,
+        seed=seed, verify_data=verify_data, intermediate_size=intermediate_size,
     )  # fmt: skip
     try:
         res = run_train(cfg, resume=resume)
@@ -408,6 +424,7 @@ def train(
     )
     console.print(
         f"trained {res['steps']} steps at {res['tokens_per_s']:.0f} tokens/s{tail} -> {out}",
+        markup=False,
         highlight=False,
     )
 
@@ -442,7 +459,9 @@ def export(
         hint = f'vllm serve TARGET --speculative-config \'{{"method":"eagle3","model":"{path}","num_speculative_tokens":{speculative_tokens}}}\''
     else:
         hint = f"python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 --speculative-draft-model-path {path}"
-    console.print(f"exported {fmt} drafter to {path}\n  serve with: {hint}", highlight=False)
+    console.print(
+        f"exported {fmt} drafter to {path}\n  serve with: {hint}", markup=False, highlight=False
+    )
 
 
 @app.command()
@@ -478,16 +497,18 @@ def evaluate(
         _print_json(d)
     else:
         pos = ", ".join(f"{a:.2f}" if a is not None else "-" for a in d["per_position_acceptance"])
-        console.print(
+        report.print(
             f"{d['prompts']} prompts, {d['rounds']} rounds: mean acceptance length {d['acceptance_length']:.2f} "
             f"(K={draft_tokens}); per-position acceptance [{pos}]\n"
             f"speculative {d['spec_tokens_per_s']:.1f} tok/s vs greedy {d['greedy_tokens_per_s']:.1f} tok/s "
             f"(x{d['speedup']}); lossless: {'yes' if d['lossless'] else 'NO'}",
+            markup=False,
             highlight=False,
         )
         for m in d["mismatches"][:3]:
-            console.print(
+            report.print(
                 f"  prompt {m['prompt']} differs at token {m['first_difference_at']}",
+                markup=False,
                 highlight=False,
             )
     if not d["lossless"]:

@@ -78,7 +78,9 @@ def run_demo(
             f"verify found problems in {run}: {[pr.detail for pr in v.problems[:3]]}"
         )
     console.print(
-        f"verify: {v.ok}/{v.checked} samples intact, {v.mb_per_s:.0f} MB/s", highlight=False
+        f"verify: {v.ok}/{v.checked} samples intact, {v.mb_per_s:.0f} MB/s",
+        markup=False,
+        highlight=False,
     )
     done("verify")
 
@@ -91,7 +93,7 @@ def run_demo(
     stage("export")
     ex_vllm = export(tdir, "vllm", workdir / "drafter-vllm")
     ex_sglang = export(tdir, "sglang", workdir / "drafter-sglang")
-    console.print(f"exported {ex_vllm} and {ex_sglang}", highlight=False)
+    console.print(f"exported {ex_vllm} and {ex_sglang}", markup=False, highlight=False)
     done("export")
 
     stage("evaluate")

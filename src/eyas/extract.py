@@ -329,7 +329,8 @@ def extract(
     fs = filesystem_info(run)
     if (w := fs.warning()) is not None:
         console.print(
-            f"[yellow]warning:[/] {w}; a run of many hours should live on persistent storage",
+            f"warning: {w}; a run of many hours should live on persistent storage",
+            markup=False,
             highlight=False,
         )
 
@@ -337,7 +338,7 @@ def extract(
         resolve_device(cfg.device),
         parse_size(cfg.max_foreign_gpu_mem, 1),
         cfg.ignore_busy_gpus,
-        lambda m: console.print(m, highlight=False),
+        lambda m: console.print(m, markup=False, highlight=False),
     )
     model, input_device, dtype = load_target(
         cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code
@@ -353,7 +354,7 @@ def extract(
     lock = lock_path(run, cfg.rank)
     taken = acquire_lock(lock)
     if taken is not None:
-        console.print(f"took over a stale lock: {taken.describe()}", highlight=False)
+        console.print(f"took over a stale lock: {taken.describe()}", markup=False, highlight=False)
     journal = Journal(journal_path(run, cfg.rank))
     try:
         mine = [i for i in range(len(ds)) if i % cfg.world == cfg.rank]
@@ -361,6 +362,7 @@ def extract(
         if adopted:
             console.print(
                 f"adopted {adopted} complete sample(s) whose journal entry was lost",
+                markup=False,
                 highlight=False,
             )
         done = done_indices(run, cfg.rank)
@@ -383,6 +385,7 @@ def _check_disk(run: Path, cfg: ExtractConfig, need: int) -> None:
     console.print(
         f"disk: this run needs ~{human_bytes(need)} more; {human_bytes(fs.free_bytes)} free on "
         f"{fs.mount_point} ({fs.fs_type}), floor {human_bytes(floor)}",
+        markup=False,
         highlight=False,
     )
     if need > fs.free_bytes - floor and not cfg.allow_partial:

@@ -383,6 +383,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
         if rank == 0:
             console.print(
                 f"resuming from {ckpt} (epoch {state['epoch']}, batch {state['batch']})",
+                markup=False,
                 highlight=False,
             )
             _truncate_metrics(out / "metrics.jsonl", state["step"])
@@ -533,7 +534,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
 def _print_summary(epoch: int, s: dict) -> None:
     accs = " ".join(f"{a:.2f}" for a in s["acc"])
     console.print(f"epoch {epoch + 1}: val loss0 {s['loss'][0]:.3f}, acc/step [{accs}], "
-                  f"est. acceptance length (k={len(s['acc'])}) {s['accept_len'][-1]:.2f}", highlight=False)  # fmt: skip
+                  f"est. acceptance length (k={len(s['acc'])}) {s['accept_len'][-1]:.2f}", markup=False, highlight=False)  # fmt: skip
 
 
 def plot_metrics(out: Path) -> list[Path]:

@@ -87,5 +87,6 @@ class Reporter:
         console.print(
             f"{self.label}: {self.done}/{self.total} {self.unit} ({rate:.1f}/s) "
             f"{self.extra()} ETA {human_duration(left)}",
+            markup=False,
             highlight=False,
         )
