@@ -144,6 +144,7 @@ def test_disk_full_real_enospc(tmpfs, targets, llama_dataset, reference):
     p = eyas(*_cmd(targets, llama_dataset, run)[3:], "--min-free", "0", "--allow-partial")
     assert p.returncode == 75, p.stderr
     assert "disk full" in p.stderr and "eyas extract --resume" in p.stderr
+    assert "is on tmpfs" in p.stderr  # a run on volatile storage is warned about
     assert not any(".tmp-" in f.name for f in iter_sample_files(run))
     rep = verify(run)
     done = rep.checked
