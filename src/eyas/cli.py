@@ -25,10 +25,24 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 app = typer.Typer(
     add_completion=False,
-    no_args_is_help=True,
+    invoke_without_command=True,
     pretty_exceptions_enable=False,
     help="Train EAGLE-3 drafters: prepare -> extract -> verify -> train -> export -> evaluate.",
 )
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", help="Print the eyas version and exit.", is_eager=True
+    ),
+) -> None:
+    if version:
+        from . import __version__
+
+        print(f"eyas {__version__}")
+        raise typer.Exit(0)
+
 
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
@@ -542,6 +556,8 @@ def _print_json(obj) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) == 1:
+        sys.argv.append("--help")
     app()
 
 
