@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import time
@@ -233,8 +234,9 @@ def _ckpt_dirs(out: Path) -> list[Path]:
     d = out / "checkpoints"
     if not d.is_dir():
         return []
+    # A step-N.tmp directory holds its marker for a moment before its rename: skip it.
     return sorted(
-        p for p in d.iterdir() if p.name.startswith("step-") and (p / "COMPLETE").is_file()
+        p for p in d.iterdir() if re.fullmatch(r"step-\d{8}", p.name) and (p / "COMPLETE").is_file()
     )
 
 
