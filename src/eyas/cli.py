@@ -228,6 +228,14 @@ def extract(
             s = run_extract(cfg)
     except ExtractStopped as exc:
         raise fail(str(exc), EXIT_STOPPED) from None
+    except RuntimeError as exc:
+        if "out of memory" not in str(exc).lower():
+            raise
+        where = resume or out
+        raise fail(
+            f"{exc}\nThe target ran out of memory; committed samples are kept. Lower --batch-tokens "
+            f"and resume: eyas extract --resume {where} --batch-tokens N"
+        ) from None
     except (LockHeld, GpuBusy, StoreError, ValueError, OSError) as exc:
         raise fail(str(exc)) from None
     console.print(

@@ -43,7 +43,7 @@ from .store import (
     journal_entry,
     journal_path,
     lock_path,
-    read_journal,
+    read_all_journals,
     read_run_meta,
     write_run_meta,
 )
@@ -112,8 +112,11 @@ class ExtractConfig:
         parse_size(self.max_foreign_gpu_mem, 1)
 
 
-# Fields of ExtractConfig that may differ between a run and its resume.
+# Fields of ExtractConfig that may differ between a run and its resume. A changed
+# batch_tokens (e.g. after running out of memory) regroups the remaining samples: still
+# correct, but their files are then no longer bit-identical to an uninterrupted run's.
 _RESUMABLE = {
+    "batch_tokens",
     "progress",
     "device",
     "queue_depth",
@@ -191,6 +194,9 @@ def start_or_resume(
                 f"{run}/run.json: {', '.join(changed)} cannot change on resume (start a new run)"
             )
         _check_same_inputs(cfg, meta, run)
+        if cfg.batch_tokens != meta["config"]["batch_tokens"]:  # kept for later resumes too
+            meta["config"]["batch_tokens"] = cfg.batch_tokens
+            write_run_meta(run, meta)
         return cfg, run, meta
     assert cfg is not None
     cfg = resolve(cfg)
@@ -276,8 +282,9 @@ def new_run_meta(
     }
 
 
-def done_indices(run: Path, rank: int) -> dict[int, dict]:
-    return {e["index"]: e for e in read_journal(journal_path(run, rank))}
+def done_indices(run: Path) -> dict[int, dict]:
+    """Samples committed by any rank: a resume with another --world never redoes them."""
+    return {e["index"]: e for es in read_all_journals(run).values() for e in es}
 
 
 def recover(run: Path, rank: int, journal: Journal, mine: set[int], hidden_size: int) -> int:
@@ -287,7 +294,7 @@ def recover(run: Path, rank: int, journal: Journal, mine: set[int], hidden_size:
     rename and journal append) is adopted only if every checksum holds; else removed.
     A journaled file is trusted here only for its size; `verify` checks deeper.
     """
-    done = done_indices(run, rank)
+    done = done_indices(run)
     adopted = 0
     for p in list(iter_sample_files(run)):
         if ".tmp-" in p.name:
@@ -365,7 +372,7 @@ def extract(
                 markup=False,
                 highlight=False,
             )
-        done = done_indices(run, cfg.rank)
+        done = done_indices(run)
         lengths = ds.lengths().tolist()
         todo_tokens = sum(lengths[i] for i in mine if i not in done)
         _check_disk(
