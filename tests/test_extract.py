@@ -215,3 +215,26 @@ def test_usage_errors(tmp_path, targets, llama_dataset):
         "extract", "--model", targets["llama"], "--data", tmp_path / "nope", "--out", tmp_path / "r"
     )
     assert p.returncode == 1 and "dataset.json" in p.stderr
+
+
+def test_resume_with_another_world_size_redoes_nothing(tmp_path, targets, llama_dataset):
+    run = tmp_path / "run"
+    p = eyas(
+        "extract",
+        "--model",
+        targets["llama"],
+        "--data",
+        llama_dataset,
+        "--out",
+        run,
+        "--rank",
+        "0",
+        "--world",
+        "2",
+    )
+    assert p.returncode == 0, p.stderr
+    p = eyas("extract", "--resume", run, "--rank", "0", "--world", "1")
+    assert p.returncode == 0 and "extracted 60 samples" in p.stderr, p.stderr
+    assert verify(run).clean  # no sample journaled twice
+    idx = sorted(e["index"] for es in read_all_journals(run).values() for e in es)
+    assert idx == list(range(120))
