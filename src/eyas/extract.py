@@ -290,28 +290,29 @@ def done_indices(run: Path) -> dict[int, dict]:
 def recover(run: Path, rank: int, journal: Journal, mine: set[int], hidden_size: int) -> int:
     """Bring the store in line with the journal after a crash; returns samples adopted.
 
-    Temp files are removed. A sample file without a journal entry (the crash came between
-    rename and journal append) is adopted only if every checksum holds; else removed.
-    A journaled file is trusted here only for its size; `verify` checks deeper.
+    Only this rank's samples are touched (other ranks may be writing theirs right now).
+    Their temp files are removed. A sample file without a journal entry (the crash came
+    between rename and journal append) is adopted only if every checksum holds; else it is
+    removed. A journaled file is trusted here only for its size; `verify` checks deeper.
     """
     done = done_indices(run)
     adopted = 0
     for p in list(iter_sample_files(run)):
-        if ".tmp-" in p.name:
-            p.unlink(missing_ok=True)
-            continue
         try:
             idx = int(p.name.split(".")[0])
         except ValueError:
             continue
-        if idx not in mine or idx in done:
+        if idx not in mine:
+            continue
+        if ".tmp-" in p.name:
+            p.unlink(missing_ok=True)
+            continue
+        if idx in done:
             continue
         c = check_sample_file(p, checksums=True, hidden_size=hidden_size)
         if c.ok and int(c.header["__metadata__"]["sample_index"]) == idx:
             journal.append(
-                journal_entry(
-                    idx, c.header["__metadata__"]["sample_id"], _head(p, c.header), c.nbytes
-                )
+                journal_entry(idx, c.header["__metadata__"]["sample_id"], _head(p), c.nbytes)
             )
             adopted += 1
         else:
@@ -320,7 +321,7 @@ def recover(run: Path, rank: int, journal: Journal, mine: set[int], hidden_size:
     return adopted
 
 
-def _head(path: Path, header: dict) -> bytes:
+def _head(path: Path) -> bytes:
     """The header bytes (length prefix included) of a sample file."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
@@ -374,9 +375,9 @@ def extract(
             )
         done = done_indices(run)
         lengths = ds.lengths().tolist()
-        todo_tokens = sum(lengths[i] for i in mine if i not in done)
+        todo = [i for i in mine if i not in done]
         _check_disk(
-            run, cfg, todo_tokens * meta["bytes_per_token"] + 4096 * (len(mine) - len(done))
+            run, cfg, sum(lengths[i] for i in todo) * meta["bytes_per_token"] + 4096 * len(todo)
         )
         return _run_loop(
             cfg, run, meta, ds, model, input_device, store_dtype, aux, mine, done, journal
@@ -410,7 +411,7 @@ def _run_loop(
     lengths = ds.lengths().tolist()
     batches = plan_batches(lengths, mine, cfg.batch_tokens)
     todo = [b for b in batches if any(i not in done for i in b)]
-    total, done_before = len(mine), len(done)
+    total, done_before = len(mine), sum(i in done for i in mine)
     capture = Capture(model, aux)
     pad_id = 0
     stop = threading.Event()

@@ -388,7 +388,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
                 markup=False,
                 highlight=False,
             )
-            _truncate_metrics(out / "metrics.jsonl", state["step"])
+    if rank == 0:  # metrics logged after the state we start from are recomputed
+        _truncate_metrics(out / "metrics.jsonl", state["step"])
 
     stop: list[str] = []
     handlers = {}
