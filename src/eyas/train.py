@@ -295,6 +295,8 @@ def latest_checkpoint(out: Path) -> Path | None:
 def _dist() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():  # one GPU per rank; "cuda" then means this rank's
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
@@ -412,7 +414,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
             [float(lm.sum()) for _, lm in loss_masks(batch, steps)], dtype=torch.float64
         )
         if world > 1:
-            dist.all_reduce(counts)
+            all_reduce_cpu(counts)
         with autocast:
             loss, st = ttt_loss(drafter, batch, steps, decay, norm=counts.tolist())
         return loss, {"stats": st, "tokens": int(batch["valid"].sum())}
@@ -425,7 +427,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
                 _, info = micro(b)
                 acc += info["stats"]
         if world > 1:
-            dist.all_reduce(acc)
+            all_reduce_cpu(acc)
         drafter.train()
         return summarize(acc)
 
@@ -464,7 +466,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
                 rep.advance()
                 if state["step"] % 10 == 0 or state["batch"] >= len(batches):
                     if world > 1:
-                        dist.all_reduce(window)
+                        all_reduce_cpu(window)
                     s = summarize(window)
                     shown.update(loss=s["loss"][0], acc=s["acc"][0])
                     _log(out, rank, {"split": "train", **state, "lr": lr_at(state["step"] - 1),
@@ -507,11 +509,21 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     }
 
 
+def all_reduce_cpu(t: torch.Tensor) -> None:
+    """Sum a small CPU tensor over ranks in place (NCCL only reduces GPU tensors)."""
+    if dist.get_backend() == "nccl":
+        x = t.to(f"cuda:{torch.cuda.current_device()}")
+        dist.all_reduce(x)
+        t.copy_(x.cpu())
+    else:
+        dist.all_reduce(t)
+
+
 def _should_stop(stop: list, world: int) -> bool:
     if world == 1:
         return bool(stop)
     flag = torch.tensor([1.0 if stop else 0.0])
-    dist.all_reduce(flag)
+    all_reduce_cpu(flag)
     return bool(flag.item())
 
 
