@@ -82,7 +82,7 @@ def test_sigkill_at_random_moments_then_resume(tmp_path, targets, llama_dataset,
             p.wait()
             break
         if attempt % 4 == 3:  # a blind kill at a random time: start-up, load, or mid-write
-            time.sleep(rng.uniform(0.0, 6.0))
+            time.sleep(rng.uniform(0.0, 4.0))
         else:  # a kill once a random number of further samples has been committed
             target = before + rng.randint(1, 9)
             while p.poll() is None and _count_samples(run) < target:
