@@ -44,7 +44,6 @@ STORE_VERSION = 1
 SAMPLES_PER_DIR = 1000
 CHECKSUM = "xxh3_128"
 TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")
-HEADER_BYTES = 4096  # generous bound on the safetensors header + metadata per sample
 
 _ST_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U8": 1, "I64": 8, "F64": 8}
 
@@ -422,7 +421,9 @@ def check_sample_file(
             data = path.read_bytes()
         else:  # header and size only: read the head, the size comes from stat
             with open(path, "rb") as f:
-                head = f.read(HEADER_BYTES * 4)
+                prefix = f.read(8)  # the header length, then exactly the header
+                n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+                head = prefix + f.read(min(n, 100_000_000))
             size = path.stat().st_size
             return _check_head(head, size, path, hidden_size, entry)
     except FileNotFoundError:
