@@ -314,3 +314,23 @@ def test_train_refuses_mismatched_directory(demo_run, trained, tmp_path):
     assert (trained / "loss.png").stat().st_size > 1000 and (
         trained / "accuracy.png"
     ).stat().st_size > 1000
+
+
+GOLDEN = Path(__file__).parent / "golden" / "demo_train_metrics.json"
+
+
+def test_golden_loss_curve(trained):
+    """The `trained` fixture's curve equals the checked-in one: a change to the loss, the
+    data order, the schedule or the model shows up here. Regenerate with EYAS_UPDATE_GOLDEN=1."""
+    recs = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines()]
+    got = [
+        {"split": r["split"], "step": r["step"], "loss": r["loss"], "acc": r["acc"]} for r in recs
+    ]
+    if os.environ.get("EYAS_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
+    want = json.loads(GOLDEN.read_text())
+    assert [(r["split"], r["step"]) for r in got] == [(r["split"], r["step"]) for r in want]
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=2e-3), (g["split"], g["step"])
+        assert g["acc"] == pytest.approx(w["acc"], abs=0.02), (g["split"], g["step"])
