@@ -107,11 +107,6 @@ class FilesystemInfo:
     total_bytes: int
     free_bytes: int
 
-    @property
-    def volatile(self) -> bool:
-        """True where data does not survive a reboot or lives in a container layer."""
-        return self.fs_type in ("tmpfs", "ramfs", "overlay") or is_under_tmp(self.path)
-
     def warning(self) -> str | None:
         if self.fs_type in ("tmpfs", "ramfs"):
             return f"{self.path} is on {self.fs_type}: its contents are lost at reboot"

@@ -114,9 +114,6 @@ class Encoded:
         for p in self.parts:
             f.write(p)
 
-    def tobytes(self) -> bytes:
-        return self.header + b"".join(bytes(p) for p in self.parts)
-
 
 def encode_sample(s: Sample, run_meta: dict) -> Encoded:
     """Serialize one sample as safetensors bytes, with per-tensor checksums in the header.
