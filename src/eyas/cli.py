@@ -46,6 +46,7 @@ def _root(
 
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped early and cleanly; --resume continues
 
 
 def _quiet_transformers() -> None:
@@ -191,7 +192,7 @@ def extract(
     ),
 ) -> None:
     """Run the target over a prepared dataset; store aux and final hidden states, crash-safe."""
-    from .extract import EXIT_STOPPED, ExtractConfig, ExtractStopped
+    from .extract import ExtractConfig, ExtractStopped
     from .extract import extract as run_extract
     from .gpu import GpuBusy
     from .lock import LockHeld
@@ -425,7 +426,7 @@ def train(
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
     from .store import StoreError
-    from .train import EXIT_STOPPED, TrainConfig, TrainStopped
+    from .train import TrainConfig, TrainStopped
     from .train import train as run_train
 
     _quiet_transformers()

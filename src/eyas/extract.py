@@ -58,8 +58,6 @@ from .target import (
 )
 from .ui import Reporter, console
 
-EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped early, resumable
-
 
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig:

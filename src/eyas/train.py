@@ -35,8 +35,6 @@ from .target import plan_batches
 from .ui import Reporter, console
 from .weights import embed_weight, lm_head_weight
 
-EXIT_STOPPED = 75
-
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
