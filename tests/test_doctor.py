@@ -193,4 +193,4 @@ def test_doctor_moved_model_and_missing_run(tmp_path, targets, llama_dataset):
     shutil.move(model, tmp_path / "elsewhere")
     p = eyas("doctor", run, tmp_path / "no-such-run", env=smi_env("idle"))
     assert p.returncode == 1
-    assert f"put the target model back at {model}" in p.stdout and "no run.json" in p.stdout
+    assert f"put the target model back at {model}" in p.stdout and "no such directory" in p.stdout

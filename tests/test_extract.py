@@ -13,9 +13,10 @@ from conftest import eyas
 from transformers import AutoModelForCausalLM
 
 from eyas.extract import ExtractConfig, extract
-from eyas.lock import acquire_lock
+from eyas.lock import WriterLock
 from eyas.prepare import PrepareConfig, PreparedDataset, prepare
-from eyas.store import load_sample, lock_path, read_all_journals, read_run_meta
+from eyas.runmeta import read_run_meta
+from eyas.store import load_sample, read_all_journals
 from eyas.target import default_aux_layers, plan_batches
 from eyas.verify import verify
 
@@ -103,21 +104,21 @@ def test_nan_samples_go_to_errors_and_the_run_goes_on(tmp_path, targets, llama_d
 
 def test_second_writer_refused_and_stale_lock_taken_over(tmp_path, targets, llama_dataset):
     run = tmp_path / "run"
-    lock = lock_path(run, 0)
-    acquire_lock(lock)  # this test process is the live holder
+    held = WriterLock(run, 0, 1).acquire()  # this test process is the live holder
+    lock = held.path
     import os
 
     p = eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run)
-    assert p.returncode == 1 and f"PID {os.getpid()}" in p.stderr and "live" in p.stderr
+    assert p.returncode == 1 and f"PID {os.getpid()}" in p.stderr and "live" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+    held.release()
     # A lock left by a dead process on this host is stale and gets taken over.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    info = json.loads(lock.read_text())
-    info.update(pid=dead.pid, proc_start=None)
-    lock.write_text(json.dumps(info))
+    lock.write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": "then"}))
     p = eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run)
     assert p.returncode == 0, p.stderr
-    assert "stale" in p.stderr and not lock.exists()
+    assert "stale" in p.stderr and lock.read_text() == ""  # released: no holder recorded
 
 
 def test_two_ranks_cover_every_sample_once(tmp_path, targets, llama_dataset):

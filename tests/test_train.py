@@ -158,8 +158,9 @@ def test_data_parallel_matches_single_process(demo_run, tmp_path):
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
 def test_export_roundtrip_and_fields(trained, tmp_path, fmt):
     out = tmp_path / fmt
-    r = eyas("export", trained, "--format", fmt, "--out", out)
+    r = eyas("export", trained, "--format", fmt, "--out", out, "--verifier", "org/Target-8L")
     assert r.returncode == 0, r.stderr
+    assert oct(os.stat(out / "model.safetensors").st_mode & 0o777) == oct(0o666 & ~_umask())
     cfg = json.loads((out / "config.json").read_text())
     w = load_file(str(out / "model.safetensors"))
     H, V, D = 128, 1024, 400
@@ -187,13 +188,15 @@ def test_export_roundtrip_and_fields(trained, tmp_path, fmt):
         sc = cfg["speculators_config"]
         assert sc["algorithm"] == "eagle3" and sc["proposal_methods"][0]["speculative_tokens"] == 3
         assert sc["verifier"]["architectures"] == ["LlamaForCausalLM"]
+        assert sc["verifier"]["name_or_path"] == "org/Target-8L"
         prefix = "layers.0."
     else:
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
-        assert cfg["eagle_config"] == {
-            "eagle_aux_hidden_state_layer_ids": aux,
-            "use_aux_hidden_state": True,
-        }
+        assert cfg["eagle_config"]["use_aux_hidden_state"] is True
+        # SGLang's rule (set_eagle3_layers_to_capture): it captures HF hidden_states[id + 1]
+        # for every id it reads here. The drafter was trained on hidden_states [2, n//2, n-3].
+        sglang_captures = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        assert sglang_captures == aux
         assert (
             cfg["vocab_size"] == V
             and cfg["draft_vocab_size"] == D
@@ -225,6 +228,12 @@ def test_export_roundtrip_and_fields(trained, tmp_path, fmt):
             orig.eval().forward_ttt(ids, feats, 3), back.forward_ttt(ids, feats, 3), strict=True
         ):
             assert torch.equal(la, lb) and torch.equal(ha, hb)
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
 
 
 def test_evaluate_is_lossless_and_accepts(trained, tmp_path):
@@ -310,7 +319,7 @@ def test_train_refuses_mismatched_directory(demo_run, trained, tmp_path):
     r = eyas("train", "--data", demo_run, "--out", trained, "--epochs", "3", "--lr", "1")
     assert r.returncode == 1 and "config differs" in r.stderr
     r = eyas("train", "--data", tmp_path / "nope", "--out", tmp_path / "t")
-    assert r.returncode == 1 and "run.json" in r.stderr
+    assert r.returncode == 1 and "not an extraction run" in r.stderr
     assert (trained / "loss.png").stat().st_size > 1000 and (
         trained / "accuracy.png"
     ).stat().st_size > 1000

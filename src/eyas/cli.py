@@ -23,6 +23,15 @@ report = Console(soft_wrap=True)  # reports go to stdout; progress and errors to
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+
+def _flag_type(self, ctx):
+    """Boolean flags take no value: show no `<bool>` type next to them in --help."""
+    return None if getattr(self, "is_flag", False) else self.display_type(ctx)
+
+
+if hasattr(typer.core.TyperOption, "display_type_rich"):
+    typer.core.TyperOption.display_type_rich = _flag_type
+
 app = typer.Typer(
     add_completion=False,
     invoke_without_command=True,
@@ -128,8 +137,12 @@ def prepare(
         out=str(out), max_length=max_length, overlong=overlong, last_turn_only=last_turn_only,
         draft_vocab_size=draft_vocab_size, max_error_rate=max_error_rate, num_workers=num_workers,
     )  # fmt: skip
+    from .target import ModelDirError
+
     try:
         s = run(cfg)
+    except ModelDirError as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise fail(str(exc)) from None
     console.print(
@@ -156,28 +169,47 @@ def extract(
     resume: Path | None = typer.Option(
         None, "--resume", help="Continue the run in this directory (needs nothing else)."
     ),
+    backend: str | None = typer.Option(
+        None, "--backend", help="hf (transformers, default) or vllm (vLLM engine, tensor parallel)."
+    ),
     aux_layers: str | None = typer.Option(
         None,
         "--aux-layers",
         help="Three 0-based decoder layers, e.g. 1,15,28 (default [1, n//2-1, n-4]).",
     ),
     device: str | None = typer.Option(
-        None, "--device", help="auto, cpu, cuda, cuda:K or multi (device_map=auto)."
+        None, "--device", help="auto, cpu, cuda, cuda:K or multi (hf: device_map=auto)."
     ),
     dtype: str | None = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
     store_dtype: str | None = typer.Option(
         None, "--store-dtype", help="Dtype of stored states (default: compute dtype)."
     ),
+    storage: str | None = typer.Option(
+        None,
+        "--storage",
+        help="Aux states on disk: dense (default) or fp8 (e4m3, scale per token and layer).",
+    ),
+    target: str | None = typer.Option(
+        None, "--target", help="The target on disk: last (final hidden state, default) or topk:K."
+    ),
     batch_tokens: int | None = typer.Option(
         None, "--batch-tokens", help="Token budget per batch (default 8192)."
     ),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
-    rank: int | None = typer.Option(
-        None, "--rank", help="This process's rank (samples with index %% world == rank)."
+    trust_remote_code: bool = typer.Option(
+        False,
+        "--trust-remote-code",
+        help="Let the model directory's Python code run (never implied by a resume).",
     ),
-    world: int | None = typer.Option(None, "--world", help="Number of ranks."),
+    rank: int | None = typer.Option(
+        None, "--rank", help="This process's share: samples with index % world == rank."
+    ),
+    world: int | None = typer.Option(
+        None, "--world", help="Number of shares (default 1: the whole run)."
+    ),
     min_free: str | None = typer.Option(
-        None, "--min-free", help="Stop below this free space (default 2%%, >= 1 GiB)."
+        None,
+        "--min-free",
+        help="Stop below this free space (default 2% of the disk, >= 1 GiB or 5%).",
     ),
     allow_partial: bool = typer.Option(
         False, "--allow-partial", help="Start even if the projected size does not fit."
@@ -190,6 +222,22 @@ def extract(
     ignore_busy_gpus: bool = typer.Option(
         False, "--ignore-busy-gpus", help="Start even if other processes hold GPU memory."
     ),
+    tensor_parallel_size: int | None = typer.Option(
+        None, "--tensor-parallel-size", help="vllm: GPUs the target is split over (default 1)."
+    ),
+    gpu_memory_utilization: float | None = typer.Option(
+        None,
+        "--gpu-memory-utilization",
+        help="vllm: fraction of GPU memory it may take (default 0.9).",
+    ),
+    max_model_len: int | None = typer.Option(
+        None, "--max-model-len", help="vllm: context length (default: longest sample + 1)."
+    ),
+    staging_dir: Path | None = typer.Option(
+        None,
+        "--staging-dir",
+        help="vllm: scratch directory for states in flight (default: system temp).",
+    ),
 ) -> None:
     """Run the target over a prepared dataset; store aux and final hidden states, crash-safe."""
     from .extract import ExtractConfig, ExtractStopped
@@ -197,6 +245,7 @@ def extract(
     from .gpu import GpuBusy
     from .lock import LockHeld
     from .store import StoreError
+    from .target import ModelDirError
 
     _quiet_transformers()
     layers = None
@@ -208,10 +257,12 @@ def extract(
                 f"--aux-layers {aux_layers!r}: expected three integers like 1,15,28", EXIT_USAGE
             ) from None
     opts = dict(
-        aux_layers=layers, device=device, dtype=dtype, store_dtype=store_dtype, batch_tokens=batch_tokens,
-        rank=rank, world=world, min_free=min_free, max_foreign_gpu_mem=max_foreign_gpu_mem,
-        allow_partial=allow_partial or None, ignore_busy_gpus=ignore_busy_gpus or None,
-        trust_remote_code=trust_remote_code or None,
+        backend=backend, aux_layers=layers, device=device, dtype=dtype, store_dtype=store_dtype,
+        storage=storage, target=target, batch_tokens=batch_tokens, rank=rank, world=world,
+        min_free=min_free, max_foreign_gpu_mem=max_foreign_gpu_mem, allow_partial=allow_partial or None,
+        ignore_busy_gpus=ignore_busy_gpus or None, trust_remote_code=trust_remote_code or None,
+        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=max_model_len, staging_dir=str(staging_dir) if staging_dir else None,
     )  # fmt: skip
     opts = {k: v for k, v in opts.items() if v is not None}
     try:
@@ -229,6 +280,10 @@ def extract(
             s = run_extract(cfg)
     except ExtractStopped as exc:
         raise fail(str(exc), EXIT_STOPPED) from None
+    except ModelDirError as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
+    except (LockHeld, GpuBusy, StoreError, ValueError, OSError) as exc:
+        raise fail(str(exc)) from None
     except RuntimeError as exc:
         if "out of memory" not in str(exc).lower():
             raise
@@ -237,8 +292,6 @@ def extract(
             f"{exc}\nThe target ran out of memory; committed samples are kept. Lower --batch-tokens "
             f"and resume: eyas extract --resume {where} --batch-tokens N"
         ) from None
-    except (LockHeld, GpuBusy, StoreError, ValueError, OSError) as exc:
-        raise fail(str(exc)) from None
     console.print(
         f"extracted {s.committed} samples ({s.tokens} tokens, {s.bytes_written / max(s.tokens, 1):.0f} B/token) "
         f"in {s.seconds:.1f}s; {s.done_before + s.committed}/{s.total} done, {s.failed} failed -> {s.run}",
@@ -284,19 +337,19 @@ def verify(
         )
         for p in rep.problems:
             report.print(f"  [red]{p.kind:9s}[/] {escape(p.detail)}", highlight=False)
+        if rep.unjournaled:
+            report.print(f"  {len(rep.unjournaled)} intact sample file(s) have no journal entry (written just before "
+                         f"a stop): `eyas extract --resume {run}` adopts them after checking every checksum",
+                         markup=False, highlight=False)  # fmt: skip
+        for r in rep.repairs:
+            report.print(f"  repaired: {r}", markup=False, highlight=False)
         if rep.repaired:
             report.print(
-                f"repaired: bad files moved to {run}/quarantine/, their journal entries dropped; "
-                f"now run: eyas extract --resume {run}",
-                markup=False,
-                highlight=False,
+                f"repaired; now run: eyas extract --resume {run}", markup=False, highlight=False
             )
         elif rep.problems:
-            report.print(
-                f"to fix: eyas verify --repair {run} && eyas extract --resume {run}",
-                markup=False,
-                highlight=False,
-            )
+            report.print(f"to fix: eyas verify --repair {run} && eyas extract --resume {run}",
+                         markup=False, highlight=False)  # fmt: skip
     if not rep.clean and not rep.repaired:
         raise typer.Exit(EXIT_PROBLEMS)
 
@@ -319,6 +372,12 @@ def status(
         _print_json(st.to_dict())
         return
     pct = 100 * st.done / st.total if st.total else 100.0
+    if st.live_writer:
+        speed = (f"{st.recent_samples_per_s:.2f} samples/s, {st.recent_tokens_per_s:,.0f} tokens/s (last minutes)"
+                 if st.recent_tokens_per_s else "no commits in the last minutes")  # fmt: skip
+        eta = human_duration(st.eta_seconds) if st.eta_seconds is not None else "?"
+    else:
+        speed, eta = "- (no writer running)", "- (no writer running)"
     lines = [
         f"run        {st.run}",
         f"samples    {st.done}/{st.total} done ({pct:.1f}%), {st.remaining} remaining, {st.failed} failed",
@@ -326,15 +385,20 @@ def status(
         f"disk       {human_bytes(st.bytes_done)} written, ~{human_bytes(st.bytes_projected)} projected in all, "
         f"~{human_bytes(st.bytes_needed)} still needed; {human_bytes(st.free_bytes)} free on {st.mount_point} ({st.fs_type})",
         f"last commit {ago(st.last_commit)}",
-        f"throughput {st.recent_samples_per_s:.2f} samples/s, {st.recent_tokens_per_s:,.0f} tokens/s (recent)",
-        f"ETA        {human_duration(st.eta_seconds) if st.eta_seconds is not None else '?'}",
+        f"throughput {speed}",
+        f"ETA        {eta}",
     ]
+    if st.model_loaded is False and not st.live_writer:
+        lines.append("model      never loaded: the last writer stopped while starting or loading the target; "
+                     f"`eyas extract --resume {st.run}` starts again from loading")  # fmt: skip
     for lk in st.locks:
         lines.append(f"lock       {lk['describe']}")
     if not st.locks:
         lines.append("lock       none (no writer running)")
     if st.temp_files:
         lines.append(f"temp files {st.temp_files} stray (removed on resume)")
+    if st.meta_warning:
+        lines.append(f"warning    {st.meta_warning} (`eyas verify --repair {st.run}` restores it)")
     if st.fs_warning:
         lines.append(f"warning    {st.fs_warning}")
     report.print("\n".join(lines), markup=False, highlight=False)
@@ -408,7 +472,9 @@ def train(
         0.8, "--step-decay", help="Loss weight of step i is decay**i."
     ),
     lr: float = typer.Option(1e-4, "--lr"),
-    warmup_steps: int = typer.Option(50, "--warmup-steps"),
+    warmup_steps: int | None = typer.Option(
+        None, "--warmup-steps", help="Linear warmup (default: a tenth of the steps, at most 50)."
+    ),
     batch_tokens: int = typer.Option(8192, "--batch-tokens", help="Tokens per micro-batch."),
     grad_accum: int = typer.Option(1, "--grad-accum"),
     val_fraction: float = typer.Option(0.05, "--val-fraction"),
@@ -419,13 +485,18 @@ def train(
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     device: str = typer.Option("auto", "--device"),
     seed: int = typer.Option(0, "--seed"),
-    verify_data: bool = typer.Option(False, "--verify-data", help="Check checksums on first read."),
+    verify_data: bool = typer.Option(
+        True,
+        "--verify-data/--no-verify-data",
+        help="Check tensor checksums on each sample's first read.",
+    ),
     intermediate_size: int | None = typer.Option(
         None, "--intermediate-size", help="Drafter MLP width (default: the target's)."
     ),
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
     from .store import StoreError
+    from .target import ModelDirError
     from .train import TrainConfig, TrainStopped
     from .train import train as run_train
 
@@ -441,6 +512,8 @@ def train(
         res = run_train(cfg, resume=resume)
     except TrainStopped as exc:
         raise fail(str(exc), EXIT_STOPPED) from None
+    except ModelDirError as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
     except (StoreError, ValueError, OSError, KeyError) as exc:
         raise fail(str(exc)) from None
     v = res["val"]
@@ -471,13 +544,25 @@ def export(
     speculative_tokens: int = typer.Option(
         3, "--speculative-tokens", help="Default draft length in the vLLM config."
     ),
+    verifier: str | None = typer.Option(
+        None,
+        "--verifier",
+        help="The target's name or path on the serving machine (default: its local path).",
+    ),
 ) -> None:
     """Write the trained drafter in a format vLLM or SGLang loads."""
     from .export import ExportError
     from .export import export as run_export
 
     try:
-        path = run_export(train_dir, fmt, out, dtype=dtype, speculative_tokens=speculative_tokens)
+        path = run_export(
+            train_dir,
+            fmt,
+            out,
+            dtype=dtype,
+            speculative_tokens=speculative_tokens,
+            verifier=verifier,
+        )
     except ExportError as exc:
         raise fail(str(exc), EXIT_USAGE if "--" in str(exc) else EXIT_PROBLEMS) from None
     except OSError as exc:
@@ -506,6 +591,7 @@ def evaluate(
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check."""
     from .evaluate import evaluate as run_eval
     from .export import ExportError
+    from .target import ModelDirError
 
     _quiet_transformers()
     try:
@@ -517,6 +603,8 @@ def evaluate(
             max_new_tokens=max_new_tokens,
             limit=limit or None,
         )
+    except ModelDirError as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
     except (ExportError, ValueError, OSError) as exc:
         raise fail(str(exc)) from None
     d = res.to_dict()

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from .fsutil import human_bytes
 from .gpu import GpuReport, query_gpus
+from .runmeta import load_run_meta
 from .status import ago, run_status
-from .store import StoreError, read_errors, read_run_meta
+from .store import StoreError, read_errors
 
 FOREIGN_GPU_BYTES = 2 << 30  # what counts as "holding" a GPU, as in extract's preflight
 
@@ -102,17 +103,21 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
 
     rep = RunReport(str(run))
     try:
-        meta = read_run_meta(run)
+        mr = load_run_meta(run)
     except (StoreError, OSError, ValueError) as exc:
         rep.add("error", f"config: {exc}")
         actions.append(
             Action(f"{run} is not a usable run directory; check the path or start a new run")
         )
         return rep
-    rep.add(
-        "ok",
-        f"config: run.json present (eyas {meta.get('eyas_version')}, created {meta.get('created')})",
-    )
+    meta = mr.meta
+    if mr.damage or mr.backup_damage:
+        rep.add("error", f"config: {mr.damage or 'run.backup.json is ' + mr.backup_damage}")
+        actions.append(Action(f"restore the run's description of {run} from its good copy",
+                              f"eyas verify --repair {run}"))  # fmt: skip
+    else:
+        rep.add("ok", f"config: run.json intact (eyas {meta.get('eyas_version')}, created {meta.get('created')}, "
+                f"backend {meta.get('backend', 'hf')})")  # fmt: skip
 
     # Inputs still in place and unchanged?
     model = Path(meta["model_path"])
@@ -153,6 +158,9 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
         "ok",
         f"progress: {st.done}/{st.total} samples done, {st.remaining} remaining, {st.failed} failed; last commit {ago(st.last_commit)}",
     )
+    if st.model_loaded is False and not st.live_writer:
+        rep.add("warn", "progress: the model never finished loading (the last writer stopped while "
+                "starting or loading it); the resume starts again from loading")  # fmt: skip
 
     # Disk.
     from .fsutil import filesystem_info
@@ -196,42 +204,42 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
     # Integrity.
     v = verify(run, quick=not deep)
     kinds = {
-        k: v.count(k) for k in ("missing", "corrupt", "orphan", "duplicate", "temp") if v.count(k)
+        k: v.count(k)
+        for k in ("missing", "corrupt", "orphan", "duplicate", "temp", "journal", "meta")
+        if v.count(k)
     }
     depth = "checksums" if deep else "headers and sizes; --deep for checksums"
-    if kinds.get("orphan"):
+    if v.unjournaled:
         rep.add(
             "warn",
-            f"integrity: {kinds['orphan']} complete-looking file(s) without a journal entry "
-            "(written just before the crash); resume checks every checksum and adopts or redoes them",
+            f"integrity: {len(v.unjournaled)} intact file(s) without a journal entry (written just "
+            "before the stop); the resume checks every checksum and adopts them",
         )
-    if not any(k in kinds for k in ("missing", "corrupt", "duplicate")):
+    if not any(k in kinds for k in ("missing", "corrupt", "duplicate", "orphan", "journal")):
         rep.add("ok", f"integrity: {v.ok}/{v.checked} committed samples intact ({depth})")
     else:
         rep.add(
             "error",
             f"integrity ({depth}): "
-            + ", ".join(f"{n} {k}" for k, n in kinds.items() if k not in ("temp", "orphan")),
+            + ", ".join(f"{n} {k}" for k, n in kinds.items() if k not in ("temp", "meta")),
         )
         for p in v.problems[:10]:
-            if p.kind not in ("temp", "orphan"):
+            if p.kind not in ("temp", "meta"):
                 rep.add("error", f"  {p.kind}: {p.detail}")
-        actions.append(
-            Action(
-                f"quarantine damaged samples of {run} so they are re-extracted",
-                f"eyas verify --repair {run}",
-            )
-        )
+        if not any(a.command == f"eyas verify --repair {run}" for a in actions):
+            actions.append(Action(f"quarantine damaged samples and set aside damaged journal lines of {run} "
+                                  "so they are re-extracted", f"eyas verify --repair {run}"))  # fmt: skip
 
     if live:
         actions.append(
             Action(
-                f"a writer is running on {run} ({live[0]['describe']}); let it finish",
+                f"{len(live)} writer(s) running on {run} ({'; '.join(lk['describe'] for lk in live)}); "
+                "let them finish, then resume whatever is left",
                 None,
                 blocking=False,
             )
         )
-    elif st.remaining > 0 or any(k in kinds for k in ("missing", "corrupt")):
+    elif st.remaining > 0 or any(k in kinds for k in ("missing", "corrupt", "journal", "orphan")):
         actions.append(
             Action(
                 f"resume the extraction of {run}", f"eyas extract --resume {run}", blocking=False

@@ -187,6 +187,9 @@ def evaluate(
 ) -> EvalResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .target import check_model_dir
+
+    check_model_dir(model_dir, tokenizer=True, weights=True)
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, local_files_only=True

@@ -4,9 +4,15 @@
 - `sglang`: the EAGLE format (`LlamaForCausalLMEagle3`), decoder layer as `midlayer.*`.
 
 Both carry `fc`, the layer, `norm`, `lm_head` [D, H], `d2t` (int64) and `t2d` (bool), and the
-target's token embeddings copied exactly (never random ones). Aux layer ids are written in
-the engines' convention (HF `hidden_states` indices) and `norm_before_residual` is written
-explicitly because loaders disagree on its default. `load_export` reads either format back.
+target's token embeddings copied exactly (never random ones). `norm_before_residual` is
+written explicitly because loaders disagree on its default. `load_export` reads either
+format back.
+
+Aux layer ids follow each engine's reading of `eagle_aux_hidden_state_layer_ids`:
+- vLLM reads them as HF `hidden_states` indices (id k = input of decoder layer k), so the
+  vLLM export carries [2, n//2, n-3] for the default layers;
+- SGLang adds 1 to each id before capturing (id i = output of 0-based decoder layer i), so
+  the SGLang export carries [1, n//2-1, n-4] for the same layers.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from . import __version__
 from .drafter import Drafter, DrafterConfig
-from .fsutil import atomic_write_json, read_json
+from .fsutil import atomic_write_json, honour_umask, read_json
 
 FORMATS = ("vllm", "sglang")
 _LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
@@ -74,8 +80,10 @@ def _llama_fields(c: DrafterConfig) -> dict:
 
 
 def export_config(
-    fmt: str, c: DrafterConfig, aux_hf: list[int], target: dict, dtype: str, k: int
+    fmt: str, c: DrafterConfig, aux_layers: list[int], target: dict, dtype: str, k: int
 ) -> dict:
+    """The config.json of an export; `aux_layers` are outputs of 0-based decoder layers."""
+    aux_hf = [i + 1 for i in aux_layers]
     if fmt == "vllm":
         return {
             "architectures": ["Eagle3Speculator"],
@@ -105,7 +113,10 @@ def export_config(
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.hidden_size,
         "norm_before_residual": c.norm_before_residual,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_hf, "use_aux_hidden_state": True},
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(aux_layers),
+            "use_aux_hidden_state": True,
+        },
         "torch_dtype": dtype,
         "eyas_version": __version__,
     }
@@ -118,7 +129,10 @@ def export(
     *,
     dtype: str = "float32",
     speculative_tokens: int = 3,
+    verifier: str | None = None,
 ) -> Path:
+    """Write `train_dir`'s drafter to `out`; `verifier` is the target's name or path as the
+    serving machine knows it (default: the local path it was trained against)."""
     if fmt not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if dtype not in _DTYPES:
@@ -130,7 +144,10 @@ def export(
         if (Path(info["model_path"]) / "config.json").is_file()
         else {}
     )
-    target = {"path": info["model_path"], "architectures": target_cfg.get("architectures", [])}
+    target = {
+        "path": verifier or info["model_path"],
+        "architectures": target_cfg.get("architectures", []),
+    }
     prefix = _LAYER_PREFIX[fmt]
     tensors = {}
     for name, t in state.items():
@@ -146,9 +163,10 @@ def export(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    honour_umask(out / "model.safetensors")
     atomic_write_json(
         out / "config.json",
-        export_config(fmt, c, info["aux_layers_hf"], target, dtype, speculative_tokens),
+        export_config(fmt, c, info["aux_layers"], target, dtype, speculative_tokens),
     )
     return out
 
@@ -164,9 +182,9 @@ def load_export(path: str | Path) -> tuple[Drafter, list[int]]:
     if arch == "Eagle3Speculator":
         layer, aux = cfg["transformer_layer_config"], cfg["eagle_aux_hidden_state_layer_ids"]
         prefix = "layers.0."
-    elif arch == "LlamaForCausalLMEagle3":
-        layer, aux = cfg, cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-        prefix = "midlayer."
+    elif arch == "LlamaForCausalLMEagle3":  # SGLang's ids: outputs of 0-based layers
+        layer, prefix = cfg, "midlayer."
+        aux = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
     else:
         raise ExportError(f"{cfg_file}: unknown architecture {arch!r}")
     c = DrafterConfig(

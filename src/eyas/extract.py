@@ -4,12 +4,15 @@ Guarantee: every sample in a run is either fully committed and checksummed, or a
 a restart continues exactly where it stopped (see `store` for the commit protocol).
 
 How:
-- Forward hooks capture the three aux layers' outputs and the final norm's output; the
-  base model is called without its lm_head, so full-vocabulary logits are never computed.
+- The run's intent (`run.json`) is written before the target loads, so a run killed while
+  a 1T-parameter model is still loading resumes with `--resume` like any other.
+- A backend (`backends/`: transformers or vLLM) runs batches and hands back states; the
+  writer thread checks, encodes, writes and fsyncs while the next batch runs.
 - Samples are batched by length under a token budget; the batch plan is a pure function
-  of the dataset, the rank and the budget, so a resumed run recomputes a partly-done batch
-  with the same shapes and the stored tensors are bit-identical to an uninterrupted run.
-- A writer thread hashes, writes and fsyncs while the next batch runs (bounded queue).
+  of the dataset, the share and the budget, so a resumed run recomputes a partly-done
+  batch with the same shapes and (hf backend) the stored files are bit-identical.
+- `--rank/--world` split the samples (index % world == rank) over processes or nodes; a
+  plain `--resume` (world 1) finishes every share that no live writer holds.
 - The run stops cleanly (exit 75, resumable) on SIGINT/SIGTERM, when free space falls
   below `min_free`, or on a real ENOSPC; the in-flight commit finishes or leaves nothing.
 """
@@ -17,44 +20,51 @@ How:
 from __future__ import annotations
 
 import queue
+import shutil
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
 from . import __version__
-from .fsutil import DiskFullError, filesystem_info, free_bytes, human_bytes, is_disk_full, read_json
+from .backends import BACKENDS, BackendSpec, open_backend
+from .fsutil import DiskFullError, filesystem_info, free_bytes, human_bytes, is_disk_full
 from .gpu import gpu_preflight
-from .lock import acquire_lock, release_lock
+from .lock import LockHeld, WriterLock
 from .prepare import PreparedDataset
+from .runmeta import load_run_meta, write_run_meta
 from .store import (
     STORE_VERSION,
     Journal,
+    Layout,
     Sample,
+    StoreError,
     append_error,
-    bytes_per_token,
     check_sample_file,
     commit_samples,
+    committed,
+    ensure_inside,
     iter_sample_files,
     journal_entry,
     journal_path,
-    lock_path,
-    read_all_journals,
-    read_run_meta,
-    write_run_meta,
+    read_head,
+    sample_index_of,
+    scan_journal,
+    set_aside_damaged_lines,
 )
 from .target import (
     DTYPES,
-    Capture,
+    check_model_dir,
     default_aux_layers,
-    load_target,
     model_fingerprint,
     plan_batches,
     resolve_device,
+    resolve_dtype,
+    target_facts,
 )
 from .ui import Reporter, console
 
@@ -67,22 +77,30 @@ class ExtractConfig:
     """Prepared dataset directory (from `eyas prepare`)."""
     out: str
     """Run directory; created if new."""
+    backend: str = "hf"
+    """`hf` (transformers in this process) or `vllm` (vLLM engine, tensor parallel)."""
     aux_layers: tuple[int, ...] | None = None
     """Aux layers as outputs of 0-based decoder layers; default [1, n//2-1, n-4]."""
     device: str = "auto"
-    """`auto` (cuda if present), `cpu`, `cuda`, `cuda:K`, or `multi` (device_map=auto over all GPUs)."""
+    """`auto` (cuda if present), `cpu`, `cuda`, `cuda:K`, or `multi` (hf: device_map=auto)."""
     dtype: str = "auto"
     """Compute dtype: `auto` (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16."""
     store_dtype: str | None = None
     """Dtype of stored hidden states; default: the compute dtype."""
+    storage: str = "dense"
+    """Aux states on disk: `dense` (store dtype) or `fp8` (e4m3, a scale per token and layer)."""
+    target: str = "last"
+    """The target on disk: `last` (final hidden state) or `topk:K` (top-K log-probs)."""
     batch_tokens: int = 8192
     """Token budget per batch (batch size x longest sample, padding included)."""
     trust_remote_code: bool = False
+    """Let the model directory's own Python code run (never read from run.json on resume)."""
     rank: int = 0
     """This process's share of the samples: index % world == rank."""
     world: int = 1
     min_free: str = "2%"
-    """Stop when free space on the run's filesystem falls below this (bytes, K/M/G suffix, or %); at least 1 GiB when given as %."""
+    """Stop when free space falls below this (bytes, K/M/G suffix, or % of the filesystem;
+    a percentage is at least 1 GiB, or 5% of a filesystem smaller than 20 GiB)."""
     allow_partial: bool = False
     """Start even when the projected size does not fit on the disk."""
     queue_depth: int = 4
@@ -90,68 +108,84 @@ class ExtractConfig:
     max_foreign_gpu_mem: str = "2GiB"
     """Refuse to start when another process holds more than this on a GPU we use."""
     ignore_busy_gpus: bool = False
+    tensor_parallel_size: int = 1
+    """vllm backend: GPUs the target is split over."""
+    gpu_memory_utilization: float = 0.9
+    """vllm backend: fraction of each GPU's memory vLLM may take."""
+    max_model_len: int | None = None
+    """vllm backend: context length (default: the longest sample + 1)."""
+    staging_dir: str | None = None
+    """vllm backend: scratch directory for states in flight (default: the system temp dir)."""
     progress: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world:
-            raise ValueError(
-                f"--rank {self.rank} is outside 0..{self.world - 1} (--world {self.world})"
-            )
+            raise ValueError(f"--rank {self.rank} is outside 0..{self.world - 1} (--world {self.world})")  # fmt: skip
         if self.batch_tokens < 1:
             raise ValueError(f"--batch-tokens must be positive, got {self.batch_tokens}")
         if self.aux_layers is not None and len(self.aux_layers) != 3:
-            raise ValueError(
-                f"--aux-layers needs exactly three layers, got {list(self.aux_layers)}"
-            )
+            raise ValueError(f"--aux-layers needs exactly three layers, got {list(self.aux_layers)}")  # fmt: skip
         for d in (self.dtype, self.store_dtype or "auto"):
             if d not in ("auto", *DTYPES):
                 raise ValueError(f"unknown dtype {d!r}; choose from auto, {', '.join(DTYPES)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}"
+            )
+        if self.tensor_parallel_size < 1 or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                "--tensor-parallel-size must be >= 1 and --gpu-memory-utilization in (0, 1]"
+            )
+        if self.backend == "hf" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--tensor-parallel-size needs --backend vllm (the hf backend uses --device multi)"
+            )
+        Layout(self.storage, self.target)  # raises for unknown modes
         parse_size(self.min_free, 1)
         parse_size(self.max_foreign_gpu_mem, 1)
 
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.storage, self.target)
 
-# Fields of ExtractConfig that may differ between a run and its resume. A changed
-# batch_tokens (e.g. after running out of memory) regroups the remaining samples: still
-# correct, but their files are then no longer bit-identical to an uninterrupted run's.
-_RESUMABLE = {
-    "batch_tokens",
-    "progress",
-    "device",
-    "queue_depth",
-    "min_free",
-    "allow_partial",
-    "ignore_busy_gpus",
-    "max_foreign_gpu_mem",
-    "rank",
-    "world",
-}
+
+# Fields that describe one invocation and are never taken from run.json on resume:
+# where this process is in a split, what it may do to the machine, and whether the model
+# directory's code may run (security: only the current command line can allow that).
+PER_INVOCATION = {"rank", "world", "trust_remote_code", "progress", "queue_depth",
+                  "ignore_busy_gpus", "max_foreign_gpu_mem", "staging_dir", "out"}  # fmt: skip
+# Stored in run.json, and a resume may change them (the new value is kept for later
+# resumes). A changed batch_tokens regroups the remaining samples: still correct, but
+# their files are then no longer bit-identical to an uninterrupted run's.
+OVERRIDABLE = {"batch_tokens", "device", "min_free", "allow_partial", "tensor_parallel_size",
+               "gpu_memory_utilization", "max_model_len"}  # fmt: skip
 
 
 def parse_size(spec: str, total: int) -> int:
-    """'2%' of `total` (at least 1 GiB), or '500M', '2GiB', '1048576' bytes."""
+    """'2%' of `total` (at least 1 GiB, or 5% of a small filesystem), or '500M', '2GiB', bytes."""
     s = str(spec).strip()
     try:
         if s.endswith("%"):
-            return max(int(total * float(s[:-1]) / 100), 1 << 30)
+            pct = float(s[:-1])
+            return int(max(total * pct / 100, min(1 << 30, total * 0.05))) if pct > 0 else 0
         units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
         low = s.lower().removesuffix("ib").removesuffix("b")
         if low and low[-1] in units:
             return int(float(low[:-1]) * units[low[-1]])
         return int(float(low))
     except ValueError:
-        raise ValueError(
-            f"cannot read size {spec!r}: use bytes, a K/M/G suffix or a percentage"
-        ) from None
+        raise ValueError(f"cannot read size {spec!r}: use bytes, a K/M/G suffix or a percentage") from None  # fmt: skip
 
 
 class ExtractStopped(Exception):
     """The run stopped early but cleanly; `extract --resume` continues it."""
 
-    def __init__(self, reason: str, done: int, total: int, run: Path):
+    def __init__(self, reason: str, done: int, total: int, run: Path, pending_adoption: int = 0):
         self.reason, self.done, self.total, self.run = reason, done, total, run
-        super().__init__(
-            f"{reason}. {done}/{total} samples are committed. Resume with: eyas extract --resume {run}"
-        )
+        extra = (f" ({pending_adoption} of them complete files whose journal entry did not fit: the "
+                 "resume adopts them after checking every checksum)") if pending_adoption else ""  # fmt: skip
+        super().__init__(f"{reason}. {done}/{total} samples are committed{extra}. "
+                         f"Resume with: eyas extract --resume {run}")  # fmt: skip
 
 
 @dataclass
@@ -166,74 +200,29 @@ class ExtractSummary:
     bytes_written: int
 
 
-def _config_dict(cfg: ExtractConfig) -> dict:
-    d = asdict(cfg)
+def stored_config(cfg: ExtractConfig) -> dict:
+    d = {k: v for k, v in asdict(cfg).items() if k not in PER_INVOCATION}
     d["aux_layers"] = list(cfg.aux_layers) if cfg.aux_layers else None
     return d
 
 
-def start_or_resume(
-    cfg: ExtractConfig | None, resume: str | None = None, overrides: dict | None = None
-) -> tuple[ExtractConfig, Path, dict]:
-    """Resolve the config of a new run, or load and check the stored one of a resumed run."""
-    if resume is not None:
-        run = Path(resume)
-        meta = read_run_meta(run)
-        stored = {
-            k: v for k, v in meta["config"].items() if k in ExtractConfig.__dataclass_fields__
-        }
-        stored["aux_layers"] = tuple(stored["aux_layers"]) if stored.get("aux_layers") else None
-        cfg = ExtractConfig(**{**stored, **(overrides or {})})
-        changed = [
-            k for k in (overrides or {}) if k not in _RESUMABLE and overrides[k] != stored.get(k)
-        ]
-        if changed:
-            raise ValueError(
-                f"{run}/run.json: {', '.join(changed)} cannot change on resume (start a new run)"
-            )
-        _check_same_inputs(cfg, meta, run)
-        if cfg.batch_tokens != meta["config"]["batch_tokens"]:  # kept for later resumes too
-            meta["config"]["batch_tokens"] = cfg.batch_tokens
-            write_run_meta(run, meta)
-        return cfg, run, meta
-    assert cfg is not None
-    cfg = resolve(cfg)
-    run = Path(cfg.out)
-    if (run / "run.json").exists():
-        meta = read_run_meta(run)
-        if {k: v for k, v in _config_dict(cfg).items() if k not in _RESUMABLE} != {
-            k: v for k, v in meta["config"].items() if k not in _RESUMABLE
-        }:
-            raise ValueError(
-                f"{run} already holds a run with a different config; use `eyas extract --resume {run}` "
-                "to continue it, or choose a new --out"
-            )
-        _check_same_inputs(cfg, meta, run)
-        return cfg, run, meta
-    return cfg, run, {}
-
-
 def resolve(cfg: ExtractConfig) -> ExtractConfig:
     """Absolute paths and explicit aux layers, so the stored config means one thing."""
-    aux = cfg.aux_layers
-    if aux is None:
-        n = read_json(Path(cfg.model) / "config.json").get("num_hidden_layers")
-        if not isinstance(n, int):
-            raise ValueError(f"{cfg.model}/config.json has no num_hidden_layers; pass --aux-layers")
-        aux = default_aux_layers(n)
+    check_model_dir(cfg.model, weights=True)
+    aux = cfg.aux_layers or default_aux_layers(target_facts(cfg.model).num_hidden_layers)
     ab = lambda p: str(Path(p).resolve())  # noqa: E731
     return replace(
         cfg, model=ab(cfg.model), data=ab(cfg.data), out=ab(cfg.out), aux_layers=tuple(aux)
     )
 
 
-def _check_same_inputs(cfg: ExtractConfig, meta: dict, run: Path) -> None:
-    ds = PreparedDataset.open(cfg.data, check=False)
+def _check_same_inputs(cfg: ExtractConfig, meta: dict, run: Path, ds: PreparedDataset) -> None:
     if ds.fingerprint != meta["dataset_fingerprint"]:
         raise ValueError(
             f"dataset changed: {cfg.data} has fingerprint {ds.fingerprint}, run {run} was made from "
             f"{meta['dataset_fingerprint']}; refusing to mix samples (start a new run)"
         )
+    check_model_dir(cfg.model, weights=True)
     fp = model_fingerprint(cfg.model)
     if fp != meta["model_fingerprint"]:
         raise ValueError(
@@ -242,28 +231,71 @@ def _check_same_inputs(cfg: ExtractConfig, meta: dict, run: Path) -> None:
         )
 
 
-def new_run_meta(
-    cfg: ExtractConfig,
-    ds: PreparedDataset,
-    model_config,
-    dtype: torch.dtype,
-    store_dtype: torch.dtype,
-) -> dict:
-    n = model_config.num_hidden_layers
-    aux = tuple(cfg.aux_layers) if cfg.aux_layers else default_aux_layers(n)
-    H = model_config.hidden_size
+def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: dict | None = None):
+    """(config, run dir, run.json or {} for a new run, dataset): a new run's config resolved,
+    or a resumed run's stored config with this invocation's fields and overrides applied."""
+    overrides = dict(overrides or {})
+    if resume is not None:
+        run = Path(resume).resolve()
+        r = load_run_meta(run)
+        meta = r.meta
+        if r.damage:
+            console.print(f"warning: {r.damage}", markup=False, highlight=False)
+        stored = {k: v for k, v in meta["config"].items()
+                  if k in ExtractConfig.__dataclass_fields__ and k not in PER_INVOCATION}  # fmt: skip
+        stored["aux_layers"] = tuple(stored["aux_layers"]) if stored.get("aux_layers") else None
+        fixed = [k for k, v in overrides.items()
+                 if k not in OVERRIDABLE | PER_INVOCATION and v != stored.get(k)]  # fmt: skip
+        if fixed:
+            raise ValueError(
+                f"{run}/run.json: {', '.join(fixed)} cannot change on resume (start a new run)"
+            )
+        cfg = ExtractConfig(**{**stored, **overrides, "out": str(run)})
+    else:
+        assert cfg is not None
+        cfg = resolve(cfg)
+        run = Path(cfg.out)
+        meta = {}
+        if (run / "run.json").exists() or (run / "run.backup.json").exists():
+            meta = load_run_meta(run).meta
+            mine = {k: v for k, v in stored_config(cfg).items() if k not in OVERRIDABLE}
+            theirs = {k: v for k, v in meta["config"].items() if k not in OVERRIDABLE}
+            if mine != theirs:
+                diff = sorted(k for k in mine if mine[k] != theirs.get(k))
+                raise ValueError(f"{run} already holds a run with a different config ({', '.join(diff)}); use "
+                                 f"`eyas extract --resume {run}` to continue it, or choose a new --out")  # fmt: skip
+    if meta.get("trust_remote_code_required") and not cfg.trust_remote_code:
+        raise ValueError(
+            f"{run} was started with --trust-remote-code; the model's own code runs only when "
+            "the current command allows it: add --trust-remote-code to resume"
+        )
+    ds = PreparedDataset.open(cfg.data)
+    if meta:
+        _check_same_inputs(cfg, meta, run, ds)
+    return cfg, run, meta, ds
+
+
+def new_run_meta(cfg: ExtractConfig, ds: PreparedDataset) -> dict:
+    """Everything `run.json` says, derived without loading the model's weights."""
+    f = target_facts(cfg.model)
+    aux = tuple(cfg.aux_layers or default_aux_layers(f.num_hidden_layers))
+    dtype = resolve_dtype(cfg.dtype, cfg.device)
+    store_dtype = DTYPES[cfg.store_dtype] if cfg.store_dtype else dtype
+    layout = cfg.layout
     return {
         "store_version": STORE_VERSION,
         "eyas_version": __version__,
         "command": sys.argv,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "config": {**_config_dict(cfg), "aux_layers": list(aux)},
+        "config": stored_config(replace(cfg, aux_layers=aux)),
+        "backend": cfg.backend,
+        "trust_remote_code_required": cfg.trust_remote_code,
         "model_path": str(Path(cfg.model).resolve()),
         "model_fingerprint": model_fingerprint(cfg.model),
-        "model_type": model_config.model_type,
-        "num_hidden_layers": n,
-        "hidden_size": H,
-        "vocab_size": model_config.vocab_size,
+        "model_type": f.model_type,
+        "num_hidden_layers": f.num_hidden_layers,
+        "hidden_size": f.hidden_size,
+        "vocab_size": f.vocab_size,
         "dataset_path": str(Path(cfg.data).resolve()),
         "dataset_fingerprint": ds.fingerprint,
         "samples": len(ds),
@@ -276,42 +308,37 @@ def new_run_meta(
         "last_hidden_state_note": "output of the final norm: lm_head(last_hidden_states) gives the target logits",
         "compute_dtype": str(dtype).removeprefix("torch."),
         "store_dtype": str(store_dtype).removeprefix("torch."),
-        "bytes_per_token": bytes_per_token(H, store_dtype),
+        "layout": layout.name(),
+        "draft_vocab_size": int(ds.meta["draft_vocab_size"]) if layout.topk else None,
+        "bytes_per_token": layout.bytes_per_token(
+            f.hidden_size, store_dtype, ds.meta["draft_vocab_size"]
+        ),
     }
 
 
-def done_indices(run: Path) -> dict[int, dict]:
-    """Samples committed by any rank: a resume with another --world never redoes them."""
-    return {e["index"]: e for es in read_all_journals(run).values() for e in es}
-
-
-def recover(run: Path, rank: int, journal: Journal, mine: set[int], hidden_size: int) -> int:
+def recover(run: Path, journal: Journal, mine: set[int], done: dict, layout: Layout, H: int) -> int:
     """Bring the store in line with the journal after a crash; returns samples adopted.
 
-    Only this rank's samples are touched (other ranks may be writing theirs right now).
+    Only this writer's samples are touched (other ranks may be writing theirs right now).
     Their temp files are removed. A sample file without a journal entry (the crash came
-    between rename and journal append) is adopted only if every checksum holds; else it is
-    removed. A journaled file is trusted here only for its size; `verify` checks deeper.
+    between rename and journal append, or its line was damaged) is adopted only if every
+    checksum holds; else it is removed. `verify` checks journaled files deeper.
     """
-    done = done_indices(run)
     adopted = 0
     for p in list(iter_sample_files(run)):
-        try:
-            idx = int(p.name.split(".")[0])
-        except ValueError:
-            continue
-        if idx not in mine:
-            continue
+        idx = sample_index_of(p)
         if ".tmp-" in p.name:
-            p.unlink(missing_ok=True)
+            idx = sample_index_of(Path(p.name.split(".tmp-")[0]))
+            if idx in mine:
+                p.unlink(missing_ok=True)
             continue
-        if idx in done:
+        if idx is None or idx not in mine or idx in done:
             continue
-        c = check_sample_file(p, checksums=True, hidden_size=hidden_size)
+        c = check_sample_file(p, checksums=True, hidden_size=H, layout=layout)
         if c.ok and int(c.header["__metadata__"]["sample_index"]) == idx:
-            journal.append(
-                journal_entry(idx, c.header["__metadata__"]["sample_id"], _head(p), c.nbytes)
-            )
+            e = journal_entry(idx, c.header["__metadata__"]["sample_id"], read_head(p), c.nbytes)
+            journal.append(e)
+            done[idx] = e
             adopted += 1
         else:
             p.unlink(missing_ok=True)
@@ -319,105 +346,149 @@ def recover(run: Path, rank: int, journal: Journal, mine: set[int], hidden_size:
     return adopted
 
 
-def _head(path: Path) -> bytes:
-    """The header bytes (length prefix included) of a sample file."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return n.to_bytes(8, "little") + f.read(n)
+def say(msg: str) -> None:
+    console.print(msg, markup=False, highlight=False)
 
 
 def extract(
     cfg: ExtractConfig | None = None, *, resume: str | None = None, overrides: dict | None = None
 ) -> ExtractSummary:
     """Run or resume an extraction. Raises ExtractStopped for a clean early stop."""
-    cfg, run, meta = start_or_resume(cfg, resume, overrides)
-    ds = PreparedDataset.open(cfg.data)
-    fs = filesystem_info(run)
-    if (w := fs.warning()) is not None:
-        console.print(
-            f"warning: {w}; a run of many hours should live on persistent storage",
-            markup=False,
-            highlight=False,
-        )
-
-    gpu_preflight(
-        resolve_device(cfg.device),
-        parse_size(cfg.max_foreign_gpu_mem, 1),
-        cfg.ignore_busy_gpus,
-        lambda m: console.print(m, markup=False, highlight=False),
-    )
-    model, input_device, dtype = load_target(
-        cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code
-    )
-    store_dtype = DTYPES[cfg.store_dtype] if cfg.store_dtype else dtype
-    run.mkdir(parents=True, exist_ok=True)
-    if not meta:
-        meta = new_run_meta(cfg, ds, model.config, dtype, store_dtype)
-        write_run_meta(run, meta)
-    aux = tuple(meta["aux_layers"])
-    H = meta["hidden_size"]
-
-    lock = lock_path(run, cfg.rank)
-    taken = acquire_lock(lock)
-    if taken is not None:
-        console.print(f"took over a stale lock: {taken.describe()}", markup=False, highlight=False)
-    journal = Journal(journal_path(run, cfg.rank))
+    cfg, run, meta, ds = plan_run(cfg, resume, overrides)
+    new_dir = not run.exists()
+    if (w := filesystem_info(run).warning()) is not None:
+        say(f"warning: {w}; a run of many hours should live on persistent storage")
+    for sub in ("samples", "journal", "errors", "locks", "quarantine"):
+        if (run / sub).is_symlink():
+            ensure_inside(run, run / sub)
+    lengths = ds.lengths().tolist()
+    fresh = new_run_meta(cfg, ds) if not meta else None
+    bpt = (meta or fresh)["bytes_per_token"]
+    done = committed(run) if meta else {}
+    mine = [i for i in range(len(ds)) if i % cfg.world == cfg.rank]
+    todo = [i for i in mine if i not in done]
     try:
-        mine = [i for i in range(len(ds)) if i % cfg.world == cfg.rank]
-        adopted = recover(run, cfg.rank, journal, set(mine), H)
-        if adopted:
-            console.print(
-                f"adopted {adopted} complete sample(s) whose journal entry was lost",
-                markup=False,
-                highlight=False,
-            )
-        done = done_indices(run)
-        lengths = ds.lengths().tolist()
-        todo = [i for i in mine if i not in done]
-        _check_disk(
-            run, cfg, sum(lengths[i] for i in todo) * meta["bytes_per_token"] + 4096 * len(todo)
-        )
-        return _run_loop(
-            cfg, run, meta, ds, model, input_device, store_dtype, aux, mine, done, journal
-        )
+        _check_disk(run, cfg, sum(lengths[i] for i in todo) * bpt + 4096 * len(todo))
+    except DiskFullError:
+        if new_dir:
+            shutil.rmtree(run, ignore_errors=True)  # a refusal leaves nothing behind
+        raise
+    device = resolve_device(cfg.device)
+    try:  # before anything is written: a refusal leaves nothing behind
+        gpu_preflight(device, parse_size(cfg.max_foreign_gpu_mem, 1), cfg.ignore_busy_gpus, say,
+                      count=cfg.tensor_parallel_size if cfg.backend == "vllm" else None)  # fmt: skip
+    except Exception:
+        if new_dir:
+            shutil.rmtree(run, ignore_errors=True)
+        raise
+    run.mkdir(parents=True, exist_ok=True)
+    if fresh is not None:
+        meta = fresh
+        write_run_meta(run, meta)  # the intent: from here on, --resume works
+    else:
+        _persist_overrides(run, meta, cfg)
+
+    lock = WriterLock(run, cfg.rank, cfg.world).acquire()
+    try:
+        if lock.taken_over is not None:
+            say(f"took over a stale lock {lock.path}: {lock.taken_over.describe()}")
+        scan = scan_journal(journal_path(run, cfg.rank))
+        if (q := set_aside_damaged_lines(run, scan)) is not None:
+            for n, why in scan.damaged:
+                say(f"{scan.path}:{n}: damaged journal line ({why}) set aside (copy in {q}); "
+                    "its sample is re-checked by its checksums")  # fmt: skip
+        journal = Journal(journal_path(run, cfg.rank))
+        try:
+            done = committed(run)
+            layout = Layout.parse(meta.get("layout"))
+            if adopted := recover(run, journal, set(mine), done, layout, meta["hidden_size"]):
+                say(f"adopted {adopted} complete sample(s) whose journal entry was lost")
+            lock.set_phase("loading the model")
+            backend = open_backend(cfg.backend, _spec(cfg, meta, ds, device, lengths), say)
+            lock.set_phase("extracting")
+            try:
+                return _run_loop(cfg, run, meta, ds, backend, mine, done, journal)
+            finally:
+                backend.close()
+        finally:
+            journal.close()
     finally:
-        journal.close()
-        release_lock(lock)
+        lock.release()
+
+
+def _spec(cfg: ExtractConfig, meta: dict, ds: PreparedDataset, device: str, lengths) -> BackendSpec:
+    layout = Layout.parse(meta.get("layout"))
+    return BackendSpec(
+        model=cfg.model, aux_layers=tuple(meta["aux_layers"]), device=device,
+        dtype=DTYPES[meta["compute_dtype"]], store_dtype=DTYPES[meta["store_dtype"]], layout=layout,
+        draft_ids=ds.draft_vocab(meta["draft_vocab_size"]) if layout.topk else None,
+        trust_remote_code=cfg.trust_remote_code, tensor_parallel_size=cfg.tensor_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_model_len=cfg.max_model_len or (max(lengths) + 1 if lengths else None),
+        staging_dir=cfg.staging_dir,
+    )  # fmt: skip
+
+
+def _persist_overrides(run: Path, meta: dict, cfg: ExtractConfig) -> None:
+    """Keep a resume's changes to the overridable fields for later resumes."""
+    new = {k: getattr(cfg, k) for k in OVERRIDABLE if k in {f.name for f in fields(cfg)}}
+    if any(meta["config"].get(k) != v for k, v in new.items()):
+        meta["config"].update(new)
+        write_run_meta(run, meta)
 
 
 def _check_disk(run: Path, cfg: ExtractConfig, need: int) -> None:
     fs = filesystem_info(run)
     floor = parse_size(cfg.min_free, fs.total_bytes)
-    console.print(
-        f"disk: this run needs ~{human_bytes(need)} more; {human_bytes(fs.free_bytes)} free on "
-        f"{fs.mount_point} ({fs.fs_type}), floor {human_bytes(floor)}",
-        markup=False,
-        highlight=False,
-    )
+    say(f"disk: this run needs ~{human_bytes(need)} more; {human_bytes(fs.free_bytes)} free on "
+        f"{fs.mount_point} ({fs.fs_type}), --min-free floor {human_bytes(floor)}")  # fmt: skip
     if need > fs.free_bytes - floor and not cfg.allow_partial:
         raise DiskFullError(
             28,
             f"not enough space: the run needs ~{human_bytes(need)} but {fs.mount_point} has "
-            f"{human_bytes(fs.free_bytes)} free (keeping {human_bytes(floor)} spare). Free space, "
-            "use another --out, or pass --allow-partial to extract what fits",
+            f"{human_bytes(fs.free_bytes)} free, of which --min-free keeps {human_bytes(floor)} spare. "
+            "Free space, use another --out, lower --min-free, or pass --allow-partial to extract what fits",
         )
 
 
-def _run_loop(
-    cfg, run, meta, ds, model, input_device, store_dtype, aux, mine, done, journal
-) -> ExtractSummary:
+def _run_loop(cfg, run, meta, ds, backend, mine, done, journal) -> ExtractSummary:
     lengths = ds.lengths().tolist()
     batches = plan_batches(lengths, mine, cfg.batch_tokens)
     todo = [b for b in batches if any(i not in done for i in b)]
     total, done_before = len(mine), sum(i in done for i in mine)
-    capture = Capture(model, aux)
-    pad_id = 0
     stop = threading.Event()
     stop_reason: list[str] = []
     q: queue.Queue = queue.Queue(maxsize=cfg.queue_depth)
-    stats = {"committed": 0, "failed": 0, "bytes": 0, "tokens": 0}
+    stats = {"committed": 0, "files": 0, "failed": 0, "bytes": 0, "tokens": 0}
     writer_error: list[BaseException] = []
     floor = parse_size(cfg.min_free, filesystem_info(run).total_bytes)
+
+    def write_batch(batch: list[int], pending) -> None:
+        results = pending.result()
+        samples = []
+        for i, res in zip(batch, results, strict=True):
+            if i in done:
+                continue
+            rec = ds.records[i]
+            if isinstance(res, str):
+                append_error(run, cfg.rank, {"index": i, "id": rec["id"], "file": rec["file"],
+                                             "line": rec["line"], "reason": res})  # fmt: skip
+                stats["failed"] += 1
+                continue
+            x, m = ds.sample(i)
+            tensors = {"input_ids": torch.from_numpy(x.astype("int32")),
+                       "loss_mask": torch.from_numpy(m.copy()), **res}  # fmt: skip
+            samples.append(Sample(i, rec["id"], f"{rec['file']}:{rec['line']}", tensors))
+        entries = commit_samples(run, samples, meta)
+        pending.release()
+        stats["files"] += len(entries)
+        for entry in entries:
+            journal.append(entry)
+        journal.flush()
+        for entry in entries:
+            stats["committed"] += 1
+            stats["bytes"] += entry["size"]
+            stats["tokens"] += entry["tokens"]
 
     def writer() -> None:
         last_sync = time.monotonic()
@@ -428,15 +499,7 @@ def _run_loop(
             if writer_error:
                 continue  # drain without committing after a failure
             try:
-                for e in (s for s in item if isinstance(s, dict)):  # failed samples
-                    append_error(run, cfg.rank, e)
-                    stats["failed"] += 1
-                for entry in commit_samples(run, [s for s in item if isinstance(s, Sample)], meta):
-                    journal.append(entry)
-                    stats["committed"] += 1
-                    stats["bytes"] += entry["size"]
-                    stats["tokens"] += entry["tokens"]
-                journal.flush()
+                write_batch(*item)
                 if time.monotonic() - last_sync > 1.0:
                     journal.sync()
                     last_sync = time.monotonic()
@@ -453,11 +516,8 @@ def _run_loop(
         stop_reason.append(f"stopped by {signal.Signals(signum).name}")
         stop.set()
 
-    old = (
-        {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        if threading.current_thread() is threading.main_thread()
-        else {}
-    )
+    old = ({s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+           if threading.current_thread() is threading.main_thread() else {})  # fmt: skip
     wt = threading.Thread(target=writer, name="eyas-writer", daemon=True)
     wt.start()
     t0 = time.monotonic()
@@ -469,80 +529,36 @@ def _run_loop(
     try:
         with Reporter("extract", total, enabled=cfg.progress, extra=extra) as rep:
             rep.skip(done_before)
-            committed_seen = 0
+            seen = 0
             for batch in todo:
                 if stop.is_set():
                     break
                 if free_bytes(run) < floor:
-                    stop_reason.append(
-                        f"free space on {run} fell below --min-free {human_bytes(floor)}"
-                    )
+                    stop_reason.append(f"free space on {run} fell below the --min-free floor of "
+                                       f"{human_bytes(floor)} (lower it with --min-free)")  # fmt: skip
                     break
-                q.put(_forward_batch(ds, batch, done, capture, input_device, store_dtype, pad_id))
-                rep.advance(stats["committed"] + stats["failed"] - committed_seen)
-                committed_seen = stats["committed"] + stats["failed"]
+                q.put((batch, backend.run([ds.sample(i)[0] for i in batch])))
+                rep.advance(stats["committed"] + stats["failed"] - seen)
+                seen = stats["committed"] + stats["failed"]
             q.put(None)
             wt.join()
-            rep.advance(stats["committed"] + stats["failed"] - committed_seen)
+            rep.advance(stats["committed"] + stats["failed"] - seen)
     finally:
         if wt.is_alive():
             q.put(None)
             wt.join()
         for s, h in old.items():
             signal.signal(s, h)
-        capture.remove()
-    now_done = done_before + stats["committed"]
     if writer_error:
         exc = writer_error[0]
         if isinstance(exc, DiskFullError) or is_disk_full(exc):
-            raise ExtractStopped(f"disk full while writing ({exc})", now_done, total, run)
+            raise ExtractStopped(f"disk full while writing ({exc})", done_before + stats["files"], total,
+                                 run, stats["files"] - stats["committed"])  # fmt: skip
         raise exc
     if stop_reason:
-        raise ExtractStopped(stop_reason[0], now_done, total, run)
+        raise ExtractStopped(stop_reason[0], done_before + stats["committed"], total, run)
     return ExtractSummary(str(run), total, done_before, stats["committed"], stats["failed"], stats["tokens"],
                           time.monotonic() - t0, stats["bytes"])  # fmt: skip
 
 
-def _forward_batch(ds, batch, done, capture: Capture, device, store_dtype, pad_id) -> list:
-    """Run one batch; returns Samples (on CPU) and error dicts for samples that fail checks."""
-    rows = [ds.sample(i) for i in batch]
-    T = max(len(r[0]) for r in rows)
-    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
-    att = torch.zeros((len(batch), T), dtype=torch.long)
-    for r, (x, _) in enumerate(rows):
-        ids[r, : len(x)] = torch.from_numpy(x.astype("int64"))
-        att[r, : len(x)] = 1
-    aux, last = capture.run(ids.to(device), att.to(device))  # (B, T, 3H), (B, T, H)
-    # One reduction pass finds rows that may hold NaN/Inf (a sum is finite iff its terms are,
-    # barring overflow); only those rows get the exact elementwise check below.
-    sums = aux.sum(-1, dtype=torch.float32) + last.sum(-1, dtype=torch.float32)  # (B, T)
-    suspect = (~torch.isfinite(sums) & (att.to(sums.device) == 1)).any(-1).tolist()  # (B,)
-    aux = aux.to("cpu", store_dtype)
-    last = last.to("cpu", store_dtype)
-    out: list = []
-    for r, i in enumerate(batch):
-        if i in done:
-            continue
-        x, m = rows[r]
-        n = len(x)
-        a, h = aux[r, :n], last[r, :n]  # padded positions never reach the store
-        rec = ds.records[i]
-        problem = None
-        if a.shape[0] != n or h.shape[0] != n:
-            problem = f"token-count mismatch: {n} ids but {a.shape[0]} hidden-state rows"
-        elif suspect[r] and not (torch.isfinite(a).all() and torch.isfinite(h).all()):
-            problem = "non-finite values (NaN/Inf) in hidden states"
-        if problem:
-            out.append(
-                {
-                    "index": i,
-                    "id": rec["id"],
-                    "file": rec["file"],
-                    "line": rec["line"],
-                    "reason": problem,
-                }
-            )
-            continue
-        out.append(Sample(i, rec["id"], f"{rec['file']}:{rec['line']}", torch.from_numpy(x.copy()),
-                          torch.from_numpy(m.copy()), a, h))  # fmt: skip
-    return out
+__all__ = ["ExtractConfig", "ExtractStopped", "ExtractSummary", "extract", "LockHeld", "StoreError"]

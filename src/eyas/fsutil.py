@@ -85,6 +85,14 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
+def honour_umask(path: Path) -> None:
+    """Give a file the mode a plain `open` would (0666 less the umask): some writers create
+    0600 files, which a server running as another user cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def read_json(path: Path) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)

@@ -242,8 +242,9 @@ class GpuBusy(RuntimeError):
     """Another process holds memory on a GPU this run needs."""
 
 
-def gpus_for_device(device: str, count: int) -> list[int]:
-    """Indices (as nvidia-smi numbers them) that `--device` will use; [] for CPU."""
+def gpus_for_device(device: str, count: int, use: int | None = None) -> list[int]:
+    """Indices (as nvidia-smi numbers them) that `--device` will use; [] for CPU. `use`:
+    the first that many visible GPUs (an engine with tensor parallelism)."""
     import os
 
     if device == "cpu":
@@ -254,6 +255,8 @@ def gpus_for_device(device: str, count: int) -> list[int]:
         if visible
         else list(range(count))
     )
+    if use is not None and device in ("auto", "cuda"):
+        return phys[:use]
     if device in ("auto", "multi"):
         return phys if device == "multi" else phys[:1]
     if device == "cuda":
@@ -272,7 +275,9 @@ def busy_processes(
     return busy
 
 
-def gpu_preflight(device: str, max_foreign: int, ignore: bool, log) -> None:
+def gpu_preflight(
+    device: str, max_foreign: int, ignore: bool, log, count: int | None = None
+) -> None:
     """Refuse to start when a foreign process holds more than `max_foreign` bytes on our GPUs."""
     import os
 
@@ -283,7 +288,7 @@ def gpu_preflight(device: str, max_foreign: int, ignore: bool, log) -> None:
         log(f"GPU preflight: {report.note}")
         return
     busy = busy_processes(
-        report, gpus_for_device(device, len(report.gpus)), max_foreign, os.getpid()
+        report, gpus_for_device(device, len(report.gpus), count), max_foreign, os.getpid()
     )
     if not busy:
         return

@@ -287,6 +287,9 @@ def _init_worker(model: str) -> None:
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
+    from .target import check_model_dir
+
+    check_model_dir(model, tokenizer=True)
     tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
     if not tok.is_fast:
         raise ValueError(f"{model}: a fast tokenizer is needed (offsets locate assistant tokens)")

@@ -2,6 +2,8 @@
 
 Counts come from the journals (what is committed), the error logs (what failed its checks)
 and run.json (what the run is for); nothing is inferred from files merely existing.
+Throughput and ETA are shown only while a writer is live, measured from the commits of
+the last minutes up to now (a stalled writer shows a falling rate, not its last burst).
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .fsutil import filesystem_info
-from .lock import read_lock
-from .store import read_all_journals, read_errors, read_run_meta, stray_temp_files
+from .lock import all_locks
+from .runmeta import load_run_meta
+from .store import read_all_journals, read_errors, stray_temp_files
+
+RATE_WINDOW = 300.0  # seconds of commits that make the live rate
 
 
 @dataclass
@@ -32,12 +37,14 @@ class RunStatus:
     mount_point: str
     fs_warning: str | None
     last_commit: float | None
-    recent_samples_per_s: float
-    recent_tokens_per_s: float
+    recent_samples_per_s: float | None
+    recent_tokens_per_s: float | None
     eta_seconds: float | None
     locks: list[dict] = field(default_factory=list)
     temp_files: int = 0
     ranks: list[int] = field(default_factory=list)
+    meta_warning: str = ""
+    model_loaded: bool | None = None  # False: the last writer stopped while loading the model
 
     @property
     def live_writer(self) -> bool:
@@ -47,9 +54,10 @@ class RunStatus:
         return {**asdict(self), "live_writer": self.live_writer}
 
 
-def run_status(run: str | Path, recent_window: float = 600.0) -> RunStatus:
+def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None = None) -> RunStatus:
     run = Path(run)
-    meta = read_run_meta(run)
+    mr = load_run_meta(run)
+    meta = mr.meta
     journals = read_all_journals(run)
     entries = {e["index"]: e for es in journals.values() for e in es}
     failed = {e["index"] for e in read_errors(run)} - set(entries)
@@ -60,32 +68,41 @@ def run_status(run: str | Path, recent_window: float = 600.0) -> RunStatus:
     per_token = bytes_done / tokens_done if tokens_done else meta["bytes_per_token"]
     projected = int(per_token * tokens_total)
     fs = filesystem_info(run)
+    locks = [{"path": str(lk.path), "pid": lk.pid, "host": lk.host, "live": lk.live, "phase": lk.phase,
+              "describe": lk.describe()} for lk in all_locks(run)]  # fmt: skip
+    live = [lk for lk in locks if lk["live"]]
 
-    times = sorted(e["t"] for e in entries.values() if "t" in e)
-    last = times[-1] if times else None
-    rs = rt = 0.0
-    if last is not None:
-        recent = [e for e in entries.values() if e.get("t", 0) >= last - recent_window]
-        span = last - min(e["t"] for e in recent)
-        if len(recent) > 1 and span > 0:
-            rs = (len(recent) - 1) / span
+    times = [e["t"] for e in entries.values() if isinstance(e.get("t"), (int, float))]
+    last = max(times) if times else None
+    rs = rt = eta = None
+    if live:
+        now = time.time() if now is None else now
+        start = now - window
+        recent = [
+            e for e in entries.values() if isinstance(e.get("t"), (int, float)) and e["t"] >= start
+        ]
+        span = now - max(start, min((e["t"] for e in recent), default=now))
+        if recent and span > 1.0:
+            rs = len(recent) / span
             rt = sum(e["tokens"] for e in recent) / span
-    remaining = total - len(entries) - len(failed)
-    tokens_left = max(tokens_total - tokens_done, 0)
-    eta = tokens_left / rt if rt > 0 else None
-    locks = []
-    for p in sorted((run / "locks").glob("*.lock")) if (run / "locks").is_dir() else []:
-        info = read_lock(p)
-        if info is not None:
-            locks.append({"path": str(p), "pid": info.pid, "host": info.host, "started": info.started,
-                          "live": bool(info.live), "describe": info.describe()})  # fmt: skip
+            eta = max(tokens_total - tokens_done, 0) / rt if rt > 0 else None
+    loaded = None
+    if not entries and not failed:
+        phases = [lk["phase"] for lk in locks]
+        loaded = (
+            not any(p in (None, "starting", "loading the model") for p in phases)
+            if phases
+            else False
+        )
     return RunStatus(
-        run=str(run), total=total, done=len(entries), failed=len(failed), remaining=remaining,
-        tokens_total=tokens_total, tokens_done=tokens_done, bytes_done=bytes_done,
-        bytes_projected=projected, bytes_needed=max(projected - bytes_done, 0),
+        run=str(run), total=total, done=len(entries), failed=len(failed),
+        remaining=total - len(entries) - len(failed), tokens_total=tokens_total, tokens_done=tokens_done,
+        bytes_done=bytes_done, bytes_projected=projected, bytes_needed=max(projected - bytes_done, 0),
         free_bytes=fs.free_bytes, fs_type=fs.fs_type, mount_point=fs.mount_point, fs_warning=fs.warning(),
         last_commit=last, recent_samples_per_s=rs, recent_tokens_per_s=rt, eta_seconds=eta,
         locks=locks, temp_files=len(stray_temp_files(run)), ranks=sorted(journals),
+        meta_warning=mr.damage or (f"run.backup.json is {mr.backup_damage}" if mr.backup_damage else ""),
+        model_loaded=loaded,
     )  # fmt: skip
 
 

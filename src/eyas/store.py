@@ -2,26 +2,34 @@
 
 Layout of a run directory::
 
-    run.json                         resolved config, fingerprints, layer conventions
+    run.json, run.backup.json        the run's intent and facts, each with its own checksum
     samples/000000-000999/000123.safetensors
     journal/rank-00000.jsonl         append-only: one line per committed sample
     errors/rank-00000.jsonl          samples that failed their checks (never stored)
-    locks/rank-00000.lock            PID and host of the live writer
-    quarantine/                      files moved aside by `verify --repair`
+    locks/rank-00000.lock            the live writer (see `lock`)
+    quarantine/                      files and journal lines set aside by repairs
 
 Guarantee: a sample is either fully committed and checksummed, or absent. A sample file
 is published atomically (temp file, fsync, rename, directory fsync) and *then* journaled;
-a sample counts as done only when a journal entry exists and the file matches it (size
-and the xxh3-128 of its header). Each tensor's xxh3-128 is also kept in the file's header, so a
-file is checkable on its own. No pickle: tensors are safetensors, metadata is JSON.
-This module is the only code that opens sample files.
+a sample counts as done only when a journal entry exists and the file matches it (size,
+the xxh3-128 of its header, and the sample index inside the header). Each tensor's xxh3-128
+is kept in the header, so a file is checkable on its own. Where a file lives follows from
+its sample index alone; no path is ever read from a journal. No pickle: tensors are
+safetensors, metadata is JSON. This module is the only code that opens sample files.
+
+What a sample holds depends on the run's storage (`layout`): the aux states in the store
+dtype or as float8 (e4m3) with one scale per token and layer; the target as its final
+hidden state, or as its top-K log-probabilities over the draft vocabulary plus its argmax.
+`read_sample` decodes every layout to float tensors, so readers need no flags.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,22 +38,19 @@ import torch
 import xxhash
 from safetensors.torch import load as st_load
 
-from .fsutil import (
-    DiskFullError,
-    atomic_write,
-    atomic_write_bytes,
-    atomic_write_json,
-    fsync_dir,
-    is_temp_file,
-    read_json,
-)
+from .fsutil import DiskFullError, atomic_write, atomic_write_bytes, fsync_dir, is_temp_file
 
 STORE_VERSION = 1
 SAMPLES_PER_DIR = 1000
 CHECKSUM = "xxh3_128"
-TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states")
+FP8_MAX = 448.0  # largest finite float8 e4m3fn value
 
-_ST_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U8": 1, "I64": 8, "F64": 8}
+_ST_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I16": 2, "U8": 1, "I64": 8, "F64": 8,
+              "F8_E4M3": 1}  # fmt: skip
+_DTYPE_NAMES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
+    torch.int16: "I16", torch.uint8: "U8", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3",
+}  # fmt: skip
 
 
 class StoreError(ValueError):
@@ -65,13 +70,81 @@ def errors_path(run: Path, rank: int) -> Path:
     return run / "errors" / f"rank-{rank:05d}.jsonl"
 
 
-def lock_path(run: Path, rank: int) -> Path:
-    return run / "locks" / f"rank-{rank:05d}.lock"
+# ---------------------------------------------------------------------------- layouts
 
 
-def bytes_per_token(hidden_size: int, dtype: torch.dtype) -> int:
-    """Stored bytes per token: 3H aux + H final states, int32 id, uint8 mask."""
-    return 4 * hidden_size * dtype.itemsize + 4 + 1
+@dataclass(frozen=True)
+class Layout:
+    """What a sample file holds: aux states `aux` ("dense" or "fp8") and target `target`
+    ("last": the final hidden state; "topk:K": top-K log-probs over the draft vocabulary)."""
+
+    aux: str = "dense"
+    target: str = "last"
+
+    def __post_init__(self) -> None:
+        if self.aux not in ("dense", "fp8"):
+            raise ValueError(f"unknown aux storage {self.aux!r}: choose dense or fp8")
+        if self.target != "last" and not re.fullmatch(r"topk:[1-9]\d*", self.target):
+            raise ValueError(f"unknown target storage {self.target!r}: use last or topk:K")
+
+    @property
+    def topk(self) -> int | None:
+        return int(self.target.split(":")[1]) if self.target.startswith("topk:") else None
+
+    def name(self) -> str:
+        return f"aux={self.aux},target={self.target}"
+
+    @classmethod
+    def parse(cls, s: str | None) -> Layout:
+        if not s:
+            return cls()
+        kv = dict(p.split("=", 1) for p in s.split(",") if "=" in p)
+        return cls(kv.get("aux", "dense"), kv.get("target", "last"))
+
+    def tensors(self, H: int | None) -> dict[str, tuple[set[str], int | None]]:
+        """Name -> (allowed dtypes, row width; None for 1-D) of every tensor in a file."""
+        floats = {"F32", "F16", "BF16"}
+        out: dict[str, tuple[set[str], int | None]] = {
+            "input_ids": ({"I32"}, None), "loss_mask": ({"U8"}, None),
+        }  # fmt: skip
+        out["aux_hidden_states"] = (
+            {"F8_E4M3"} if self.aux == "fp8" else floats,
+            3 * H if H else -1,
+        )
+        if self.aux == "fp8":
+            out["aux_scales"] = ({"F32"}, 3)
+        if self.topk:
+            out["target_topk_ids"] = ({"I16", "I32"}, self.topk)
+            out["target_topk_logprobs"] = (floats, self.topk)
+            out["target_argmax"] = ({"I32"}, None)
+        else:
+            out["last_hidden_states"] = (floats, H if H else -1)
+        return out
+
+    def bytes_per_token(self, H: int, dtype: torch.dtype, draft_vocab: int = 32000) -> int:
+        n = 4 + 1  # id, mask
+        n += 3 * H + 12 if self.aux == "fp8" else 3 * H * dtype.itemsize
+        if self.topk:
+            n += self.topk * ((2 if draft_vocab <= 32768 else 4) + 2) + 4
+        else:
+            n += H * dtype.itemsize
+        return n
+
+
+def quantize_fp8(x: torch.Tensor, groups: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, G*H) -> float8 e4m3 (T, G*H) and float32 scales (T, G): one scale per token and
+    group (aux layer), so an outlier in one layer or token leaves the others' precision."""
+    T, W = x.shape
+    g = x.float().view(T, groups, W // groups)  # (T, G, H)
+    scale = (g.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)  # (T, G)
+    q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(T, W), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    T, W = q.shape
+    G = scale.shape[1]
+    return (q.float().view(T, G, W // G) * scale[..., None].float()).view(T, W)  # (T, G*H)
 
 
 # ---------------------------------------------------------------------------- writing
@@ -82,20 +155,7 @@ class Sample:
     index: int
     sample_id: str
     source: str
-    input_ids: torch.Tensor  # (T,) int32
-    loss_mask: torch.Tensor  # (T,) uint8
-    aux_hidden_states: torch.Tensor  # (T, 3H)
-    last_hidden_states: torch.Tensor  # (T, H)
-
-
-_DTYPE_NAMES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.int64: "I64",
-}
+    tensors: dict[str, torch.Tensor]  # input_ids (T,) int32, loss_mask (T,) uint8, states
 
 
 @dataclass
@@ -122,19 +182,14 @@ def encode_sample(s: Sample, run_meta: dict) -> Encoded:
     varies between processes: a resumed run must produce files bit-identical to an
     uninterrupted one. `safetensors` reads the result like any other file.
     """
-    tensors = {
-        "input_ids": s.input_ids.to(torch.int32),
-        "loss_mask": s.loss_mask.to(torch.uint8),
-        "aux_hidden_states": s.aux_hidden_states,
-        "last_hidden_states": s.last_hidden_states,
-    }
-    raw = {k: memoryview(v.contiguous().view(torch.uint8).numpy()) for k, v in tensors.items()}
+    tensors = {k: v.contiguous() for k, v in s.tensors.items()}
+    raw = {k: memoryview(v.view(torch.uint8).numpy()).cast("B") for k, v in tensors.items()}
     meta = {
         "format": f"eyas-sample/{STORE_VERSION}",
         "sample_index": str(s.index),
         "sample_id": s.sample_id,
         "source": s.source,
-        "tokens": str(s.input_ids.shape[0]),
+        "tokens": str(tensors["input_ids"].shape[0]),
         "aux_layers": json.dumps(run_meta["aux_layers"]),
         "aux_layers_hf": json.dumps(run_meta["aux_layers_hf"]),
         "last_hidden_state": run_meta["last_hidden_state"],
@@ -144,37 +199,57 @@ def encode_sample(s: Sample, run_meta: dict) -> Encoded:
             {k: xxhash.xxh3_128_hexdigest(b) for k, b in raw.items()}, sort_keys=True
         ),
     }
+    layout = run_meta.get("layout", Layout().name())
+    if layout != Layout().name():  # the default layout's files keep the original header
+        meta["layout"] = layout
     header: dict = {"__metadata__": meta}
     off = 0
     for k, t in tensors.items():
-        header[k] = {
-            "dtype": _DTYPE_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [off, off + raw[k].nbytes],
-        }
+        header[k] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                     "data_offsets": [off, off + raw[k].nbytes]}  # fmt: skip
         off += raw[k].nbytes
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)  # safetensors aligns the data start to 8 bytes
     return Encoded(struct.pack("<Q", len(h)) + h, list(raw.values()))
 
 
+_checked_dirs: set[Path] = set()
+
+
+def ensure_inside(run: Path, path: Path) -> None:
+    """Refuse a path of the run that a symlink leads out of the run directory."""
+    root = Path(run).resolve()
+    real = Path(path).resolve()
+    if real != root and root not in real.parents:
+        raise StoreError(
+            f"{path} leads outside the run directory (to {real}, through a symlink); eyas writes "
+            f"only inside {root}: put the whole run directory on the disk you want instead"
+        )
+
+
+def _sample_dir(run: Path, index: int) -> Path:
+    d = run / Path(sample_relpath(index)).parent
+    if d not in _checked_dirs:
+        if not d.is_dir():
+            d.mkdir(parents=True, exist_ok=True)
+            fsync_dir(d.parent)
+        ensure_inside(run, d)
+        _checked_dirs.add(d)
+    return d
+
+
 def commit_samples(run: Path, samples: list[Sample], run_meta: dict) -> list[dict]:
     """Publish sample files atomically; returns their journal entries (not yet journaled).
 
     Each file is written and fsynced under a temp name and renamed; the directories are
-    fsynced once for the group, and only then may the entries be journaled. The buffers
-    go straight to the file (no assembled copy); the journal keeps the header's hash and
-    the header holds every tensor's checksum, so one hash pass over the data suffices.
+    fsynced once for the group, and only then may the entries be journaled.
     """
     entries, dirs = [], set()
     for s in samples:
         enc = encode_sample(s, run_meta)
-        path = run / sample_relpath(s.index)
-        if not path.parent.is_dir():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fsync_dir(path.parent.parent)
-        atomic_write(path, enc.write, reserve=enc.size, sync_dir=False)
-        dirs.add(path.parent)
+        d = _sample_dir(run, s.index)
+        atomic_write(run / sample_relpath(s.index), enc.write, reserve=enc.size, sync_dir=False)
+        dirs.add(d)
         entries.append(journal_entry(s.index, s.sample_id, enc.header, enc.size))
     for d in sorted(dirs):
         fsync_dir(d)
@@ -182,9 +257,7 @@ def commit_samples(run: Path, samples: list[Sample], run_meta: dict) -> list[dic
 
 
 def journal_entry(index: int, sample_id: str, header: bytes, size: int) -> dict:
-    """A journal line: where the sample is, its size and the xxh3-128 of its header bytes."""
-    import time
-
+    """A journal line: the sample, its size and the xxh3-128 of its header bytes."""
     meta = parse_header(header, Path(sample_relpath(index)))[0]["__metadata__"]
     return {"index": index, "id": sample_id, "path": sample_relpath(index), "size": size,
             "header_xxh3": xxhash.xxh3_128_hexdigest(header), "tokens": int(meta["tokens"]),
@@ -211,9 +284,8 @@ class Journal:
             return
         data = self.path.read_bytes()
         if data and not data.endswith(b"\n"):
-            keep = data.rfind(b"\n") + 1
             with open(self.path, "r+b") as f:
-                f.truncate(keep)
+                f.truncate(data.rfind(b"\n") + 1)
                 os.fsync(f.fileno())
 
     def append(self, entry: dict) -> None:
@@ -251,35 +323,112 @@ class Journal:
                 pass
 
 
-def read_journal(path: Path) -> list[dict]:
-    """Entries of one journal; a torn final line is ignored."""
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+def entry_problem(e: object) -> str | None:
+    """Why a parsed journal line is not a valid entry, or None."""
+    if not isinstance(e, dict):
+        return f"a JSON {type(e).__name__}, not an object"
+    for key, typ in (
+        ("index", int),
+        ("size", int),
+        ("tokens", int),
+        ("header_xxh3", str),
+        ("id", str),
+    ):
+        v = e.get(key)
+        if not isinstance(v, typ) or isinstance(v, bool):
+            return f"field {key!r} is missing or not a {typ.__name__}"
+    if e["index"] < 0 or e["size"] <= 0 or e["tokens"] < 0:
+        return "negative index, size or token count"
+    if not _HEX32.fullmatch(e["header_xxh3"]):
+        return "header_xxh3 is not a 128-bit hex digest"
+    return None
+
+
+@dataclass
+class JournalScan:
+    path: Path
+    entries: list[dict] = field(default_factory=list)
+    damaged: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
+
+
+def scan_journal(path: Path) -> JournalScan:
+    """Valid entries of one journal, and its damaged lines by number. A final line without
+    its newline is a torn append (the writer died mid-write): ignored, not damage."""
+    scan = JournalScan(Path(path))
     if not path.exists():
-        return []
-    out = []
+        return scan
     lines = path.read_bytes().split(b"\n")
     for n, line in enumerate(lines, start=1):
-        if not line.strip():
+        if not line.strip() or n == len(lines):  # the last piece has no newline: torn or empty
             continue
         try:
-            out.append(json.loads(line))
+            e = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            scan.damaged.append((n, "not UTF-8 text"))
+            continue
         except json.JSONDecodeError:
-            if n < len(lines):  # only the last line may be torn
-                raise StoreError(f"{path}:{n}: journal line is not valid JSON") from None
+            scan.damaged.append((n, "not valid JSON"))
+            continue
+        problem = entry_problem(e)
+        if problem:
+            scan.damaged.append((n, problem))
+        else:
+            scan.entries.append(e)
+    return scan
+
+
+def read_journal(path: Path) -> list[dict]:
+    return scan_journal(path).entries
+
+
+def journal_files(run: Path) -> dict[int, Path]:
+    d = run / "journal"
+    out = {}
+    for p in sorted(d.glob("rank-*.jsonl")) if d.is_dir() else []:
+        m = re.fullmatch(r"rank-(\d+)\.jsonl", p.name)
+        if m:
+            out[int(m.group(1))] = p
     return out
 
 
-def journal_files(run: Path) -> list[Path]:
-    return sorted((run / "journal").glob("rank-*.jsonl"))
+def scan_journals(run: Path) -> dict[int, JournalScan]:
+    return {rank: scan_journal(p) for rank, p in journal_files(run).items()}
 
 
 def read_all_journals(run: Path) -> dict[int, list[dict]]:
-    return {int(p.stem.split("-")[1]): read_journal(p) for p in journal_files(run)}
+    return {rank: s.entries for rank, s in scan_journals(run).items()}
+
+
+def committed(run: Path) -> dict[int, dict]:
+    """Every committed sample of a run (all ranks): index -> its first journal entry."""
+    out: dict[int, dict] = {}
+    for _, entries in sorted(read_all_journals(run).items()):
+        for e in entries:
+            out.setdefault(e["index"], e)
+    return out
 
 
 def rewrite_journal(path: Path, entries: list[dict]) -> None:
     atomic_write_bytes(
         path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in entries).encode()
     )
+
+
+def set_aside_damaged_lines(run: Path, scan: JournalScan) -> Path | None:
+    """Copy a journal with damaged lines into quarantine, then keep only its valid entries.
+    The samples of the dropped lines are files without an entry: adopted by their checksums
+    on resume, or re-extracted. Only a writer holding the rank's lock, or a repair with no
+    writer live, may call this."""
+    if not scan.damaged:
+        return None
+    q = run / "quarantine" / f"journal-{time.strftime('%Y%m%d-%H%M%S')}" / scan.path.name
+    q.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(q, scan.path.read_bytes())
+    rewrite_journal(scan.path, scan.entries)
+    return q
 
 
 def append_error(run: Path, rank: int, entry: dict) -> None:
@@ -293,13 +442,14 @@ def append_error(run: Path, rank: int, entry: dict) -> None:
 
 def read_errors(run: Path) -> list[dict]:
     out = []
-    for p in sorted((run / "errors").glob("rank-*.jsonl")):
-        for line in p.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
+    for p in sorted((run / "errors").glob("rank-*.jsonl")) if (run / "errors").is_dir() else []:
+        for line in p.read_bytes().splitlines():
+            try:
+                e = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(e, dict) and isinstance(e.get("index"), int):
+                out.append(e)
     return out
 
 
@@ -330,6 +480,8 @@ def parse_header(data: bytes | memoryview, path: Path) -> tuple[dict, int]:
         header = json.loads(bytes(data[8 : 8 + n]))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise StoreError(f"{path}: header is not valid JSON (corrupt)") from None
+    if not isinstance(header, dict):
+        raise StoreError(f"{path}: header is not a JSON object (corrupt)")
     return header, 8 + n
 
 
@@ -340,66 +492,60 @@ def check_sample_bytes(
     checksums: bool,
     hidden_size: int | None = None,
     entry: dict | None = None,
+    layout: Layout | None = None,
 ) -> Check:
-    """Check header, shapes, dtypes, token count and (optionally) every checksum."""
+    """Check header, tensors against the layout, token count, the journal entry (size,
+    header hash, sample index) and (optionally) every tensor's checksum."""
     try:
         header, base = parse_header(data, path)
         meta = header.get("__metadata__") or {}
         if not str(meta.get("format", "")).startswith("eyas-sample/"):
             raise StoreError(f"{path}: not an eyas sample (no format marker in the header)")
-        missing = [t for t in TENSORS if t not in header]
-        if missing:
-            raise StoreError(f"{path}: missing tensors {missing}")
+        found = Layout.parse(meta.get("layout"))
+        if layout is not None and found != layout:
+            raise StoreError(f"{path}: stored as {found.name()}, the run says {layout.name()}")
         T = int(meta["tokens"])
+        want = found.tensors(hidden_size)
+        names = [k for k in header if k != "__metadata__"]
+        if sorted(names) != sorted(want):
+            raise StoreError(f"{path}: holds tensors {sorted(names)}, expected {sorted(want)}")
         end = 0
-        for name in TENSORS:
+        for name, (dtypes, width) in want.items():
             info = header[name]
             shape, dt = info["shape"], info["dtype"]
             a, b = info["data_offsets"]
-            if dt not in _ST_DTYPES or b - a != _ST_DTYPES[dt] * _prod(shape):
+            if dt not in dtypes or b - a != _ST_DTYPES[dt] * _prod(shape):
                 raise StoreError(f"{path}: tensor {name} has {b - a} bytes for shape {shape} {dt}")
-            end = max(end, b)
             if shape[0] != T:
-                raise StoreError(
-                    f"{path}: {name} has {shape[0]} rows, expected {T} tokens (token-count mismatch)"
-                )
-        H = header["last_hidden_states"]["shape"][1]
-        if header["aux_hidden_states"]["shape"][1] != 3 * H:
-            raise StoreError(
-                f"{path}: aux_hidden_states width {header['aux_hidden_states']['shape'][1]} != 3 x {H}"
-            )
-        if hidden_size is not None and H != hidden_size:
-            raise StoreError(f"{path}: hidden size {H}, run expects {hidden_size}")
-        if header["input_ids"]["dtype"] != "I32" or header["loss_mask"]["dtype"] != "U8":
-            raise StoreError(f"{path}: input_ids/loss_mask dtypes are not int32/uint8")
+                raise StoreError(f"{path}: {name} has {shape[0]} rows, expected {T} tokens (token-count mismatch)")  # fmt: skip
+            if width is None and len(shape) != 1:
+                raise StoreError(f"{path}: {name} should be 1-D, has shape {shape}")
+            if width is not None and (len(shape) != 2 or (width > 0 and shape[1] != width)):
+                raise StoreError(f"{path}: {name} has shape {shape}, expected rows of {width}")
+            end = max(end, b)
+        if hidden_size is None and found.target == "last":
+            H = header["last_hidden_states"]["shape"][1]
+            if header["aux_hidden_states"]["shape"][1] != 3 * H:
+                raise StoreError(f"{path}: aux_hidden_states width {header['aux_hidden_states']['shape'][1]} != 3 x {H}")  # fmt: skip
         if base + end != len(data):
-            raise StoreError(
-                f"{path}: file is {len(data)} bytes, header says {base + end} (truncated or padded)"
-            )
+            raise StoreError(f"{path}: file is {len(data)} bytes, header says {base + end} (truncated or padded)")  # fmt: skip
         if entry is not None:
             if entry.get("size") != len(data):
-                raise StoreError(
-                    f"{path}: size {len(data)} differs from the journal's {entry.get('size')}"
-                )
+                raise StoreError(f"{path}: size {len(data)} differs from the journal's {entry.get('size')}")  # fmt: skip
             if xxhash.xxh3_128_hexdigest(bytes(data[:base])) != entry.get("header_xxh3"):
-                raise StoreError(
-                    f"{path}: header differs from the one journaled (not the committed file)"
-                )
+                raise StoreError(f"{path}: header differs from the one journaled (not the committed file)")  # fmt: skip
             if int(meta["sample_index"]) != entry["index"]:
-                raise StoreError(
-                    f"{path}: holds sample {meta['sample_index']}, journal says {entry['index']}"
-                )
+                raise StoreError(f"{path}: holds sample {meta['sample_index']}, journal says {entry['index']}")  # fmt: skip
         if checksums:
             sums = json.loads(meta["checksums"])
-            for name in TENSORS:
+            for name in want:
                 a, b = header[name]["data_offsets"]
-                got = xxhash.xxh3_128_hexdigest(data[base + a : base + b])
-                if got != sums.get(name):
+                if xxhash.xxh3_128_hexdigest(data[base + a : base + b]) != sums.get(name):
                     raise StoreError(f"{path}: checksum mismatch in {name} (data corrupted)")
         return Check(path, True, header=header, nbytes=len(data))
     except StoreError as exc:
         return Check(path, False, str(exc), nbytes=len(data))
-    except (KeyError, ValueError, TypeError, IndexError) as exc:
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
         return Check(path, False, f"{path}: malformed header ({exc})", nbytes=len(data))
 
 
@@ -410,28 +556,8 @@ def _prod(shape) -> int:
     return n
 
 
-def check_sample_file(
-    path: Path, *, checksums: bool = True, hidden_size: int | None = None, entry: dict | None = None
-) -> Check:
-    try:
-        if checksums:
-            data = path.read_bytes()
-        else:  # header and size only: read the head, the size comes from stat
-            with open(path, "rb") as f:
-                prefix = f.read(8)  # the header length, then exactly the header
-                n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
-                head = prefix + f.read(min(n, 100_000_000))
-            size = path.stat().st_size
-            return _check_head(head, size, path, hidden_size, entry)
-    except FileNotFoundError:
-        return Check(path, False, f"{path}: file is missing")
-    except OSError as exc:
-        return Check(path, False, f"{path}: cannot read ({exc})")
-    return check_sample_bytes(data, path, checksums=True, hidden_size=hidden_size, entry=entry)
-
-
 class _Sized:
-    """A header prefix that reports the full file size, for quick checks without reading data."""
+    """A header prefix that reports the full file size, for checks without reading data."""
 
     def __init__(self, head: bytes, size: int):
         self.head, self.size = head, size
@@ -443,15 +569,59 @@ class _Sized:
         return self.head[sl]
 
 
-def _check_head(head: bytes, size: int, path: Path, hidden_size, entry) -> Check:
-    return check_sample_bytes(
-        _Sized(head, size), path, checksums=False, hidden_size=hidden_size, entry=entry
-    )  # type: ignore[arg-type]
+def read_head(path: Path) -> bytes:
+    """The header bytes (length prefix included) of a sample file."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+        return prefix + f.read(min(n, 100_000_000))
+
+
+def check_sample_file(
+    path: Path, *, checksums: bool = True, hidden_size: int | None = None,
+    entry: dict | None = None, layout: Layout | None = None,
+) -> Check:  # fmt: skip
+    try:
+        if checksums:
+            data: bytes | _Sized = path.read_bytes()
+        else:  # header and size only: read the head, the size comes from stat
+            data = _Sized(read_head(path), path.stat().st_size)
+    except FileNotFoundError:
+        return Check(path, False, f"{path}: file is missing")
+    except OSError as exc:
+        return Check(path, False, f"{path}: cannot read ({exc})")
+    return check_sample_bytes(data, path, checksums=checksums, hidden_size=hidden_size,  # type: ignore[arg-type]
+                              entry=entry, layout=layout)  # fmt: skip
+
+
+def decode(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stored tensors -> what training reads: aux states as float, whatever the layout."""
+    out = dict(raw)
+    if "aux_scales" in out:
+        out["aux_hidden_states"] = dequantize_fp8(out["aux_hidden_states"], out.pop("aux_scales"))
+    if "target_topk_ids" in out:
+        out["target_topk_ids"] = out["target_topk_ids"].long()
+    return out
+
+
+def read_sample(run: Path, entry: dict, *, checksums: bool = False) -> dict[str, torch.Tensor]:
+    """Decoded tensors of one committed sample, after checking the file against its journal
+    entry (size, header hash, index; every tensor checksum with `checksums`). Raises
+    StoreError naming the file if anything disagrees: nothing damaged is ever returned."""
+    path = Path(run) / sample_relpath(entry["index"])
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    c = check_sample_bytes(data, path, checksums=checksums, entry=entry)
+    if not c.ok:
+        raise StoreError(c.problem)
+    return decode(st_load(data))
 
 
 def load_sample(run: Path, index: int, *, verify: bool = False) -> dict[str, torch.Tensor]:
-    """Tensors of one committed sample; `verify` checks every checksum first."""
-    path = run / sample_relpath(index)
+    """Raw stored tensors of one sample by index (no journal check); `verify` checks checksums."""
+    path = Path(run) / sample_relpath(index)
     data = path.read_bytes()
     if verify:
         c = check_sample_bytes(data, path, checksums=True)
@@ -460,25 +630,19 @@ def load_sample(run: Path, index: int, *, verify: bool = False) -> dict[str, tor
     return st_load(data)
 
 
-def open_sample(run: Path, index: int, names: tuple[str, ...] = TENSORS) -> dict[str, torch.Tensor]:
-    """Tensors of one committed sample through a memory map (no full read of the file)."""
-    from safetensors import safe_open
-
-    with safe_open(run / sample_relpath(index), framework="pt") as f:
-        return {n: f.get_tensor(n) for n in names}
-
-
-def committed_indices(run: Path) -> list[int]:
-    """Indices of every committed sample of a run (all ranks), ascending."""
-    return sorted({e["index"] for es in read_all_journals(run).values() for e in es})
+def sample_index_of(path: Path) -> int | None:
+    m = re.fullmatch(r"(\d+)\.safetensors", path.name)
+    return int(m.group(1)) if m else None
 
 
 def iter_sample_files(run: Path) -> Iterator[Path]:
+    """Files under samples/ (temp files included), never following a symlink out of the run."""
     base = run / "samples"
-    if base.is_dir():
-        for d in sorted(base.iterdir()):
-            if d.is_dir():
-                yield from sorted(d.iterdir())
+    if not base.is_dir() or base.is_symlink():
+        return
+    for d in sorted(base.iterdir()):
+        if d.is_dir() and not d.is_symlink():
+            yield from sorted(p for p in d.iterdir() if not p.is_symlink())
 
 
 def stray_temp_files(run: Path) -> list[Path]:
@@ -489,20 +653,3 @@ def stray_temp_files(run: Path) -> list[Path]:
         for p in (run / sub).iterdir()
         if is_temp_file(p)
     ]
-
-
-# ---------------------------------------------------------------------------- run metadata + locks
-
-
-def read_run_meta(run: Path) -> dict:
-    p = Path(run) / "run.json"
-    if not p.is_file():
-        raise StoreError(f"{run}: not an extraction run (no run.json)")
-    meta = read_json(p)
-    if meta.get("store_version") != STORE_VERSION:
-        raise StoreError(f"{p}: store_version {meta.get('store_version')} is not {STORE_VERSION}")
-    return meta
-
-
-def write_run_meta(run: Path, meta: dict) -> None:
-    atomic_write_json(Path(run) / "run.json", meta)

@@ -1,14 +1,15 @@
-"""The target model as eyas uses it: loading, capture hooks, batch plan, fingerprint.
+"""Facts about a target that every backend shares: its config, fingerprint, aux-layer
+defaults, final norm, batch plan and the dtype it computes in.
 
-The capture keeps only what EAGLE-3 needs (three aux layers' outputs and the final norm's
-output) through forward hooks on the base model, so full-vocabulary logits are never
-computed and other layers' states are never kept.
+Nothing here loads weights: a run's intent (`run.json`) is written from these facts
+before a backend spends minutes loading a large model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +17,59 @@ import torch
 from .fsutil import read_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelDirError(ValueError):
+    """A model path that is not a usable model directory (a usage error, exit 2)."""
+
+
+def check_model_dir(path: str | Path, *, tokenizer: bool = False, weights: bool = False) -> Path:
+    """The directory, or a ModelDirError saying plainly what is missing."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelDirError(f"no model directory at {p}")
+    if not p.is_dir():
+        raise ModelDirError(f"{p} is a file, not a model directory")
+    if not (p / "config.json").is_file():
+        raise ModelDirError(f"{p} has no config.json (not a transformers model directory)")
+    if tokenizer and not any(
+        (p / f).is_file()
+        for f in ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
+    ):
+        raise ModelDirError(f"{p} has no tokenizer (tokenizer.json or tokenizer.model)")
+    if weights and not any(p.glob("*.safetensors")):
+        raise ModelDirError(f"{p} has no safetensors weights")
+    return p
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    architectures: tuple[str, ...]
+
+
+def target_facts(model_dir: str | Path) -> TargetFacts:
+    """Sizes from config.json alone (a multimodal config's text part where it has one)."""
+    cfg = read_json(check_model_dir(model_dir) / "config.json")
+    text = cfg.get("text_config") if "hidden_size" not in cfg else None
+    c = text if isinstance(text, dict) else cfg
+    try:
+        return TargetFacts(
+            str(c.get("model_type", cfg.get("model_type", "?"))),
+            int(c["num_hidden_layers"]),
+            int(c["hidden_size"]),
+            int(c["vocab_size"]),
+            float(c.get("rms_norm_eps", 1e-6)),
+            tuple(cfg.get("architectures") or ()),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelDirError(
+            f"{model_dir}/config.json lacks a usable {exc} (need num_hidden_layers, hidden_size, vocab_size)"
+        ) from None
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
@@ -36,10 +90,32 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-# ---------------------------------------------------------------------------- batch plan
+def resolve_device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def plan_batches(lengths: list[int], indices: list[int], batch_tokens: int) -> list[list[int]]:
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """`auto` is bfloat16 on a GPU and float32 on a CPU (which has no fast bfloat16)."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    return torch.float32 if resolve_device(device) == "cpu" else torch.bfloat16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama/Qwen/DeepSeek RMSNorm exactly as transformers computes it: in float32,
+    cast back to the input dtype before the weight multiplies."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+# Families whose final norm is `rms_norm` above (weight times normalised input).
+PLAIN_RMSNORM = {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3",
+                 "deepseek_v2", "kimi_k2", "glm4_moe", "mixtral"}  # fmt: skip
+
+
+def plan_batches(lengths, indices: list[int], batch_tokens: int) -> list[list[int]]:
     """Pack samples of similar length so that batch_size x longest <= batch_tokens.
 
     Deterministic in its inputs; a sample longer than the budget gets a batch of its own.
@@ -56,74 +132,3 @@ def plan_batches(lengths: list[int], indices: list[int], batch_tokens: int) -> l
     if cur:
         batches.append(cur)
     return batches
-
-
-# ---------------------------------------------------------------------------- capture
-
-
-class Capture:
-    """Forward hooks that keep the aux layers' outputs and the final norm's output."""
-
-    def __init__(self, model, aux_layers: tuple[int, ...]):
-        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        self.base = base
-        self.layers = base.layers
-        n = len(self.layers)
-        for i in aux_layers:
-            if not 0 <= i < n:
-                raise ValueError(
-                    f"aux layer {i} is outside 0..{n - 1} (the target has {n} decoder layers)"
-                )
-        self.states: dict[str, torch.Tensor] = {}
-        self.handles = [
-            self.layers[i].register_forward_hook(self._keep(f"aux{k}"))
-            for k, i in enumerate(aux_layers)
-        ]
-        self.handles.append(base.norm.register_forward_hook(self._keep("last")))
-
-    def _keep(self, key: str):
-        def hook(_module, _inputs, output):
-            self.states[key] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    @torch.inference_mode()
-    def run(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.states.clear()
-        self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        aux = torch.cat([self.states[f"aux{k}"] for k in range(3)], dim=-1)  # (B, T, 3H)
-        return aux, self.states["last"]  # (B, T, H)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def resolve_device(device: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-
-
-def load_target(
-    model_dir: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False
-):
-    """(model, input device, compute dtype); `multi` spreads layers over all GPUs."""
-    from transformers import AutoModelForCausalLM
-
-    device = resolve_device(device)
-    dt = (
-        DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if device != "cpu" else torch.float32)
-    )
-    kw = dict(dtype=dt, trust_remote_code=trust_remote_code, local_files_only=True)
-    if device == "multi":
-        model = AutoModelForCausalLM.from_pretrained(model_dir, device_map="auto", **kw)
-        input_device = next(model.parameters()).device
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kw).to(device)
-        input_device = torch.device(device)
-    model.eval()
-    return model, input_device, dt
-
-
-# ---------------------------------------------------------------------------- the run

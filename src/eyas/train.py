@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from .drafter import Drafter, DrafterConfig
-from .fsutil import atomic_write_json, fsync_dir, read_json
-from .store import committed_indices, open_sample, read_run_meta
+from .fsutil import atomic_write_json, fsync_dir, honour_umask, read_json
+from .runmeta import read_run_meta
 from .target import plan_batches
+from .train_data import SampleReader, epoch_batches, prefetch, split_samples, usable_samples
 from .ui import Reporter, console
 from .weights import embed_weight, lm_head_weight
 
@@ -52,7 +53,8 @@ class TrainConfig:
     lr: float = 1e-4
     min_lr_ratio: float = 0.1
     """Cosine schedule ends at lr * min_lr_ratio."""
-    warmup_steps: int = 50
+    warmup_steps: int | None = None
+    """Linear warmup; default: a tenth of the run's optimizer steps, at most 50."""
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     batch_tokens: int = 8192
@@ -69,8 +71,9 @@ class TrainConfig:
     """float32 or bfloat16 (autocast on GPU)."""
     device: str = "auto"
     seed: int = 0
-    verify_data: bool = False
-    """Check every sample's checksums on first read."""
+    verify_data: bool = True
+    """Check every sample's tensor checksums on its first read (files are always checked
+    against their journal entries)."""
     intermediate_size: int | None = None
     """Override the drafter MLP width (default: the target's)."""
     progress: bool = True
@@ -84,60 +87,14 @@ class TrainConfig:
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
 
 
-_RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "keep_checkpoints"}
+# May differ on resume. Paths may change (a moved run or training directory resumes):
+# the data and the target are identified by their fingerprints, not where they live.
+_RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "keep_checkpoints",
+              "data", "out", "model"}  # fmt: skip
 
 
 class TrainStopped(Exception):
     pass
-
-
-# ---------------------------------------------------------------------------- data
-
-
-def split_samples(indices: list[int], val_fraction: float) -> tuple[list[int], list[int]]:
-    """Deterministic split by sample: a fixed-seed permutation, the first share is validation."""
-    g = torch.Generator().manual_seed(1234)
-    perm = [indices[i] for i in torch.randperm(len(indices), generator=g).tolist()]
-    n_val = math.ceil(len(indices) * val_fraction) if val_fraction > 0 and len(indices) > 1 else 0
-    return sorted(perm[n_val:]), sorted(perm[:n_val])
-
-
-def epoch_batches(
-    lengths: dict[int, int], indices: list[int], batch_tokens: int, seed: int, epoch: int
-) -> list[list[int]]:
-    """Length-bucketed batches, in an order that depends only on (seed, epoch)."""
-    dense = {i: lengths[i] for i in indices}
-    batches = plan_batches(dense, sorted(indices), batch_tokens)
-    g = torch.Generator().manual_seed(seed * 1000 + epoch)
-    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
-
-
-def collate(run: Path, idx: list[int], verify: bool, checked: set[int]) -> dict[str, torch.Tensor]:
-    from .store import load_sample
-
-    samples = []
-    for i in idx:
-        if verify and i not in checked:
-            load_sample(run, i, verify=True)  # raises StoreError naming the file
-            checked.add(i)
-        samples.append(open_sample(run, i))
-    T = max(s["input_ids"].shape[0] for s in samples)
-    B, H = len(samples), samples[0]["last_hidden_states"].shape[1]
-    batch = {
-        "input_ids": torch.zeros(B, T, dtype=torch.long),
-        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-        "valid": torch.zeros(B, T, dtype=torch.bool),
-        "aux": torch.zeros(B, T, 3 * H),
-        "last": torch.zeros(B, T, H),
-    }
-    for r, s in enumerate(samples):
-        n = s["input_ids"].shape[0]
-        batch["input_ids"][r, :n] = s["input_ids"].long()
-        batch["loss_mask"][r, :n] = s["loss_mask"].bool()
-        batch["valid"][r, :n] = True
-        batch["aux"][r, :n] = s["aux_hidden_states"].float()
-        batch["last"][r, :n] = s["last_hidden_states"].float()
-    return batch
 
 
 # ---------------------------------------------------------------------------- loss and metrics
@@ -164,10 +121,27 @@ def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], 1)
 
 
-def add_targets(batch: dict, drafter: Drafter, lm_head: torch.Tensor) -> None:
-    """Add the target's draft-vocab logits, full-vocab argmax and in-draft-vocab flag."""
-    batch["tgt_logits"], batch["tgt_top"] = target_view(batch["last"], lm_head, drafter.draft_ids)
+def add_targets(batch: dict, drafter: Drafter, lm_head: torch.Tensor | None) -> None:
+    """Add the target's soft labels over the draft vocabulary, its full-vocabulary argmax
+    and whether that argmax is in the draft vocabulary. From a stored final state the
+    logits are recomputed; top-K storage brings its log-probabilities and argmax."""
+    if "last" in batch:
+        batch["tgt_logits"], batch["tgt_top"] = target_view(
+            batch["last"], lm_head, drafter.draft_ids
+        )
     batch["in_vocab"] = drafter.t2d[batch["tgt_top"]]  # (B, T)
+
+
+def soft_ce(batch: dict, logits: torch.Tensor, n: int) -> torch.Tensor:
+    """Cross-entropy (B, T) of the drafter's logits (B, T, D) against the target's
+    distribution at position t+n: the full draft-vocabulary softmax, or the renormalised
+    top-K (whose ids index the draft vocabulary)."""
+    logp = F.log_softmax(logits.float(), -1)  # (B, T, D)
+    if "tgt_logits" in batch:
+        p = torch.softmax(shift(batch["tgt_logits"], n).float(), -1)  # (B, T, D)
+        return -(p * logp).sum(-1)
+    p = torch.softmax(shift(batch["topk_lp"], n, -1e4), -1)  # (B, T, K)
+    return -(p * logp.gather(-1, shift(batch["topk_ids"], n))).sum(-1)
 
 
 def loss_masks(batch: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -198,8 +172,7 @@ def ttt_loss(
     for i, ((logits, _), (scored, lmask)) in enumerate(
         zip(outs, loss_masks(batch, steps), strict=True)
     ):
-        p = torch.softmax(shift(batch["tgt_logits"], 1 + i).float(), -1)  # (B, T, D)
-        ce = -(p * F.log_softmax(logits.float(), -1)).sum(-1)  # (B, T)
+        ce = soft_ce(batch, logits, 1 + i)  # (B, T)
         loss_sum = (ce * lmask).sum()
         n = norm[i] if norm is not None else float(lmask.sum())
         total = total + decay**i * loss_sum / max(n, 1.0)
@@ -247,15 +220,14 @@ def save_checkpoint(
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(
-        {k: v.contiguous() for k, v in drafter.state_dict().items()},
-        str(tmp / "drafter.safetensors"),
+    save_safetensors(
+        {k: v.contiguous() for k, v in drafter.state_dict().items()}, tmp / "drafter.safetensors"
     )
     opt_tensors = {}
     for pi, st in opt.state_dict()["state"].items():
         for name, v in st.items():
             opt_tensors[f"{pi}.{name}"] = torch.as_tensor(v).contiguous()
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    save_safetensors(opt_tensors, tmp / "optimizer.safetensors")
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -299,23 +271,46 @@ def _dist() -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
-def build_drafter(cfg: TrainConfig, meta: dict) -> tuple[Drafter, torch.Tensor]:
-    """Drafter sized from the target, with the target's frozen embeddings; returns the target lm_head too."""
+def build_drafter(cfg: TrainConfig, meta: dict) -> tuple[Drafter, torch.Tensor | None]:
+    """Drafter sized from the target, with the target's frozen embeddings; returns the
+    target's lm_head too (None when the run stores the target's top-K: not needed)."""
     from transformers import AutoConfig
 
     from .prepare import PreparedDataset
+    from .target import check_model_dir, model_fingerprint
 
     model_dir = cfg.model or meta["model_path"]
+    check_model_dir(model_dir, weights=True)
+    if (fp := model_fingerprint(model_dir)) != meta["model_fingerprint"]:
+        raise ValueError(f"{model_dir} is not the target {cfg.data} was extracted with (fingerprint {fp}, "
+                         f"the run's is {meta['model_fingerprint']}); pass the right --model")  # fmt: skip
     tcfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     ds = PreparedDataset.open(meta["dataset_path"], check=False)
-    draft_ids = ds.draft_vocab(cfg.draft_vocab_size)
+    draft_ids = ds.draft_vocab(draft_vocab_for(cfg.draft_vocab_size, meta))
     over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
     dcfg = DrafterConfig.from_target(tcfg, len(draft_ids), **over)
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dcfg)
     drafter.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
     drafter.set_draft_vocab(draft_ids)
-    return drafter, lm_head_weight(model_dir).float()
+    topk = "topk" in str(meta.get("layout", ""))
+    return drafter, None if topk else lm_head_weight(model_dir).float()
+
+
+def draft_vocab_for(requested: int | None, meta: dict) -> int | None:
+    """D: the run's when it stores top-K over its draft vocabulary, else as requested."""
+    fixed = meta.get("draft_vocab_size")
+    if fixed and requested and requested != fixed:
+        raise ValueError(f"the run stores the target's top-K over a draft vocabulary of {fixed}; "
+                         f"--draft-vocab-size {requested} cannot differ")  # fmt: skip
+    return fixed or requested
+
+
+def _identity(meta: dict) -> dict:
+    return {
+        "dataset_fingerprint": meta["dataset_fingerprint"],
+        "model_fingerprint": meta["model_fingerprint"],
+    }
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
@@ -323,15 +318,14 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     rank, world = _dist()
     out, run = Path(cfg.out), Path(cfg.data)
     meta = read_run_meta(run)
-    ident = {"run": str(run.resolve()), "dataset_fingerprint": meta["dataset_fingerprint"],
-             "model_fingerprint": meta["model_fingerprint"]}  # fmt: skip
+    ident = _identity(meta)
     saved = out / "train.json"
     ckpt = latest_checkpoint(out) if resume else None
     if saved.exists():
         prev = read_json(saved)
-        if prev["data"] != ident:
+        if _identity(prev["data"]) != ident:
             raise ValueError(
-                f"{saved}: this training directory was made from other data ({prev['data']['run']})"
+                f"{saved}: this training directory was made from other data ({prev['data'].get('run')})"
             )
         mine = {k: v for k, v in asdict(cfg).items() if k not in _RESUMABLE}
         theirs = {k: v for k, v in prev["config"].items() if k not in _RESUMABLE}
@@ -346,35 +340,46 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
             )
     elif rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(saved, {"config": asdict(cfg), "data": ident, "aux_layers": meta["aux_layers"],
-                                  "aux_layers_hf": meta["aux_layers_hf"], "model_path": cfg.model or meta["model_path"],
+        atomic_write_json(saved, {"config": asdict(cfg), "data": {"run": str(run.resolve()), **ident},
+                                  "aux_layers": meta["aux_layers"], "aux_layers_hf": meta["aux_layers_hf"],
+                                  "model_path": str(Path(cfg.model or meta["model_path"]).resolve()),
                                   "world": world})  # fmt: skip
 
-    device = torch.device(
-        "cuda"
-        if cfg.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if cfg.device == "auto" else cfg.device)
-    )
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if cfg.device == "auto" else cfg.device))  # fmt: skip
     drafter, lm_head = build_drafter(cfg, meta)
     drafter.to(device)
-    lm_head = lm_head.to(device)
+    lm_head = lm_head.to(device) if lm_head is not None else None
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
-    indices = committed_indices(run)
-    if not indices:
+    log = (
+        (lambda m: console.print(m, markup=False, highlight=False))
+        if rank == 0
+        else (lambda m: None)
+    )
+    entries = usable_samples(run, meta["hidden_size"], log)
+    if not entries:
         raise ValueError(f"{run}: no committed samples to train on")
-    from .store import read_all_journals
-
-    lengths = {e["index"]: e["tokens"] for es in read_all_journals(run).values() for e in es}
-    train_idx, val_idx = split_samples(indices, cfg.val_fraction)
+    reader = SampleReader(run, entries, cfg.verify_data, pin=device.type == "cuda")
+    lengths = {i: e["tokens"] for i, e in entries.items()}
+    train_idx, val_idx = split_samples(sorted(entries), cfg.val_fraction)
     per_epoch = len(epoch_batches(lengths, train_idx, cfg.batch_tokens, cfg.seed, 0))
     total_steps = max(1, cfg.epochs * per_epoch // cfg.grad_accum)
+    warmup = (
+        cfg.warmup_steps if cfg.warmup_steps is not None else min(50, max(1, total_steps // 10))
+    )
+    if rank == 0 and cfg.progress and warmup >= total_steps:
+        log(f"warning: --warmup-steps {warmup} >= the run's {total_steps} optimizer steps: the learning "
+            "rate never reaches --lr; train longer (--epochs) or lower --warmup-steps")  # fmt: skip
+    if rank == 0 and cfg.progress and total_steps < 20:
+        log(f"warning: only {total_steps} optimizer steps ({len(train_idx)} training samples, "
+            f"--batch-tokens {cfg.batch_tokens}): the drafter will learn little; add data or epochs")  # fmt: skip
 
     def lr_at(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        if step < warmup:
+            return cfg.lr * (step + 1) / warmup
+        frac = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return cfg.lr * (
             cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
         )
@@ -382,12 +387,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     state = {"step": 0, "epoch": 0, "batch": 0}
     if ckpt is not None:
         state = load_checkpoint(ckpt, drafter, opt)
-        if rank == 0:
-            console.print(
-                f"resuming from {ckpt} (epoch {state['epoch']}, batch {state['batch']})",
-                markup=False,
-                highlight=False,
-            )
+        log(f"resuming from {ckpt} (epoch {state['epoch']}, batch {state['batch']})")
     if rank == 0:  # metrics logged after the state we start from are recomputed
         _truncate_metrics(out / "metrics.jsonl", state["step"])
 
@@ -396,18 +396,21 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     if rank == 0 or world > 1:
         for sig in (signal.SIGTERM, signal.SIGINT):
             handlers[sig] = signal.signal(sig, lambda s, _f: stop.append(signal.Signals(s).name))
-    checked: set[int] = set()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
     steps, decay = cfg.ttt_steps, cfg.step_decay
     last_val: dict = {}
 
-    def micro(idx_all: list[int]) -> tuple[torch.Tensor, dict]:
+    def load(idx_all: list[int]) -> dict:
+        """This rank's share of a global micro-batch, on the device (the prefetch thread)."""
         mine_idx = idx_all[rank::world]
-        batch = collate(run, mine_idx or idx_all[:1], cfg.verify_data, checked)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        add_targets(batch, drafter, lm_head)
+        batch = reader.batch(mine_idx or idx_all[:1])
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         if not mine_idx:  # this rank has no share: contribute zero loss and zero counts
             batch["valid"].zero_()
+        return batch
+
+    def micro(batch: dict) -> tuple[torch.Tensor, dict]:
+        add_targets(batch, drafter, lm_head)
         counts = torch.tensor(
             [float(lm.sum()) for _, lm in loss_masks(batch, steps)], dtype=torch.float64
         )
@@ -421,9 +424,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
         drafter.eval()
         acc = torch.zeros(steps, 6, dtype=torch.float64)
         with torch.no_grad():
-            for b in plan_batches(lengths, val_idx, cfg.batch_tokens):
-                _, info = micro(b)
-                acc += info["stats"]
+            for _, batch in prefetch(plan_batches(lengths, val_idx, cfg.batch_tokens), load):
+                acc += micro(batch)[1]["stats"]
         if world > 1:
             all_reduce_cpu(acc)
         drafter.train()
@@ -431,22 +433,37 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
 
     t0, tokens_seen = time.monotonic(), 0
     window = torch.zeros(steps, 6, dtype=torch.float64)
-    shown = {"loss": float("nan"), "acc": float("nan")}
-    rep = Reporter("train", total_steps, unit="steps", enabled=cfg.progress and rank == 0, extra=lambda: (
-        f"loss0 {shown['loss']:.3f} acc0 {shown['acc']:.2f} {tokens_seen * world / max(time.monotonic() - t0, 1e-9):,.0f} tok/s"))  # fmt: skip
+    shown: dict = {}
+
+    def extra() -> str:
+        speed = (
+            f"{tokens_seen * world / max(time.monotonic() - t0, 1e-9):,.0f} tok/s"
+            if tokens_seen
+            else ""
+        )
+        vals = f"loss0 {shown['loss']:.3f} acc0 {shown['acc']:.2f} " if shown else ""
+        return vals + speed
+
+    rep = Reporter(
+        "train", total_steps, unit="steps", enabled=cfg.progress and rank == 0, extra=extra
+    )
     rep.__enter__()
     rep.skip(state["step"])
     try:
         for epoch in range(state["epoch"], cfg.epochs):
             batches = epoch_batches(lengths, train_idx, cfg.batch_tokens, cfg.seed, epoch)
             start = state["batch"] if epoch == state["epoch"] else 0
-            for bi in range(start, len(batches), cfg.grad_accum):
+            groups = [
+                batches[bi : bi + cfg.grad_accum]
+                for bi in range(start, len(batches), cfg.grad_accum)
+            ]
+            loaded = prefetch([b for g in groups for b in g], load)
+            for bi, group in zip(range(start, len(batches), cfg.grad_accum), groups, strict=True):
                 for g in opt.param_groups:
                     g["lr"] = lr_at(state["step"])
                 opt.zero_grad(set_to_none=True)
-                group = batches[bi : bi + cfg.grad_accum]
-                for b in group:
-                    loss, info = micro(b)
+                for _ in group:
+                    loss, info = micro(next(loaded)[1])
                     (
                         loss * world / len(group)
                     ).backward()  # all_reduce averages: undo it, so grads are sums
@@ -461,12 +478,13 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 opt.step()
                 state = {"step": state["step"] + 1, "epoch": epoch, "batch": bi + len(group)}
+                s = summarize(window)
+                shown.update(loss=s["loss"][0], acc=s["acc"][0])
                 rep.advance()
                 if state["step"] % 10 == 0 or state["batch"] >= len(batches):
                     if world > 1:
                         all_reduce_cpu(window)
                     s = summarize(window)
-                    shown.update(loss=s["loss"][0], acc=s["acc"][0])
                     _log(out, rank, {"split": "train", **state, "lr": lr_at(state["step"] - 1),
                                      "tokens_per_s": tokens_seen * world / max(time.monotonic() - t0, 1e-9), **s})  # fmt: skip
                     window.zero_()
@@ -488,9 +506,9 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
                     _print_summary(epoch, last_val)
         if rank == 0:
             save_checkpoint(out, drafter, opt, state, cfg.keep_checkpoints)
-            save_file(
+            save_safetensors(
                 {k: v.contiguous() for k, v in drafter.state_dict().items()},
-                str(out / "drafter.safetensors"),
+                out / "drafter.safetensors",
             )
             atomic_write_json(out / "drafter_config.json", drafter.config.to_dict())
             plot_metrics(out)
@@ -499,12 +517,14 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
         for sig, h in handlers.items():
             signal.signal(sig, h)
     elapsed = time.monotonic() - t0
-    return {
-        "val": last_val,
-        "steps": state["step"],
-        "tokens_per_s": tokens_seen * world / max(elapsed, 1e-9),
-        "seconds": elapsed,
-    }
+    return {"val": last_val, "steps": state["step"], "tokens_per_s": tokens_seen * world / max(elapsed, 1e-9),
+            "seconds": elapsed}  # fmt: skip
+
+
+def save_safetensors(tensors: dict, path: Path) -> None:
+    """safetensors' own writer, with the file mode the umask gives (it creates 0600 files)."""
+    save_file(tensors, str(path))
+    honour_umask(path)
 
 
 def all_reduce_cpu(t: torch.Tensor) -> None:

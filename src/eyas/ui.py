@@ -35,6 +35,7 @@ class Reporter:
         self._skipped = 0
         self.start = time.monotonic()
         self._last_log = self.start
+        self._logged = -1
         self._progress: Progress | None = None
         self._task = None
 
@@ -58,8 +59,8 @@ class Reporter:
         if self._progress is not None:
             self._progress.update(self._task, extra=self.extra())
             self._progress.__exit__(*exc)
-        elif self.enabled and self.done:
-            self._log()
+        elif self.enabled and self.done and self.done != self._logged:
+            self._log()  # the final count, unless the last line already said it
 
     def skip(self, n: int) -> None:
         """Count `n` units done before this session (a resume) without counting them in the rate."""
@@ -80,6 +81,7 @@ class Reporter:
 
     def _log(self) -> None:
         self._last_log = time.monotonic()
+        self._logged = self.done
         rate = self.rate()
         left = (self.total - self.done) / rate if rate > 0 else float("inf")
         from .fsutil import human_duration

@@ -1,11 +1,18 @@
 """`eyas verify`: check every journaled sample of a run, and repair what is broken.
 
-Checks per journaled sample: the file is present, its header is valid, shapes and dtypes
-agree with each other and with the run, the token count matches, the size matches the
-journal, and (unless `quick`) every tensor's checksum and the whole-file checksum hold.
-Also finds orphans (files no journal names), duplicates (an index journaled twice) and
-stray temp files. `repair` moves bad files to `quarantine/`, drops their journal entries
-and removes temp files, so that `extract --resume` re-extracts exactly those samples.
+Per journaled sample: the file (at the path its index gives) is present, its header is
+valid, its tensors agree with the run's layout and hidden size, the token count matches,
+size, header hash and sample index match the journal entry, and (unless `quick`) every
+tensor's checksum holds. Around the samples: `run.json` and its backup, every journal line
+(a line that is not a valid entry is damage, reported with its number), files no journal
+names, samples journaled twice, stray temp files.
+
+A file without an entry that is intact is not damage: the crash came between its rename
+and its journal line (or its line was damaged), and `extract --resume` adopts it after
+checking every checksum. `repair` quarantines bad files, sets damaged journal lines aside
+(a copy goes to `quarantine/`), drops entries of bad files and restores a damaged
+`run.json` from its backup, so that `extract --resume` re-extracts exactly what was lost.
+Repairs never act on a path read from a file: only on paths derived from sample indices.
 """
 
 from __future__ import annotations
@@ -19,22 +26,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .fsutil import fsync_dir, is_temp_file
-from .lock import read_lock
+from .lock import live_locks
+from .runmeta import load_run_meta, restore_run_meta
 from .store import (
+    Layout,
     StoreError,
     check_sample_file,
+    ensure_inside,
     iter_sample_files,
-    journal_path,
-    read_all_journals,
-    read_run_meta,
+    journal_files,
     rewrite_journal,
+    sample_index_of,
+    sample_relpath,
+    scan_journals,
+    set_aside_damaged_lines,
     stray_temp_files,
 )
+
+KINDS = ("missing", "corrupt", "orphan", "duplicate", "temp", "journal", "meta")
 
 
 @dataclass
 class Problem:
-    kind: str  # missing | corrupt | orphan | duplicate | temp
+    kind: str  # one of KINDS
     path: str
     detail: str
     index: int | None = None
@@ -46,10 +60,12 @@ class VerifyReport:
     checked: int = 0
     ok: int = 0
     problems: list[Problem] = field(default_factory=list)
+    unjournaled: list[str] = field(default_factory=list)  # intact files that resume adopts
     bytes_read: int = 0
     seconds: float = 0.0
     quick: bool = False
     repaired: bool = False
+    repairs: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -65,42 +81,48 @@ class VerifyReport:
     def to_dict(self) -> dict:
         return {
             "run": self.run, "clean": self.clean, "checked": self.checked, "ok": self.ok,
-            "quick": self.quick, "repaired": self.repaired,
-            "counts": {k: self.count(k) for k in ("missing", "corrupt", "orphan", "duplicate", "temp")},
+            "quick": self.quick, "repaired": self.repaired, "repairs": self.repairs,
+            "counts": {k: self.count(k) for k in KINDS}, "unjournaled": len(self.unjournaled),
             "bytes_read": self.bytes_read, "seconds": round(self.seconds, 3), "mb_per_s": round(self.mb_per_s, 1),
             "problems": [p.__dict__ for p in self.problems],
         }  # fmt: skip
 
 
-def verify(
-    run: str | Path, *, quick: bool = False, repair: bool = False, workers: int | None = None
-) -> VerifyReport:
+def verify(run: str | Path, *, quick: bool = False, repair: bool = False, workers: int | None = None) -> VerifyReport:  # fmt: skip
     run = Path(run)
-    meta = read_run_meta(run)
-    H = meta["hidden_size"]
     rep = VerifyReport(str(run), quick=quick)
-    journals = read_all_journals(run)
+    mr = load_run_meta(run)  # raises StoreError when neither copy is usable
+    meta = mr.meta
+    for damage in (
+        mr.damage,
+        mr.backup_damage and f"{run / 'run.backup.json'} is {mr.backup_damage}",
+    ):
+        if damage:
+            rep.problems.append(Problem("meta", str(run / "run.json"), damage))
+    H, layout, total = meta["hidden_size"], Layout.parse(meta.get("layout")), meta["samples"]
 
+    scans = scan_journals(run)
     by_index: dict[int, list[tuple[int, dict]]] = defaultdict(list)
-    for rank, entries in journals.items():
-        for e in entries:
+    for rank, scan in scans.items():
+        for n, why in scan.damaged:
+            rep.problems.append(Problem("journal", f"{scan.path}:{n}", f"{scan.path}:{n}: damaged journal line ({why})"))  # fmt: skip
+        for e in scan.entries:
+            if e["index"] >= total:
+                rep.problems.append(Problem("journal", str(scan.path), f"{scan.path}: entry for sample {e['index']}, "
+                                            f"but the run has {total} samples", e["index"]))  # fmt: skip
+                continue
             by_index[e["index"]].append((rank, e))
 
     t0 = time.monotonic()
-    items = sorted(by_index.items())
 
     def check(item):
         idx, refs = item
-        entry = refs[0][1]
-        return (
-            idx,
-            refs,
-            check_sample_file(run / entry["path"], checksums=not quick, hidden_size=H, entry=entry),
-        )
+        path = run / sample_relpath(idx)
+        return idx, refs, check_sample_file(path, checksums=not quick, hidden_size=H, entry=refs[0][1], layout=layout)  # fmt: skip
 
     bad: set[int] = set()
     with ThreadPoolExecutor(workers or min(8, (os.cpu_count() or 2))) as ex:
-        for idx, refs, c in ex.map(check, items):
+        for idx, refs, c in ex.map(check, sorted(by_index.items())):
             rep.checked += 1
             rep.bytes_read += c.nbytes if not quick else 0
             if c.ok:
@@ -111,58 +133,67 @@ def verify(
                 bad.add(idx)
             if len(refs) > 1:
                 ranks = ", ".join(f"rank {r}" for r, _ in refs)
-                rep.problems.append(
-                    Problem(
-                        "duplicate",
-                        refs[0][1]["path"],
-                        f"sample {idx} journaled {len(refs)} times ({ranks})",
-                        idx,
-                    )
-                )
+                rep.problems.append(Problem("duplicate", str(c.path), f"sample {idx} journaled {len(refs)} times ({ranks})", idx))  # fmt: skip
     rep.seconds = time.monotonic() - t0
 
-    named = {run / e["path"] for refs in by_index.values() for _, e in refs}
+    if (run / "samples").is_symlink():
+        rep.problems.append(Problem("corrupt", str(run / "samples"), f"{run / 'samples'} is a symlink "
+                                    f"(to {(run / 'samples').resolve()}); eyas keeps samples inside the run"))  # fmt: skip
     for p in iter_sample_files(run):
-        if is_temp_file(p):
+        idx = sample_index_of(p)
+        if is_temp_file(p) or (
+            idx is not None and idx in by_index and p == run / sample_relpath(idx)
+        ):
             continue
-        if p not in named:
-            rep.problems.append(Problem("orphan", str(p), f"{p}: file has no journal entry"))
+        c = check_sample_file(p, checksums=not quick, hidden_size=H, layout=layout)
+        if idx is not None and idx < total and p == run / sample_relpath(idx) and c.ok \
+                and int(c.header["__metadata__"]["sample_index"]) == idx:  # fmt: skip
+            rep.unjournaled.append(str(p))
+        else:
+            rep.problems.append(Problem("orphan", str(p), f"{p}: file has no journal entry and is not an intact sample"))  # fmt: skip
     for p in stray_temp_files(run):
         rep.problems.append(Problem("temp", str(p), f"{p}: temp file left by an interrupted write"))
 
     if repair and rep.problems:
-        live = [
-            lk
-            for lk in (read_lock(p) for p in sorted((run / "locks").glob("*.lock")))
-            if lk and lk.live is not False
-        ]
+        live = live_locks(run)
         if live:
             raise StoreError(
                 f"{run}: cannot repair while a writer holds the run: {live[0].describe()}"
             )
-        _repair(run, rep, journals, bad)
+        _repair(run, rep, scans, bad, total)
         rep.repaired = True
     return rep
 
 
-def _repair(run: Path, rep: VerifyReport, journals: dict[int, list[dict]], bad: set[int]) -> None:
+def _repair(run: Path, rep: VerifyReport, scans, bad: set[int], total: int) -> None:
+    if (done := restore_run_meta(run)) is not None:
+        rep.repairs.append(done)
     qdir = run / "quarantine" / time.strftime("%Y%m%d-%H%M%S")
     for p in rep.problems:
         src = Path(p.path)
+        if p.kind not in ("temp", "corrupt", "orphan") or not src.is_file() or src.is_symlink():
+            continue
+        ensure_inside(run, src)  # never act on anything outside the run
         if p.kind == "temp":
             src.unlink(missing_ok=True)
-        elif p.kind in ("corrupt", "orphan") and src.exists():
-            dst = qdir / src.relative_to(run)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(src, dst)
-            fsync_dir(src.parent)
+            continue
+        dst = qdir / src.relative_to(run)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(src, dst)
+        fsync_dir(src.parent)
+        rep.repairs.append(f"moved {src} to {dst}")
     seen: set[int] = set()
-    for rank, entries in sorted(journals.items()):
+    paths = journal_files(run)
+    for rank, scan in sorted(scans.items()):
+        if (q := set_aside_damaged_lines(run, scan)) is not None:
+            rep.repairs.append(
+                f"set aside {len(scan.damaged)} damaged line(s) of {scan.path} (copy in {q})"
+            )
         keep = []
-        for e in entries:
-            if e["index"] in bad or e["index"] in seen:
+        for e in scan.entries:
+            if e["index"] in bad or e["index"] in seen or e["index"] >= total:
                 continue
             seen.add(e["index"])
             keep.append(e)
-        if len(keep) != len(entries):
-            rewrite_journal(journal_path(run, rank), keep)
+        if len(keep) != len(scan.entries):
+            rewrite_journal(paths[rank], keep)

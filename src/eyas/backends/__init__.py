@@ -1,0 +1,126 @@
+"""Backends run the target and hand back its states; `extract` stores them.
+
+The one interface `extract` calls::
+
+    backend = open_backend(spec)          # loads the target (minutes for a large one)
+    pending = backend.run(rows)           # rows: token ids of one batch; returns at once
+    per_sample = pending.result()         # later, in the writer thread: tensors or a reason
+    backend.close()
+
+`run` may return before the states have left the device; `result()` waits for them. Each
+sample's result is a dict of tensors in the run's storage layout (see `store.Layout`):
+input-independent of the backend, so a run extracted by either backend trains the same
+way. A string instead of a dict is why that sample failed (NaN/Inf, ids the engine saw
+differ from the prepared ones); the sample is then logged to `errors/`, never stored.
+
+- `hf`: transformers in this process, forward hooks on the aux layers and the final norm.
+- `vllm`: vLLM in-process (tensor parallel, its own kernels), with eyas's hidden-state
+  connector; the final norm is applied here from the target's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..store import Layout, quantize_fp8
+
+BACKENDS = ("hf", "vllm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendSpec:
+    """What a backend needs to know; built by `extract` from the run's config."""
+
+    model: str
+    aux_layers: tuple[int, ...]
+    """Outputs of 0-based decoder layers."""
+    device: str
+    dtype: torch.dtype
+    store_dtype: torch.dtype
+    layout: Layout
+    draft_ids: torch.Tensor | None = None
+    """Target ids of the draft vocabulary, ascending (top-K target storage only)."""
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    staging_dir: str | None = None
+
+
+class Pending:
+    """States of one batch; `result()` gives per-sample tensors (or a failure reason)."""
+
+    def result(self) -> list[dict[str, torch.Tensor] | str]:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """The writer is done with the tensors `result()` returned."""
+
+
+class Backend:
+    name = "?"
+
+    def run(self, rows: list) -> Pending:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def open_backend(name: str, spec: BackendSpec, log=print) -> Backend:
+    if name == "hf":
+        from .hf import HFBackend
+
+        return HFBackend(spec)
+    if name == "vllm":
+        from .vllm import VLLMBackend
+
+        return VLLMBackend(spec, log)
+    raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+
+
+class StateShaper:
+    """Turns the target's states (N tokens) into the layout's tensors, on their device.
+
+    aux (N, 3H) and last (N, H) -> aux_hidden_states (+ aux_scales for fp8), and either
+    last_hidden_states or the top-K log-probabilities over the draft vocabulary with the
+    full-vocabulary argmax (logits are formed in row chunks: the (N, V) matrix never exists).
+    """
+
+    def __init__(self, spec: BackendSpec, lm_head: torch.Tensor | None = None):
+        self.layout, self.store_dtype = spec.layout, spec.store_dtype
+        self.lm_head = lm_head
+        self.draft_ids = spec.draft_ids
+        if self.layout.topk and (lm_head is None or self.draft_ids is None):
+            raise ValueError(
+                "top-K target storage needs the target's lm_head and the draft vocabulary"
+            )
+
+    def __call__(self, aux: torch.Tensor, last: torch.Tensor, chunk: int = 1024) -> dict:
+        out: dict[str, torch.Tensor] = {}
+        if self.layout.aux == "fp8":
+            out["aux_hidden_states"], out["aux_scales"] = quantize_fp8(aux)
+        else:
+            out["aux_hidden_states"] = aux.to(self.store_dtype)
+        K = self.layout.topk
+        if not K:
+            out["last_hidden_states"] = last.to(self.store_dtype)
+            return out
+        W = self.lm_head.to(last.device)  # (V, H)
+        dids = self.draft_ids.to(last.device)
+        small = len(dids) <= 32768
+        ids, lps, top = [], [], []
+        for a in range(0, last.shape[0], chunk):
+            logits = last[a : a + chunk].to(W.dtype) @ W.T  # (c, V)
+            top.append(logits.argmax(-1).to(torch.int32))
+            d = logits[:, dids].float()  # (c, D)
+            lp = d - torch.logsumexp(d, -1, keepdim=True)
+            v, i = lp.topk(min(K, d.shape[1]), -1)  # (c, K)
+            ids.append(i.to(torch.int16 if small else torch.int32))
+            lps.append(v.to(torch.float16))
+        out["target_topk_ids"] = torch.cat(ids)
+        out["target_topk_logprobs"] = torch.cat(lps)
+        out["target_argmax"] = torch.cat(top)
+        return out
