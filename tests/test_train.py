@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,6 +130,48 @@ def test_sigkill_and_sigterm_then_resume_give_identical_weights(demo_run, tmp_pa
     assert steps == sorted(steps) and len(steps) == len(
         set(steps)
     )  # re-done steps were not logged twice
+
+
+def test_reproducible_under_load_and_a_moved_directory_resumes(demo_run, tmp_path):
+    """Weights are bit-identical with two CPU hogs competing, across a kill and a resume
+    of a training directory that was moved in between."""
+    ref = tmp_path / "ref"
+    subprocess.run(
+        _train_cmd(demo_run, ref, "--epochs", "2", "--save-every", "4"),
+        check=True,
+        capture_output=True,
+    )
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        out = tmp_path / "out"
+        p = subprocess.Popen(
+            _train_cmd(demo_run, out, "--epochs", "2", "--save-every", "4"),
+            stderr=subprocess.DEVNULL,
+        )
+        while p.poll() is None and not latest_checkpoint(out):
+            time.sleep(0.005)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        moved = tmp_path / "moved"
+        shutil.move(out, moved)
+        r = eyas(*_train_cmd(demo_run, moved, "--epochs", "2", "--save-every", "4", "--resume")[3:])
+    finally:
+        for h in hogs:
+            h.kill()
+    assert r.returncode == 0, r.stderr
+    a, b = _weights(ref), _weights(moved)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_progress_lines_show_values_once(demo_run, tmp_path):
+    r = eyas(
+        *_train_cmd(demo_run, tmp_path / "t", "--epochs", "1")[3:],
+        env={**os.environ, "EYAS_LOG_EVERY": "0"},
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("train: ")]
+    assert lines and not any("nan" in x for x in lines), lines
+    assert "loss0" in lines[0] and len(lines) == len(set(lines))  # the last line is not repeated
 
 
 def test_data_parallel_matches_single_process(demo_run, tmp_path):

@@ -16,8 +16,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from .cpu import pin_runtime_env
 from .ui import console
 
+pin_runtime_env()  # before torch loads
 report = Console(soft_wrap=True)  # reports go to stdout; progress and errors to stderr
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -194,6 +194,9 @@ def evaluate(
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, local_files_only=True
     ).eval()
+    from .cpu import configure_threads
+
+    configure_threads(model.config.hidden_size)
     drafter, aux_hf = load_export(drafter_dir)
     if (
         drafter.config.hidden_size != model.config.hidden_size

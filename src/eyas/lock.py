@@ -175,7 +175,7 @@ class WriterLock:
                 mine = rec is not None and rec.get("host") == socket.gethostname()
                 if not (mine and not _pid_alive(rec["pid"])) or time.monotonic() > deadline:
                     break
-                time.sleep(0.2)
+                time.sleep(0.05)
             if not got:
                 holder = read_lock(self.path)
                 raise LockHeld(
@@ -225,6 +225,7 @@ class WriterLock:
             "rank": self.rank, "world": self.world, "phase": phase,
         }  # fmt: skip
         self._started = rec["started"]
+        self._owned = True
         data = json.dumps(rec).encode()
         fd = self._fds[1]
         os.ftruncate(fd, 0)
@@ -234,7 +235,7 @@ class WriterLock:
     def release(self) -> None:
         """Clear the record and let go; the file stays (deleting it would let a process
         that opened it earlier lock a file nobody else can see)."""
-        if len(self._fds) >= 2:
+        if len(self._fds) >= 2 and getattr(self, "_owned", False):
             try:
                 os.ftruncate(self._fds[1], 0)
             except OSError:

@@ -13,6 +13,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from .cpu import choose_threads, configure_threads
 from .drafter import Drafter, DrafterConfig
 from .fsutil import atomic_write_json, fsync_dir, honour_umask, read_json
 from .runmeta import read_run_meta
@@ -343,10 +345,20 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
         atomic_write_json(saved, {"config": asdict(cfg), "data": {"run": str(run.resolve()), **ident},
                                   "aux_layers": meta["aux_layers"], "aux_layers_hf": meta["aux_layers_hf"],
                                   "model_path": str(Path(cfg.model or meta["model_path"]).resolve()),
-                                  "world": world})  # fmt: skip
+                                  "world": world, "threads": choose_threads(meta["hidden_size"])
+                                  if not torch.cuda.is_available() else None})  # fmt: skip
 
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if cfg.device == "auto" else cfg.device))  # fmt: skip
+    threads = configure_threads(meta["hidden_size"]) if device.type == "cpu" else None
+    if (
+        saved.exists()
+        and (was := read_json(saved).get("threads")) != threads
+        and rank == 0
+        and threads
+    ):
+        console.print(f"note: {threads} CPU thread(s) now, {was} before: float sums change order, so the "
+                      "weights will differ from an uninterrupted run in the last bits", markup=False, highlight=False)  # fmt: skip
     drafter, lm_head = build_drafter(cfg, meta)
     drafter.to(device)
     lm_head = lm_head.to(device) if lm_head is not None else None
@@ -361,7 +373,17 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     entries = usable_samples(run, meta["hidden_size"], log)
     if not entries:
         raise ValueError(f"{run}: no committed samples to train on")
-    reader = SampleReader(run, entries, cfg.verify_data, pin=device.type == "cuda")
+
+    def skipped(index: int, problem: str) -> None:
+        console.print(
+            f"warning: damaged sample left out of training: {problem}",
+            markup=False,
+            highlight=False,
+        )
+        with open(out / "skipped_samples.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"index": index, "problem": problem}) + "\n")
+
+    reader = SampleReader(run, entries, cfg.verify_data, pin=device.type == "cuda", report=skipped)
     lengths = {i: e["tokens"] for i, e in entries.items()}
     train_idx, val_idx = split_samples(sorted(entries), cfg.val_fraction)
     per_epoch = len(epoch_batches(lengths, train_idx, cfg.batch_tokens, cfg.seed, 0))
@@ -424,8 +446,9 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
         drafter.eval()
         acc = torch.zeros(steps, 6, dtype=torch.float64)
         with torch.no_grad():
-            for _, batch in prefetch(plan_batches(lengths, val_idx, cfg.batch_tokens), load):
-                acc += micro(batch)[1]["stats"]
+            with prefetch(plan_batches(lengths, val_idx, cfg.batch_tokens), load) as batches:
+                for _, batch in batches:
+                    acc += micro(batch)[1]["stats"]
         if world > 1:
             all_reduce_cpu(acc)
         drafter.train()
@@ -449,6 +472,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     )
     rep.__enter__()
     rep.skip(state["step"])
+    stack = contextlib.ExitStack()
     try:
         for epoch in range(state["epoch"], cfg.epochs):
             batches = epoch_batches(lengths, train_idx, cfg.batch_tokens, cfg.seed, epoch)
@@ -458,6 +482,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
                 for bi in range(start, len(batches), cfg.grad_accum)
             ]
             loaded = prefetch([b for g in groups for b in g], load)
+            stack.callback(loaded.close)
             for bi, group in zip(range(start, len(batches), cfg.grad_accum), groups, strict=True):
                 for g in opt.param_groups:
                     g["lr"] = lr_at(state["step"])
@@ -513,6 +538,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
             atomic_write_json(out / "drafter_config.json", drafter.config.to_dict())
             plot_metrics(out)
     finally:
+        stack.close()  # prefetch threads stopped and joined
         rep.__exit__(None, None, None)
         for sig, h in handlers.items():
             signal.signal(sig, h)

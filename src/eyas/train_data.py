@@ -4,8 +4,9 @@ Nothing damaged is trained on. Before training starts every committed sample's f
 checked against its journal entry (size, header hash, sample index: header reads only),
 and a sample that fails is left out and named. Each read checks the file against its
 entry again (a file can be damaged, swapped or replaced while training runs), and with
-`checksums` every tensor's xxh3 on its first read; a failure then stops training with the
-file named, since the batch plan of a run must not change under it.
+`checksums` every tensor's xxh3 on its first read; a sample that fails then is masked out
+of its batch (the batch plan must not change under a running job) and reported, on the
+terminal and in `skipped_samples.jsonl` of the training directory.
 
 Batches are read ahead by a background thread (through the store module, into pinned
 memory on a GPU) while the current step computes.
@@ -65,21 +66,46 @@ def epoch_batches(
 class SampleReader:
     """Reads and pads batches of committed samples, checking each file against its entry."""
 
-    def __init__(self, run: Path, entries: dict[int, dict], checksums: bool, pin: bool = False):
+    def __init__(self, run: Path, entries: dict[int, dict], checksums: bool, pin: bool = False,
+                 report=None):  # fmt: skip
         self.run, self.entries, self.checksums, self.pin = Path(run), entries, checksums, pin
+        self.report = report or (lambda index, problem: None)
         self._summed: set[int] = set()
+        self._bad: set[int] = set()
         self._lock = threading.Lock()
 
-    def _one(self, i: int) -> dict[str, torch.Tensor]:
+    def _one(self, i: int) -> dict[str, torch.Tensor] | None:
         with self._lock:
             first = i not in self._summed
-        s = read_sample(self.run, self.entries[i], checksums=self.checksums and first)
+            if i in self._bad:
+                return None
+        try:
+            s = read_sample(self.run, self.entries[i], checksums=self.checksums and first)
+        except StoreError as exc:
+            with self._lock:
+                self._bad.add(i)
+            self.report(i, str(exc))
+            return None
         with self._lock:
             self._summed.add(i)
         return s
 
+    def _any_sample(self) -> dict[str, torch.Tensor]:
+        """Some intact sample, for tensor widths when a whole batch is damaged."""
+        for i in self.entries:
+            if (s := self._one(i)) is not None:
+                return s
+        raise StoreError(
+            f"{self.run}: every sample is damaged; run `eyas verify --repair {self.run}`"
+        )
+
     def batch(self, idx: list[int]) -> dict[str, torch.Tensor]:
-        samples = [self._one(i) for i in idx]
+        got = [self._one(i) for i in idx]
+        shapes = next((s for s in got if s is not None), None) or self._any_sample()
+        # A damaged sample keeps its row (zeros, nothing valid): the batch's shape is unchanged.
+        samples = [s if s is not None else {k: torch.zeros((self.entries[i]["tokens"], *v.shape[1:]), dtype=v.dtype)
+                                            for k, v in shapes.items()}
+                   for i, s in zip(idx, got, strict=True)]  # fmt: skip
         T = max(s["input_ids"].shape[0] for s in samples)
         B, W = len(samples), samples[0]["aux_hidden_states"].shape[1]
         b = {
@@ -100,7 +126,7 @@ class SampleReader:
             n = s["input_ids"].shape[0]
             b["input_ids"][r, :n] = s["input_ids"].long()
             b["loss_mask"][r, :n] = s["loss_mask"].bool()
-            b["valid"][r, :n] = True
+            b["valid"][r, :n] = got[r] is not None
             b["aux"][r, :n] = s["aux_hidden_states"].float()
             if topk:
                 b["topk_ids"][r, :n] = s["target_topk_ids"]
@@ -113,40 +139,58 @@ class SampleReader:
         return b
 
 
-def prefetch(items: Iterable, load, depth: int = 2) -> Iterator:
-    """Yield `(item, load(item))` in order, loading up to `depth` items ahead in a thread.
-    An exception in `load` is raised here, at the item it belongs to."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+class prefetch:
+    """Iterate `(item, load(item))` in order while a thread loads up to `depth` items ahead.
+    An exception in `load` is raised at the item it belongs to. Use as a context manager
+    (or call `close`): the thread is stopped and joined before the caller goes on."""
 
-    def work() -> None:
-        for it in items:
-            if stop.is_set():
-                return
+    def __init__(self, items: Iterable, load, depth: int = 2):
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._items, self._load = items, load
+        self._t = threading.Thread(target=self._work, name="eyas-prefetch", daemon=True)
+        self._t.start()
+
+    def _put(self, res) -> bool:
+        while not self._stop.is_set():
             try:
-                res = (it, load(it), None)
+                self._q.put(res, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self) -> None:
+        for it in self._items:
+            try:
+                res = (it, self._load(it), None)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
                 res = (it, None, exc)
-            while not stop.is_set():
-                try:
-                    q.put(res, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if res[2] is not None:
+            if not self._put(res) or res[2] is not None:
                 return
-        q.put(None)
+        self._put(None)
 
-    t = threading.Thread(target=work, name="eyas-prefetch", daemon=True)
-    t.start()
-    try:
-        while (res := q.get()) is not None:
-            it, val, exc = res
-            if exc is not None:
-                raise exc
-            yield it, val
-    finally:
-        stop.set()
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        res = self._q.get()
+        if res is None:
+            raise StopIteration
+        it, val, exc = res
+        if exc is not None:
+            raise exc
+        return it, val
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def __enter__(self) -> prefetch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 __all__ = [

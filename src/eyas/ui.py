@@ -6,6 +6,7 @@ a non-TTY the same facts are printed as one line every `log_every` seconds.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ class Reporter:
         log_every: float = 30.0,
     ):
         self.label, self.total, self.unit = label, total, unit
+        log_every = float(os.environ.get("EYAS_LOG_EVERY", log_every))  # seconds between log lines
         self.enabled, self.extra, self.log_every = enabled, extra or (lambda: ""), log_every
         self.done = 0
         self._skipped = 0

@@ -97,6 +97,11 @@ class HFBackend(Backend):
 
     def __init__(self, spec: BackendSpec):
         self.spec = spec
+        if spec.device == "cpu":
+            from ..cpu import configure_threads
+            from ..target import target_facts
+
+            configure_threads(target_facts(spec.model).hidden_size)
         self.model, self.device = load_target(
             spec.model, spec.device, spec.dtype, spec.trust_remote_code
         )
