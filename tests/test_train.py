@@ -297,8 +297,12 @@ def test_evaluate_is_lossless_and_accepts(trained, tmp_path):
         "--draft-tokens",
         "3",
         "--json",
+        env={**os.environ, "EYAS_LOG_EVERY": "0"},
     )
     assert r.returncode == 0, r.stderr
+    assert (
+        "evaluate: 1/12 prompts" in r.stderr and "acceptance" in r.stderr
+    )  # progress, not silence
     d = json.loads(r.stdout)
     assert d["lossless"] and d["prompts"] == 12 and d["rounds"] > 0
     assert d["acceptance_length"] > 1.2  # a trained drafter really skips target steps

@@ -153,8 +153,10 @@ def prepare(
         markup=False,
         highlight=False,
     )
-    for reason, n in s.reasons.items():
-        console.print(f"  {n:6d}  {reason}", markup=False, highlight=False)
+    from .prepare import REASONS
+
+    for code, n in s.reasons.items():
+        console.print(f"  {n:6d}  {REASONS.get(code, code)}", markup=False, highlight=False)
     if s.failed:
         console.print(f"  details: {Path(s.out) / 'errors.jsonl'}", markup=False, highlight=False)
     if s.error_rate > cfg.max_error_rate:

@@ -17,6 +17,7 @@ import torch
 
 from .export import load_export
 from .prepare import RecordError, _parse, iter_records, to_messages
+from .ui import Reporter
 
 
 @dataclass
@@ -184,6 +185,7 @@ def evaluate(
     k: int = 3,
     max_new_tokens: int = 64,
     limit: int | None = 20,
+    progress: bool = True,
 ) -> EvalResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -211,7 +213,16 @@ def evaluate(
         raise ValueError(f"{data}: no usable conversations with an assistant turn")
     res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)])
     tap = AuxTap(model, aux_hf)
+
+    def extra() -> str:
+        if not res.rounds:
+            return ""
+        speed = res.spec_tokens / res.spec_seconds if res.spec_seconds else 0.0
+        return f"acceptance {res.acceptance_length:.2f}, {speed:.0f} tok/s speculative"
+
+    rep = Reporter("evaluate", len(prompts), unit="prompts", enabled=progress, extra=extra)
     try:
+        rep.__enter__()
         for i, p in enumerate(prompts):
             t0 = time.perf_counter()
             base = greedy(model, p, max_new_tokens, eos)
@@ -235,7 +246,9 @@ def evaluate(
                         "speculative": tok.decode(spec),
                     }
                 )
+            rep.advance()
     finally:
+        rep.__exit__(None, None, None)
         tap.remove()
     return res
 

@@ -479,6 +479,7 @@ def _run_loop(cfg, run, meta, ds, backend, mine, done, journal) -> ExtractSummar
             tensors = {"input_ids": torch.from_numpy(x.astype("int32")),
                        "loss_mask": torch.from_numpy(m.copy()), **res}  # fmt: skip
             samples.append(Sample(i, rec["id"], f"{rec['file']}:{rec['line']}", tensors))
+        journal.reserve(len(samples))  # the lines must fit before their files are written
         entries = commit_samples(run, samples, meta)
         pending.release()
         stats["files"] += len(entries)

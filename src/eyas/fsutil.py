@@ -77,6 +77,29 @@ def atomic_write(
         fsync_dir(path.parent)
 
 
+_libc = None
+
+
+def reserve_beyond_eof(fd: int, nbytes: int) -> bool:
+    """Allocate `nbytes` past the end of a file without changing its size (fallocate with
+    FALLOC_FL_KEEP_SIZE), so later appends cannot fail for space. Raises DiskFullError
+    when the space is not there; returns False where the filesystem cannot reserve."""
+    global _libc
+    import ctypes
+    import ctypes.util
+
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    size = os.fstat(fd).st_size
+    if _libc.fallocate(fd, 1, size, nbytes) == 0:  # 1 = FALLOC_FL_KEEP_SIZE
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        raise DiskFullError(err, "no space left to reserve journal space")
+    return False
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data), reserve=len(data))
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -84,7 +83,33 @@ class PrepareConfig:
 
 
 class RecordError(ValueError):
-    """A record that cannot be prepared; the message says what was wrong."""
+    """A record that cannot be prepared; the message says what was wrong, `code` which
+    kind of problem it is (the summary groups by it)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
+
+# What each kind of bad record is called in the summary.
+REASONS = {
+    "invalid-utf8": "invalid UTF-8",
+    "malformed-json": "malformed JSON",
+    "not-an-object": "record is not a JSON object",
+    "bad-id": "id is not a string or an integer",
+    "duplicate-id": "id repeats an earlier record's",
+    "no-conversation": "no 'messages', 'conversations' or 'text' field",
+    "bad-text": "'text' is not a non-empty string",
+    "bad-turns": "turns are not a list of objects",
+    "no-role": "a turn has no role",
+    "unknown-role": "a turn has an unknown role",
+    "bad-content": "a turn's content is not text",
+    "empty-assistant": "an assistant turn is empty",
+    "no-assistant": "no assistant turn",
+    "template": "the chat template failed on the conversation",
+    "zero-trainable": "no trainable tokens",
+    "overlong": "longer than --max-length (skipped)",
+}
 
 
 @dataclass
@@ -129,13 +154,13 @@ class PrepareSummary:
 
 def iter_records(path: Path) -> Iterator[RawRecord]:
     """Records of one input file; JSON arrays and JSONL are told apart by the first byte."""
-    data = path.read_bytes()
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is no content
     head = data.lstrip()[:1]
     if path.suffix == ".json" or head == b"[":
         try:
             doc = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RecordError(f"{path}: not valid JSON: {exc}") from exc
+            raise RecordError(f"{path}: not valid JSON: {exc}", "malformed-json") from exc
         items = (
             doc
             if isinstance(doc, list)
@@ -156,15 +181,19 @@ def _parse(rec: RawRecord) -> dict:
         try:
             text = rec.raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise RecordError(f"invalid UTF-8 at byte {exc.start}") from exc
+            raise RecordError(f"invalid UTF-8 at byte {exc.start}", "invalid-utf8") from exc
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise RecordError(f"malformed JSON: {exc.msg} at column {exc.colno}") from exc
+            raise RecordError(
+                f"malformed JSON: {exc.msg} at column {exc.colno}", "malformed-json"
+            ) from exc
     else:
         obj = rec.raw
     if not isinstance(obj, dict):
-        raise RecordError(f"record is a JSON {type(obj).__name__}, expected an object")
+        raise RecordError(
+            f"record is a JSON {type(obj).__name__}, expected an object", "not-an-object"
+        )
     return obj
 
 
@@ -173,8 +202,26 @@ def record_id(obj: dict, rec: RawRecord) -> str:
     if rid is None:
         return f"{Path(rec.file).name}:{rec.line}"
     if not isinstance(rid, (str, int)):
-        raise RecordError(f"id must be a string or integer, got {type(rid).__name__}")
+        raise RecordError(f"id must be a string or integer, got {type(rid).__name__}", "bad-id")
     return str(rid)
+
+
+def _text_of(content, i: int, role: str) -> str:
+    """A turn's text: a string, or OpenAI content parts whose text parts are joined in order
+    (with newlines, as serving engines render them for text-only templates)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise RecordError(f"turn {i} ({role}) content part {j} is of type {kind!r}; only text parts "
+                                  "can be trained on", "bad-content")  # fmt: skip
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise RecordError(f"turn {i} ({role}) content must be a string or a list of text parts, "
+                      f"got {type(content).__name__}", "bad-content")  # fmt: skip
 
 
 def to_messages(obj: dict) -> tuple[str, list[dict] | str]:
@@ -191,42 +238,61 @@ def to_messages(obj: dict) -> tuple[str, list[dict] | str]:
         )
     elif "text" in obj:
         if not isinstance(obj["text"], str):
-            raise RecordError(f"'text' must be a string, got {type(obj['text']).__name__}")
+            raise RecordError(
+                f"'text' must be a string, got {type(obj['text']).__name__}", "bad-text"
+            )
         if not obj["text"].strip():
-            raise RecordError("'text' is empty")
+            raise RecordError("'text' is empty", "bad-text")
         return "text", obj["text"]
     else:
-        raise RecordError("no 'messages', 'conversations' or 'text' field")
+        raise RecordError("no 'messages', 'conversations' or 'text' field", "no-conversation")
     if not isinstance(turns, list):
         raise RecordError(
-            f"'{'messages' if fmt == 'openai' else 'conversations'}' must be a list, got {type(turns).__name__}"
+            f"'{'messages' if fmt == 'openai' else 'conversations'}' must be a list, got {type(turns).__name__}",
+            "bad-turns",
         )
     messages = []
     for i, t in enumerate(turns):
         if not isinstance(t, dict):
-            raise RecordError(f"turn {i} is a {type(t).__name__}, expected an object")
+            raise RecordError(f"turn {i} is a {type(t).__name__}, expected an object", "bad-turns")
         role, content = t.get(rkey), t.get(ckey)
         if not isinstance(role, str):
-            raise RecordError(f"turn {i} has no '{rkey}' string")
+            raise RecordError(f"turn {i} has no '{rkey}' string", "no-role")
         if roles is not None:
             if role.lower() not in roles:
-                raise RecordError(f"turn {i} has unknown role {role!r}")
+                raise RecordError(f"turn {i} has unknown role {role!r}", "unknown-role")
             role = roles[role.lower()]
         elif role not in ROLES:
-            raise RecordError(f"turn {i} has unknown role {role!r}")
-        if not isinstance(content, str):
-            raise RecordError(
-                f"turn {i} ({role}) content must be a string, got {type(content).__name__}"
-            )
+            raise RecordError(f"turn {i} has unknown role {role!r}", "unknown-role")
+        content = _text_of(content, i, role)
         if role == "assistant" and not content.strip():
-            raise RecordError(f"turn {i} is an empty assistant turn")
+            raise RecordError(f"turn {i} is an empty assistant turn", "empty-assistant")
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in messages):
-        raise RecordError("no assistant turn")
+        raise RecordError("no assistant turn", "no-assistant")
     return fmt, messages
 
 
 # ---------------------------------------------------------------------------- loss mask
+
+
+def _prefix_before(render, messages: list[dict], i: int, upto: str) -> str:
+    """What the template renders before assistant turn i's content: the conversation so far
+    with a generation prompt. For a first turn that is the template's own preamble (a default
+    system prompt, say), rendered from no messages; a template that cannot render an empty
+    conversation gets the text before the turn's content instead."""
+    try:
+        before = render(messages[:i], gen=True)
+    except Exception:  # noqa: BLE001 - templates raise anything on an empty conversation
+        before = None
+    if before is not None and upto.startswith(before):
+        return before
+    if i == 0:
+        text = messages[0]["content"].strip()
+        at = upto.rfind(text) if text else -1
+        if at >= 0:
+            return upto[:at]
+    return before if before is not None else ""
 
 
 def assistant_spans(
@@ -243,12 +309,13 @@ def assistant_spans(
     if last_turn_only:
         idx = idx[-1:]
     for i in idx:
-        before = render(messages[:i], gen=True) if i else ""
         upto = render(messages[: i + 1])
+        before = _prefix_before(render, messages, i, upto)
         if not full.startswith(before) or not full.startswith(upto) or not upto.startswith(before):
             raise RecordError(
                 f"the chat template renders assistant turn {i} differently inside the whole "
-                "conversation, so its tokens cannot be located"
+                "conversation, so its tokens cannot be located",
+                "template",
             )
         end = len(upto.rstrip())  # trailing newlines after the end-of-turn token are template glue
         if end > len(before):
@@ -296,8 +363,8 @@ def load_tokenizer(model: str):
     return tok
 
 
-def _prepare_one(rec: RawRecord, cfg: PrepareConfig) -> Prepared | tuple[str, str]:
-    """A Prepared sample, or (id, reason) for a bad record."""
+def _prepare_one(rec: RawRecord, cfg: PrepareConfig) -> Prepared | tuple[str, str, str]:
+    """A Prepared sample, or (id, code, reason) for a bad record."""
     rid = f"{Path(rec.file).name}:{rec.line}"
     try:
         obj = _parse(rec)
@@ -311,20 +378,24 @@ def _prepare_one(rec: RawRecord, cfg: PrepareConfig) -> Prepared | tuple[str, st
             except RecordError:
                 raise
             except Exception as exc:  # the template itself raised (e.g. it rejects a role order)
-                raise RecordError(f"chat template failed: {exc}") from exc
+                raise RecordError(f"chat template failed: {exc}", "template") from exc
             ids, mask = tokenize_with_mask(_TOK, text, spans)
         n = len(ids)
         truncated = False
         if cfg.max_length is not None and n > cfg.max_length:
             if cfg.overlong == "skip":
-                return rid, f"overlong: {n} tokens > --max-length {cfg.max_length} (skipped)"
+                return (
+                    rid,
+                    "overlong",
+                    f"overlong: {n} tokens > --max-length {cfg.max_length} (skipped)",
+                )
             ids, mask, truncated = ids[: cfg.max_length], mask[: cfg.max_length], True
         if not any(mask):
             why = " after truncation" if truncated else ""
-            raise RecordError(f"zero trainable tokens{why}")
+            raise RecordError(f"zero trainable tokens{why}", "zero-trainable")
         return Prepared(rid, rec.file, rec.line, fmt, ids, mask, n, truncated)
     except RecordError as exc:
-        return rid, str(exc)
+        return rid, exc.code, str(exc)
 
 
 def _prepare_chunk(args: tuple[list[RawRecord], PrepareConfig]) -> list:
@@ -340,12 +411,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     h.update(tokenizer.backend_tokenizer.to_str().encode())
     h.update(b"\0" + (tokenizer.chat_template or "").encode())
     return h.hexdigest()[:16]
-
-
-def _reason_kind(reason: str) -> str:
-    """Group reasons for the summary: 'turn 3 has unknown role 'x'' -> 'turn N has unknown role'."""
-    head = reason.split(":")[0].split(" (")[0].split(" '")[0].split(" at byte")[0]
-    return re.sub(r"\d+", "N", head)
 
 
 def prepare(cfg: PrepareConfig) -> PrepareSummary:
@@ -380,33 +445,34 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
 
     samples: list[Prepared] = []
     errors: list[dict] = []
-    seen: dict[str, str] = {}
+    seen: dict[str, str] = {}  # id -> where it was first seen (good records and bad ones)
     reasons: Counter = Counter()
     for raw, res in zip(raws, results, strict=True):
         where = f"{raw.file}:{raw.line}"
+        rid = res[0] if isinstance(res, tuple) else res.id
+        first = seen.setdefault(rid, where)
         if isinstance(res, tuple):
-            rid, reason = res
-            if reason.startswith("overlong"):
+            _, code, reason = res
+            if code == "overlong":
                 summary.skipped_overlong += 1
-                errors.append(
-                    {
-                        "file": raw.file,
-                        "line": raw.line,
-                        "id": rid,
-                        "reason": reason,
-                        "kind": "skipped",
-                    }
-                )
+                errors.append({"file": raw.file, "line": raw.line, "id": rid, "reason": reason,
+                               "code": code, "kind": "skipped"})  # fmt: skip
                 continue
-        elif res.id in seen:
-            rid, reason = res.id, f"duplicate id {res.id!r} (first seen at {seen[res.id]})"
+        elif first != where:
+            code, reason = "duplicate-id", f"duplicate id {rid!r}: line {first} has the same id"
         else:
-            seen[res.id] = where
             samples.append(res)
             continue
-        reasons[_reason_kind(reason)] += 1
+        reasons[code] += 1
         errors.append(
-            {"file": raw.file, "line": raw.line, "id": rid, "reason": reason, "kind": "error"}
+            {
+                "file": raw.file,
+                "line": raw.line,
+                "id": rid,
+                "reason": reason,
+                "code": code,
+                "kind": "error",
+            }
         )
 
     summary.failed = sum(reasons.values())

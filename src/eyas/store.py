@@ -38,7 +38,14 @@ import torch
 import xxhash
 from safetensors.torch import load as st_load
 
-from .fsutil import DiskFullError, atomic_write, atomic_write_bytes, fsync_dir, is_temp_file
+from .fsutil import (
+    DiskFullError,
+    atomic_write,
+    atomic_write_bytes,
+    fsync_dir,
+    is_temp_file,
+    reserve_beyond_eof,
+)
 
 STORE_VERSION = 1
 SAMPLES_PER_DIR = 1000
@@ -278,6 +285,7 @@ class Journal:
         self._cut_torn_tail()
         self._f = open(path, "ab")
         self._pending = 0
+        self._reserved = 0
 
     def _cut_torn_tail(self) -> None:
         if not self.path.exists():
@@ -288,8 +296,19 @@ class Journal:
                 f.truncate(data.rfind(b"\n") + 1)
                 os.fsync(f.fileno())
 
+    def reserve(self, entries: int) -> None:
+        """Make sure the next `entries` lines fit on the disk before their samples are
+        written, so a full disk never leaves complete files without their journal lines."""
+        need = entries * 512
+        if self._reserved < need:
+            self._f.flush()
+            if reserve_beyond_eof(self._f.fileno(), max(need, 64 << 10)):
+                self._reserved = max(need, 64 << 10)
+
     def append(self, entry: dict) -> None:
-        self._f.write((json.dumps(entry, sort_keys=True) + "\n").encode())
+        line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+        self._f.write(line)
+        self._reserved -= len(line)
         self._pending += 1
 
     def flush(self) -> None:

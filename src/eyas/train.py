@@ -391,6 +391,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     warmup = (
         cfg.warmup_steps if cfg.warmup_steps is not None else min(50, max(1, total_steps // 10))
     )
+    log(f"training on {len(train_idx)} samples ({len(val_idx)} held out): {total_steps} optimizer steps, "
+        f"warmup {warmup}, {cfg.ttt_steps} TTT steps")  # fmt: skip
     if rank == 0 and cfg.progress and warmup >= total_steps:
         log(f"warning: --warmup-steps {warmup} >= the run's {total_steps} optimizer steps: the learning "
             "rate never reaches --lr; train longer (--epochs) or lower --warmup-steps")  # fmt: skip
