@@ -24,12 +24,14 @@ import torch
 from eyas.demo_data import generate_conversations, write_jsonl
 from eyas.extract import ExtractConfig, extract
 from eyas.prepare import PrepareConfig, PreparedDataset, prepare
-from eyas.target import Capture, load_target, plan_batches
+from eyas.backends.hf import Capture, load_target
+from eyas.target import plan_batches, resolve_device, resolve_dtype
 from eyas.tiny import TinySizes, build_tiny_target
 
 
 def bare_loop(cfg: ExtractConfig, ds: PreparedDataset) -> tuple[float, int]:
-    model, device, _ = load_target(cfg.model, cfg.device, cfg.dtype)
+    device = resolve_device(cfg.device)
+    model, device = load_target(cfg.model, device, resolve_dtype(cfg.dtype, device))
     base = Capture(model, (1, 2, 3)).base  # the decoder stack without the lm_head, as extract uses
     lengths = ds.lengths().tolist()
     tokens = 0
