@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
+from eyas.backends.hf import Capture, load_target
 from eyas.demo_data import generate_conversations, write_jsonl
 from eyas.extract import ExtractConfig, extract
 from eyas.prepare import PrepareConfig, PreparedDataset, prepare
-from eyas.backends.hf import Capture, load_target
 from eyas.target import plan_batches, resolve_device, resolve_dtype
 from eyas.tiny import TinySizes, build_tiny_target
 

@@ -61,7 +61,9 @@ def main() -> None:
             for p in procs:
                 p.kill()
         a, b = statistics.median(one), statistics.median(many)
-        print(f"{label:32s} 1 thread {a:8.1f} tok/s   {default} threads {b:8.1f} tok/s   ratio 1/{default}: {a / b:.2f}")
+        print(
+            f"{label:32s} 1 thread {a:8.1f} tok/s   {default} threads {b:8.1f} tok/s   ratio 1/{default}: {a / b:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -307,6 +307,50 @@ def extract(
 
 
 @app.command()
+def estimate(
+    samples: int = typer.Option(..., "--samples", help="Number of samples."),
+    tokens_per_sample: float = typer.Option(
+        ..., "--tokens-per-sample", help="Mean tokens per sample."
+    ),
+    hidden_size: int | None = typer.Option(None, "--hidden-size", help="Target hidden size H."),
+    model: Path | None = typer.Option(None, "--model", help="Target model directory (for H)."),
+    store_dtype: str = typer.Option(
+        "bfloat16", "--store-dtype", help="float32, bfloat16 or float16."
+    ),
+    storage: str = typer.Option("dense", "--storage", help="dense or fp8."),
+    target: str = typer.Option("last", "--target", help="last or topk:K."),
+    draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size"),
+) -> None:
+    """Disk an extraction run will take, before there is a dataset or a GPU."""
+    from .fsutil import human_bytes
+    from .store import Layout, overhead_per_sample, projected_bytes
+    from .target import DTYPES, ModelDirError, target_facts
+
+    try:
+        H = hidden_size or (target_facts(model).hidden_size if model else None)
+        layout = Layout(storage, target)
+    except (ModelDirError, ValueError) as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
+    if H is None or store_dtype not in DTYPES:
+        raise fail(
+            "need --hidden-size or --model, and --store-dtype float32, bfloat16 or float16",
+            EXIT_USAGE,
+        )
+    dt = DTYPES[store_dtype]
+    per_token = layout.bytes_per_token(H, dt, draft_vocab_size)
+    per_sample = overhead_per_sample(layout, H, dt, int(tokens_per_sample))
+    total = projected_bytes(layout, H, dt, samples, tokens_per_sample, draft_vocab_size)
+    peers = 8 * H + 16  # bf16 final + 3 aux states, int64 ids: the pickle layouts of other tools
+    report.print(
+        f"{samples:,} samples x {tokens_per_sample:,.0f} tokens, H={H}, {layout.name()}, {store_dtype}:\n"
+        f"  {per_token:,} bytes per token + {per_sample:,} bytes per sample (header, journal line)\n"
+        f"  {human_bytes(total)} in all ({total / 1e12:.2f} TB); {per_token / peers:.0%} of the 8H+16 = {peers:,} "
+        f"bytes per token other tools store",
+        markup=False, highlight=False,
+    )  # fmt: skip
+
+
+@app.command()
 def verify(
     run: Path = typer.Argument(..., help="Extraction run directory."),
     quick: bool = typer.Option(
@@ -590,28 +634,35 @@ def evaluate(
     draft_tokens: int = typer.Option(3, "--draft-tokens", help="Chain length K."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     limit: int = typer.Option(20, "--limit", help="Prompts to use (0: all)."),
+    engine: str = typer.Option(
+        "hf", "--engine", help="hf (eyas's own decoder) or vllm (vLLM as the judge)."
+    ),
+    tensor_parallel_size: int = typer.Option(
+        1, "--tensor-parallel-size", help="vllm: GPUs for the target."
+    ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check."""
-    from .evaluate import evaluate as run_eval
+    from .evaluate import evaluate as run_hf
+    from .evaluate import evaluate_vllm
     from .export import ExportError
     from .target import ModelDirError
 
     _quiet_transformers()
+    if engine not in ("hf", "vllm"):
+        raise fail(f"--engine must be hf or vllm, got {engine!r}", EXIT_USAGE)
+    kw = dict(k=draft_tokens, max_new_tokens=max_new_tokens, limit=limit or None)
+    if engine == "vllm":
+        kw["tensor_parallel_size"] = tensor_parallel_size
     try:
-        res = run_eval(
-            str(model),
-            str(drafter),
-            str(data),
-            k=draft_tokens,
-            max_new_tokens=max_new_tokens,
-            limit=limit or None,
+        res = (evaluate_vllm if engine == "vllm" else run_hf)(
+            str(model), str(drafter), str(data), **kw
         )
     except ModelDirError as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     except (ExportError, ValueError, OSError) as exc:
         raise fail(str(exc)) from None
-    d = res.to_dict()
+    d = {"engine": engine, **res.to_dict()}
     if as_json:
         _print_json(d)
     else:

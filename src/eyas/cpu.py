@@ -6,8 +6,10 @@ another job has preempted makes the whole step wait (greedy decoding of the demo
 ~50x slower at the default than with one thread while other jobs ran). So:
 
 - `OMP_NUM_THREADS` (or `EYAS_THREADS`), when set, is obeyed;
-- else a small model (hidden size <= 256: the demo and test targets) gets one thread;
-- else every CPU this process may run on (its affinity mask, not the machine's count).
+- else a small model (hidden size <= 256: the demo and test targets) gets one thread for
+  extraction and decoding, whose matmuls are a few rows wide;
+- else (and for training, whose batches are thousands of tokens wide) every CPU this
+  process may run on (its affinity mask, not the machine's count).
 
 The runtimes may not change the count behind our back under load (OMP_DYNAMIC and
 MKL_DYNAMIC are off, set by the CLI before torch loads): a fixed count keeps float sums in

@@ -253,5 +253,92 @@ def evaluate(
     return res
 
 
+def evaluate_vllm(
+    model_dir: str,
+    drafter_dir: str,
+    data: str,
+    *,
+    k: int = 3,
+    max_new_tokens: int = 64,
+    limit: int | None = 20,
+    tensor_parallel_size: int = 1,
+    progress: bool = True,
+) -> EvalResult:
+    """The same measurement with vLLM as the judge: greedy generation without and with the
+    exported drafter (EAGLE-3, chain of `k`), vLLM's own speculative-decoding counters for
+    acceptance, and a token-for-token comparison of the two outputs."""
+    import gc
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from .backends import BackendSpec
+    from .backends.vllm import engine_kwargs, import_vllm
+    from .store import Layout
+    from .target import check_model_dir, resolve_dtype
+    from .ui import console
+
+    check_model_dir(model_dir, tokenizer=True, weights=True)
+    load_export(drafter_dir)  # a clear error for a directory that is not an export
+    import_vllm()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    prompts = load_prompts(tok, Path(data), limit)
+    if not prompts:
+        raise ValueError(f"{data}: no usable conversations with an assistant turn")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = resolve_dtype("auto", device)
+    spec = BackendSpec(model=model_dir, aux_layers=(), device=device, dtype=dtype, store_dtype=dtype,
+                       layout=Layout(), tensor_parallel_size=tensor_parallel_size,
+                       max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 8)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)])
+
+    def run(speculative: dict | None) -> tuple[list[list[int]], float, object]:
+        if progress:
+            console.print(f"evaluate (vllm): {'with' if speculative else 'without'} the drafter, "
+                          f"{len(prompts)} prompts", markup=False, highlight=False)  # fmt: skip
+        llm = LLM(**{**engine_kwargs(spec), "disable_log_stats": speculative is None},
+                  **({"speculative_config": speculative} if speculative else {}))  # fmt: skip
+        t0 = time.perf_counter()
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        metrics = llm.get_metrics() if speculative else []
+        del llm
+        gc.collect()  # shuts the engine down before the next one starts
+        return [list(o.outputs[0].token_ids) for o in outs], seconds, metrics
+
+    base, res.base_seconds, _ = run(None)
+    spec_out, res.spec_seconds, metrics = run(
+        {"method": "eagle3", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": k}
+    )
+    for m in metrics:
+        if m.name == "vllm:spec_decode_num_drafts":
+            res.rounds += m.value
+        elif m.name == "vllm:spec_decode_num_draft_tokens":
+            res.drafted += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            res.accepted += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            for j, v in enumerate(m.values[:k]):
+                res.per_position[j][0] += v
+    for j in range(k):
+        res.per_position[j][1] = res.rounds
+    res.base_tokens = sum(len(x) for x in base)
+    res.spec_tokens = sum(len(x) for x in spec_out)
+    for i, (a, b) in enumerate(zip(spec_out, base, strict=True)):
+        if a != b:
+            first = next(
+                (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)),
+            )
+            res.mismatches.append({"prompt": i, "first_difference_at": first, "greedy": tok.decode(b),
+                                   "speculative": tok.decode(a)})  # fmt: skip
+    return res
+
+
 def _as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]

@@ -154,6 +154,39 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.float().view(T, G, W // G) * scale[..., None].float()).view(T, W)  # (T, G*H)
 
 
+def overhead_per_sample(layout: Layout, H: int, dtype: torch.dtype, tokens: int) -> int:
+    """Bytes of a sample file's header plus its journal line, measured on a real encoding."""
+    shapes = {"input_ids": ((tokens,), torch.int32), "loss_mask": ((tokens,), torch.uint8)}
+    for name, (_, width) in layout.tensors(H).items():
+        if name in shapes:
+            continue
+        dt = {
+            "aux_scales": torch.float32,
+            "target_topk_ids": torch.int16,
+            "target_argmax": torch.int32,
+        }.get(name)
+        if name == "aux_hidden_states" and layout.aux == "fp8":
+            dt = torch.float8_e4m3fn
+        shapes[name] = (
+            (tokens, width) if width else (tokens,),
+            dt or (torch.float16 if "logprobs" in name else dtype),
+        )
+    meta = {"aux_layers": [10, 20, 30], "aux_layers_hf": [11, 21, 31], "last_hidden_state": "post_norm",
+            "model_fingerprint": "0" * 16, "layout": layout.name()}  # fmt: skip
+    fake = {k: torch.zeros(0, dtype=dt) for k, (_, dt) in shapes.items()}
+    enc = encode_sample(Sample(99999, "conversation-000000", "data.jsonl:100000", fake), meta)
+    header = enc.header.replace(b"[0]", b"[%d]" % tokens)  # the shapes' digits, roughly
+    entry = journal_entry(99999, "conversation-000000", enc.header, 10**9)
+    return len(header) + len(json.dumps(entry, sort_keys=True)) + 1
+
+
+def projected_bytes(layout: Layout, H: int, dtype: torch.dtype, samples: int, tokens_per_sample: float,
+                    draft_vocab: int = 32000) -> int:  # fmt: skip
+    per_token = layout.bytes_per_token(H, dtype, draft_vocab)
+    per_sample = overhead_per_sample(layout, H, dtype, int(tokens_per_sample))
+    return int(samples * (tokens_per_sample * per_token + per_sample))
+
+
 # ---------------------------------------------------------------------------- writing
 
 

@@ -152,6 +152,8 @@ def _arch_config(arch: str, vocab_size: int, sizes: TinySizes, tokenizer):
             n_shared_experts=1,
             n_group=1,
             topk_group=1,
+            topk_method="noaux_tc",  # as DeepSeek-V3 / Kimi-K2 configs say; vLLM reads it
+            scoring_func="sigmoid",
             first_k_dense_replace=1,
             kv_lora_rank=max(8, h // 4),
             q_lora_rank=max(8, h // 2),

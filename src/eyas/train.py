@@ -345,12 +345,13 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
         atomic_write_json(saved, {"config": asdict(cfg), "data": {"run": str(run.resolve()), **ident},
                                   "aux_layers": meta["aux_layers"], "aux_layers_hf": meta["aux_layers_hf"],
                                   "model_path": str(Path(cfg.model or meta["model_path"]).resolve()),
-                                  "world": world, "threads": choose_threads(meta["hidden_size"])
+                                  "world": world, "threads": choose_threads()
                                   if not torch.cuda.is_available() else None})  # fmt: skip
 
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if cfg.device == "auto" else cfg.device))  # fmt: skip
-    threads = configure_threads(meta["hidden_size"]) if device.type == "cpu" else None
+    # Training batches are thousands of tokens: wide enough to use every CPU, unlike decoding.
+    threads = configure_threads() if device.type == "cpu" else None
     if (
         saved.exists()
         and (was := read_json(saved).get("threads")) != threads

