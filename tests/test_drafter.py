@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from eyas.drafter import Drafter, DrafterConfig
@@ -54,9 +55,12 @@ def slow_reference(
     return logits
 
 
-def test_ttt_matches_slow_reference():
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("attention", ["reference", "chunked", "flex"])
+def test_ttt_matches_slow_reference(attention):
     for norm_before_residual in (False, True):
         d = _drafter(norm_before_residual=norm_before_residual)
+        d.attention = attention
         torch.manual_seed(1)
         ids, aux = torch.randint(0, 50, (2, 9)), torch.randn(2, 9, 96, dtype=torch.float64)
         with torch.no_grad():
@@ -101,3 +105,37 @@ def test_draft_vocab_mapping():
     ids = d.draft_ids
     assert torch.equal(ids, torch.nonzero(d.t2d).squeeze(1))
     assert torch.equal(d.d2t, ids - torch.arange(20))
+
+
+@pytest.mark.parametrize("attention", ["chunked", "flex"])
+def test_memory_efficient_attention_has_the_reference_gradients(attention):
+    """Same loss, same gradients for every parameter (float64), with a block size that
+    splits the sequence unevenly so block edges are exercised."""
+    from eyas import ttt_attention
+
+    if attention == "flex" and not torch.cuda.is_available():
+        pytest.skip("flex attention has no backward pass on a CPU; its forward is checked against the "
+                    "reference above, its training step on a GPU by bench/gpu.py")  # fmt: skip
+    torch.manual_seed(3)
+    ids, aux = torch.randint(0, 50, (2, 11)), torch.randn(2, 11, 96, dtype=torch.float64)
+    grads = {}
+    for impl in ("reference", attention):
+        d = _drafter().train()
+        d.attention = impl
+        old = ttt_attention.chunked.__defaults__
+        ttt_attention.chunked.__defaults__ = (4,)  # blocks of 4 queries over 11 positions
+        try:
+            outs = d.forward_ttt(ids, aux, steps=3)
+        finally:
+            ttt_attention.chunked.__defaults__ = old
+        w = torch.Generator().manual_seed(9)
+        loss = sum(
+            (lg * torch.randn(lg.shape, generator=w, dtype=lg.dtype)).sum() for lg, _ in outs
+        )
+        loss.backward()
+        grads[impl] = {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+    assert grads["reference"].keys() == grads[attention].keys()
+    for k in grads["reference"]:
+        torch.testing.assert_close(
+            grads[attention][k], grads["reference"][k], atol=1e-10, rtol=1e-8
+        )

@@ -541,6 +541,11 @@ def train(
     intermediate_size: int | None = typer.Option(
         None, "--intermediate-size", help="Drafter MLP width (default: the target's)."
     ),
+    attention: str = typer.Option(
+        "auto",
+        "--attention",
+        help="TTT attention: auto, reference, chunked (O(T) memory) or flex (GPU).",
+    ),
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
     from .store import StoreError
@@ -554,7 +559,7 @@ def train(
         ttt_steps=ttt_steps, step_decay=step_decay, lr=lr, warmup_steps=warmup_steps, batch_tokens=batch_tokens,
         grad_accum=grad_accum, val_fraction=val_fraction, eval_every=eval_every, save_every=save_every,
         keep_checkpoints=keep_checkpoints, draft_vocab_size=draft_vocab_size, dtype=dtype, device=device,
-        seed=seed, verify_data=verify_data, intermediate_size=intermediate_size,
+        seed=seed, verify_data=verify_data, intermediate_size=intermediate_size, attention=attention,
     )  # fmt: skip
     try:
         res = run_train(cfg, resume=resume)

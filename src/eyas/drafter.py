@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ttt_attention
+
 
 @dataclass(frozen=True, kw_only=True)
 class DrafterConfig:
@@ -149,6 +151,10 @@ class Attention(nn.Module):
         out = p[..., :Tk] @ prefix_v  # (B, h, Tq, d)
         for j, v in enumerate(chain_v):
             out = out + p[..., Tk + j : Tk + j + 1] * v
+        return self.project(out)
+
+    def project(self, out: torch.Tensor) -> torch.Tensor:
+        """Heads (B, h, T, d) -> o_proj -> (B, T, H)."""
         B, h, Tq, d = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, Tq, h * d))  # (B, Tq, H)
 
@@ -201,6 +207,7 @@ class Drafter(nn.Module):
         self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.attention = "reference"  # TTT attention: reference | chunked | flex (ttt_attention)
 
     def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
         """draft_ids ascending (D,): d2t[i] = draft_ids[i] - i; t2d marks draft ids in V."""
@@ -227,7 +234,8 @@ class Drafter(nn.Module):
         B, T = input_ids.shape
         layer, attn = self.midlayer, self.midlayer.self_attn
         pos0 = torch.arange(T, device=input_ids.device).expand(B, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+        causal = (torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+                  if self.attention == "reference" else None)  # fmt: skip
         hidden = self.fc(aux)  # (B, T, H)
         prefix_k = prefix_v = None
         chain_k: list[torch.Tensor] = []
@@ -242,7 +250,13 @@ class Drafter(nn.Module):
             else:
                 chain_k.append(k)
                 chain_v.append(v)
-            a = attn.attend(q, prefix_k, prefix_v, chain_k, chain_v, causal)
+            if self.attention == "reference":
+                a = attn.attend(q, prefix_k, prefix_v, chain_k, chain_v, causal)
+            else:
+                impl = getattr(ttt_attention, self.attention)
+                a = attn.project(
+                    impl(q, prefix_k, prefix_v, chain_k, chain_v)
+                )  # never (T, T) at once
             hidden = layer.finish(a, residual)  # (B, T, H)
             out.append((self.logits(hidden), hidden))
         return out

@@ -35,6 +35,7 @@ from .fsutil import atomic_write_json, fsync_dir, honour_umask, read_json
 from .runmeta import read_run_meta
 from .target import plan_batches
 from .train_data import SampleReader, epoch_batches, prefetch, split_samples, usable_samples
+from .ttt_attention import IMPLEMENTATIONS
 from .ui import Reporter, console
 from .weights import embed_weight, lm_head_weight
 
@@ -78,6 +79,9 @@ class TrainConfig:
     against their journal entries)."""
     intermediate_size: int | None = None
     """Override the drafter MLP width (default: the target's)."""
+    attention: str = "auto"
+    """TTT attention: `reference` (full score matrices), `chunked` (blockwise, O(T) memory, any
+    device), `flex` (fused kernel, GPU); `auto`: flex on a GPU, chunked on a CPU."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -87,12 +91,16 @@ class TrainConfig:
             raise ValueError(f"--val-fraction must lie in [0, 1), got {self.val_fraction}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.attention not in ("auto", *IMPLEMENTATIONS):
+            raise ValueError(
+                f"--attention must be auto, {', '.join(IMPLEMENTATIONS)}; got {self.attention!r}"
+            )
 
 
 # May differ on resume. Paths may change (a moved run or training directory resumes):
 # the data and the target are identified by their fingerprints, not where they live.
 _RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "keep_checkpoints",
-              "data", "out", "model"}  # fmt: skip
+              "data", "out", "model", "attention"}  # fmt: skip
 
 
 class TrainStopped(Exception):
@@ -361,6 +369,15 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
         console.print(f"note: {threads} CPU thread(s) now, {was} before: float sums change order, so the "
                       "weights will differ from an uninterrupted run in the last bits", markup=False, highlight=False)  # fmt: skip
     drafter, lm_head = build_drafter(cfg, meta)
+    drafter.attention = (
+        cfg.attention
+        if cfg.attention != "auto"
+        else ("flex" if device.type == "cuda" else "chunked")
+    )
+    if drafter.attention == "flex" and device.type != "cuda":
+        raise ValueError(
+            "--attention flex trains on a GPU only (no backward pass on a CPU); use chunked"
+        )
     drafter.to(device)
     lm_head = lm_head.to(device) if lm_head is not None else None
     params = [p for p in drafter.parameters() if p.requires_grad]

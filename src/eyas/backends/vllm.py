@@ -62,10 +62,13 @@ def import_vllm():
 
 def prepare_environment() -> None:
     """Process-wide settings vLLM reads at start: spawned workers (no inherited locks or
-    file descriptors), a small KV space on a CPU unless the user set one."""
+    file descriptors), a small KV space on a CPU unless the user set one, its log on stderr."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault(
+        "VLLM_LOGGING_STREAM", "ext://sys.stderr"
+    )  # stdout carries reports and --json
 
 
 class _Batch(Pending):
