@@ -137,28 +137,34 @@ def test_lock_of_another_host_is_never_taken_over(tmp_path):
 # ---------------------------------------------------------------------------- journals
 
 
-@pytest.mark.parametrize(
-    "junk",
-    [b"\xff\xfe\x00binary\x81", b"[1,2,3]", b'{"index": 5}', b"garbage that is not json"],
-    ids=["binary", "not-an-object", "missing-keys", "garbage"],
-)
-def test_damaged_journal_line_is_reported_and_repaired(tmp_path, reference, junk):
+JUNK = {
+    4: b"\xff\xfe\x00binary\x81",
+    8: b"[1,2,3]",
+    12: b'{"index": 5}',
+    16: b"garbage that is not json",
+}
+
+
+def test_damaged_journal_lines_are_reported_and_repaired(tmp_path, reference):
+    """A binary line, JSON that is not an object, an object without the keys, garbage."""
     run = _copy(reference, tmp_path)
     jp = journal_path(run, 0)
     lines = jp.read_bytes().split(b"\n")
-    lines[10] = junk  # line 11 replaced; its sample loses its entry
+    for n, junk in JUNK.items():
+        lines[n - 1] = junk  # line n replaced; its sample loses its entry
     jp.write_bytes(b"\n".join(lines))
     p = eyas("verify", run, "--json")
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     rep = json.loads(p.stdout)
-    assert rep["counts"]["journal"] == 1 and f"{jp}:11" in rep["problems"][0]["detail"]
-    assert rep["unjournaled"] == 1  # the sample file itself is intact
+    assert rep["counts"]["journal"] == 4 and rep["unjournaled"] == 4  # the sample files are intact
+    details = " ".join(pr["detail"] for pr in rep["problems"])
+    assert all(f"{jp}:{n}:" in details for n in JUNK), details
     assert eyas("verify", run, "--repair").returncode == 0
     assert list(
         (run / "quarantine").glob("journal-*/rank-00000.jsonl")
     )  # the damaged journal is kept
     p = eyas("extract", "--resume", run)
-    assert p.returncode == 0 and "adopted 1" in p.stderr, p.stderr
+    assert p.returncode == 0 and "adopted 4" in p.stderr, p.stderr
     assert verify(run).clean and _files(run) == _files(reference)
 
 

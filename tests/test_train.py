@@ -137,7 +137,7 @@ def test_reproducible_under_load_and_a_moved_directory_resumes(demo_run, tmp_pat
     of a training directory that was moved in between."""
     ref = tmp_path / "ref"
     subprocess.run(
-        _train_cmd(demo_run, ref, "--epochs", "2", "--save-every", "4"),
+        _train_cmd(demo_run, ref, "--epochs", "1", "--save-every", "4"),
         check=True,
         capture_output=True,
     )
@@ -145,7 +145,7 @@ def test_reproducible_under_load_and_a_moved_directory_resumes(demo_run, tmp_pat
     try:
         out = tmp_path / "out"
         p = subprocess.Popen(
-            _train_cmd(demo_run, out, "--epochs", "2", "--save-every", "4"),
+            _train_cmd(demo_run, out, "--epochs", "1", "--save-every", "4"),
             stderr=subprocess.DEVNULL,
         )
         while p.poll() is None and not latest_checkpoint(out):
@@ -154,7 +154,7 @@ def test_reproducible_under_load_and_a_moved_directory_resumes(demo_run, tmp_pat
         p.wait()
         moved = tmp_path / "moved"
         shutil.move(out, moved)
-        r = eyas(*_train_cmd(demo_run, moved, "--epochs", "2", "--save-every", "4", "--resume")[3:])
+        r = eyas(*_train_cmd(demo_run, moved, "--epochs", "1", "--save-every", "4", "--resume")[3:])
     finally:
         for h in hogs:
             h.kill()
