@@ -203,3 +203,62 @@ def test_vllm_judges_like_eyas_evaluate(demo_drafter):
     # vLLM reads them as hidden_states indices, one layer lower, so only losslessness is asserted.
     sg = judge("vllm", "sglang")
     assert sg["lossless"] and sg["acceptance_length"] > 1.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_vllm_server(model: Path, name: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """A real vLLM OpenAI server on a free loopback port (CPU, float32), ready to answer."""
+    import urllib.request
+
+    port = _free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                             "--served-model-name", name, "--port", str(port), "--host", "127.0.0.1", "--dtype",
+                             "float32", "--max-model-len", "1024", "--enforce-eager"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"vLLM server exited: {log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=2).read()
+            return proc, url
+        except OSError:
+            time.sleep(1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError("vLLM server did not come up in 600 s")
+
+
+def test_generate_against_a_real_vllm_server(tmp_path):
+    from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:30]))
+    proc, url = start_vllm_server(DEMO_TARGET, "demo", tmp_path / "server.log")
+    try:
+        out = tmp_path / "regenerated.jsonl"
+        p = eyas("generate", "--endpoint", url, "--model", "demo", "--data", src, "--out", out, "--max-tokens", "48",
+                 "--concurrency", "8", timeout=600)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    want = [json.loads(x)["id"] for x in src.read_text().splitlines()]
+    assert [r["id"] for r in recs] == want
+    for r in recs:
+        assert r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"].strip()
+        assert (
+            r["generation"]["served_model"] == "demo"
+            and r["generation"]["usage"]["completion_tokens"] > 0
+        )
+    # The target's own answers flow on into prepare.
+    p = eyas("prepare", "--model", DEMO_TARGET, "--data", out, "--out", tmp_path / "ds")
+    assert p.returncode == 0 and "prepared 30/30" in p.stderr, p.stderr

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .cpu import pin_runtime_env
+from .lock import LockHeld as LockHeldError
 from .ui import console
 
 pin_runtime_env()  # before torch loads
@@ -162,6 +163,70 @@ def prepare(
     if s.error_rate > cfg.max_error_rate:
         raise fail(
             f"{s.error_rate:.1%} of records failed (> --max-error-rate {cfg.max_error_rate:.1%})"
+        )
+
+
+@app.command()
+def generate(
+    endpoint: str = typer.Option(
+        ..., "--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000."
+    ),
+    model: str = typer.Option(..., "--model", help="Model name the endpoint serves."),
+    data: list[Path] = typer.Option(
+        ..., "--data", help="Input JSONL/JSON file(s); repeat for more."
+    ),
+    out: Path = typer.Option(
+        ..., "--out", help="Output JSONL (state next to it in OUT.eyas-gen/)."
+    ),
+    concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight."),
+    max_tokens: int = typer.Option(2048, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy."),
+    seed: int | None = typer.Option(None, "--seed"),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds per request before a retry."),
+    retries: int = typer.Option(
+        6, "--retries", help="Retries on 429/5xx, timeouts, dropped connections."
+    ),
+    backoff: float = typer.Option(
+        1.0, "--backoff", help="Seconds before the first retry (doubling)."
+    ),
+    turns: str = typer.Option(
+        "last", "--turns", help="last: the last assistant turn; all: every one, in order."
+    ),
+    api_key_env: str | None = typer.Option(
+        None,
+        "--api-key-env",
+        help="Environment variable with the API key (never written anywhere).",
+    ),
+) -> None:
+    """Replace assistant turns with the target's own answers, through a serving endpoint, exactly once."""
+    from .generate import GenerateConfig, GenerateStopped
+    from .generate import generate as run_generate
+
+    cfg = _config(
+        GenerateConfig, endpoint=endpoint, model=model, data=tuple(str(p) for p in data), out=str(out),
+        concurrency=concurrency, max_tokens=max_tokens, temperature=temperature, seed=seed, timeout=timeout,
+        retries=retries, backoff=backoff, turns=turns, api_key_env=api_key_env,
+    )  # fmt: skip
+    command = (
+        " ".join(["eyas", *sys.argv[1:]]) if sys.argv[1:2] == ["generate"] else "eyas generate ..."
+    )
+    try:
+        s = run_generate(cfg, command)
+    except GenerateStopped as exc:
+        raise fail(str(exc), EXIT_STOPPED) from None
+    except (LockHeldError, ValueError, OSError) as exc:
+        raise fail(str(exc)) from None
+    console.print(
+        f"generated {s.generated} records ({s.done_before} done before, {s.failed} failed, {s.truncated} cut by "
+        f"--max-tokens) with {s.requests} requests, {s.completion_tokens:,} completion tokens in {s.seconds:.1f}s "
+        f"({s.requests / max(s.seconds, 1e-9):.2f} req/s, {s.completion_tokens / max(s.seconds, 1e-9):,.0f} tok/s) -> {s.out}",
+        markup=False, highlight=False,
+    )  # fmt: skip
+    if s.failed:
+        from .generate import state_dir
+
+        raise fail(
+            f"{s.failed} records failed; see {state_dir(out) / 'errors.jsonl'}; rerun the same command to retry them"
         )
 
 
@@ -409,9 +474,23 @@ def status(
 ) -> None:
     """Done/remaining/failed samples, bytes, free space, throughput, ETA and the lock holder."""
     from .fsutil import human_bytes, human_duration
+    from .generate import STATE_SUFFIX, generation_status
     from .status import ago, run_status
     from .store import StoreError
 
+    gen = run if (run / "generate.json").is_file() else run.with_name(run.name + STATE_SUFFIX)
+    if (gen / "generate.json").is_file():
+        g = generation_status(gen)
+        if as_json:
+            _print_json(g)
+        else:
+            report.print("\n".join([
+                f"generation {g['state']} -> {g['out']} ({'written' if g['out_written'] else 'not written yet'})",
+                f"records    {g['done']}/{g['records']} done, {g['remaining']} remaining, {g['failed']} failed last session",
+                f"model      {g['model']} at {g['endpoint']}, sampling {g['sampling']}",
+                *([f"lock       {lk}" for lk in g["locks"]] or ["lock       none (no generator running)"]),
+            ]), markup=False, highlight=False)  # fmt: skip
+        return
     try:
         st = run_status(run)
     except (StoreError, OSError) as exc:

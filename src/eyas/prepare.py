@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 from safetensors.numpy import load_file as np_load_file
 from safetensors.numpy import save as np_save
 
@@ -633,12 +632,15 @@ class PreparedDataset:
     def vocab_counts(self) -> np.ndarray:
         return np_load_file(str(self.path / self.meta["files"]["vocab_freq"]["name"]))["counts"]
 
-    def draft_vocab(self, size: int | None = None) -> torch.Tensor:
+    def draft_vocab(self, size: int | None = None):
         """Ids of the `size` most frequent trainable tokens (ties by id), ascending."""
         return draft_vocab_from_counts(self.vocab_counts(), size or self.meta["draft_vocab_size"])
 
 
-def draft_vocab_from_counts(counts: np.ndarray, size: int) -> torch.Tensor:
+def draft_vocab_from_counts(counts: np.ndarray, size: int):
+    """torch int64 (size,) ids, ascending."""
+    import torch  # here: `generate` and `prepare` load without torch
+
     size = min(size, len(counts))
     order = np.lexsort((np.arange(len(counts)), -counts))  # by count desc, then id asc
     return torch.from_numpy(np.sort(order[:size]).astype(np.int64))

@@ -269,10 +269,10 @@ def ensure_inside(run: Path, path: Path) -> None:
 
 def _sample_dir(run: Path, index: int) -> Path:
     d = run / Path(sample_relpath(index)).parent
-    if d not in _checked_dirs:
-        if not d.is_dir():
-            d.mkdir(parents=True, exist_ok=True)
-            fsync_dir(d.parent)
+    if not d.is_dir():
+        d.mkdir(parents=True, exist_ok=True)
+        fsync_dir(d.parent)
+    if d not in _checked_dirs:  # a symlink check per directory and process
         ensure_inside(run, d)
         _checked_dirs.add(d)
     return d

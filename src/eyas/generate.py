@@ -1,0 +1,462 @@
+"""Stage 0, `generate`: the target's own answers, through a serving endpoint, exactly once.
+
+A drafter learns to predict the target, so its best training data is the target's own
+replies to real prompts. `generate` sends every conversation of the input (the record forms
+`prepare` reads) to an OpenAI-compatible `/v1/chat/completions` endpoint (vLLM, SGLang, any
+other), with the last assistant turn (or every assistant turn, in order, feeding the
+target's own earlier answers back) replaced by what the target says.
+
+Exactly once, in input order: each finished record is appended to a durable log (flushed
+and fsynced before it counts; a torn last line is cut on resume) by one writer, keyed by
+its input position. Requests run concurrently and finish in any order; rerunning the same
+command after any crash sends only what the log lacks. When every record is done or has
+failed, OUT is written atomically from the log, in input order, each record once. A
+changed input, model or sampling setting is refused on resume; the endpoint may move.
+
+State lives next to OUT, in `OUT.eyas-gen/`: `generate.json` (the job), `log.jsonl`,
+`errors.jsonl`, `locks/`. `eyas status` and `eyas doctor` read it like a run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import random
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
+from .lock import WriterLock
+from .prepare import RawRecord, RecordError, _parse, iter_records, record_id, to_messages
+from .ui import Reporter
+
+STATE_SUFFIX = ".eyas-gen"
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+STOP_GRACE = 5.0  # seconds a stop waits for requests in flight before abandoning them
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    endpoint: str
+    """Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (or .../v1)."""
+    model: str
+    """The model name the endpoint serves."""
+    data: tuple[str, ...]
+    """Input files: the record forms `prepare` reads."""
+    out: str
+    """Output JSONL: every successful record once, in input order, with provenance."""
+    concurrency: int = 8
+    max_tokens: int = 2048
+    temperature: float = 0.0
+    """0 is greedy."""
+    seed: int | None = None
+    timeout: float = 600.0
+    """Seconds one request may take before it is retried."""
+    retries: int = 6
+    """Retries per request after 429/5xx, timeouts and dropped connections."""
+    backoff: float = 1.0
+    """Seconds before the first retry; each further retry waits twice as long (with jitter, at most 60)."""
+    turns: str = "last"
+    """`last`: regenerate the last assistant turn; `all`: every assistant turn, in order."""
+    api_key_env: str | None = None
+    """Name of an environment variable holding the API key (the key is never written)."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.turns not in ("last", "all"):
+            raise ValueError(f"--turns must be last or all, got {self.turns!r}")
+        if (
+            self.concurrency < 1
+            or self.retries < 0
+            or self.max_tokens < 1
+            or self.timeout <= 0
+            or self.backoff < 0
+        ):
+            raise ValueError(
+                "--concurrency and --max-tokens must be >= 1, --retries >= 0, --timeout > 0"
+            )
+        if not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"--endpoint must be an http(s) URL, got {self.endpoint!r}")
+        if self.api_key_env and self.api_key_env not in os.environ:
+            raise ValueError(f"--api-key-env {self.api_key_env}: no such environment variable")
+
+    def sampling(self) -> dict:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "seed": self.seed,
+            "turns": self.turns,
+        }
+
+
+class GenerateStopped(Exception):
+    def __init__(self, reason: str, done: int, total: int, cmd: str):
+        super().__init__(
+            f"{reason}. {done}/{total} records are done. Resume with the same command: {cmd}"
+        )
+
+
+@dataclass
+class GenerateSummary:
+    out: str
+    records: int = 0
+    done_before: int = 0
+    generated: int = 0
+    failed: int = 0
+    truncated: int = 0
+    requests: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    errors: list[dict] = field(default_factory=list)
+
+
+def state_dir(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + STATE_SUFFIX)
+
+
+def _fingerprint(files: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------- the durable log
+
+
+def read_log(path: Path) -> dict[int, dict]:
+    """Finished records by input position; a torn last line is cut off (the writer died
+    mid-append), a damaged line elsewhere is skipped and its record done again."""
+    if not path.exists():
+        return {}
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+            os.fsync(f.fileno())
+        data = data[: data.rfind(b"\n") + 1]
+    done = {}
+    for line in data.splitlines():
+        try:
+            e = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if (
+            isinstance(e, dict)
+            and isinstance(e.get("pos"), int)
+            and isinstance(e.get("record"), dict)
+        ):
+            done.setdefault(e["pos"], e)
+    return done
+
+
+class DurableLog:
+    def __init__(self, path: Path):
+        self._f = open(path, "ab")
+
+    def append(self, entry: dict) -> None:
+        """Counts only once this returns: written, flushed and fsynced."""
+        self._f.write((json.dumps(entry, ensure_ascii=False) + "\n").encode())
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+class RequestFailed(Exception):
+    pass
+
+
+def chat_url(endpoint: str) -> str:
+    base = endpoint.rstrip("/")
+    return base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
+
+
+def post_chat(cfg: GenerateConfig, messages: list[dict], stop: threading.Event) -> tuple[dict, int]:
+    """One chat completion with retries and backoff; (response, attempts)."""
+    body = {
+        "model": cfg.model,
+        "messages": messages,
+        "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature,
+    }
+    if cfg.seed is not None:
+        body["seed"] = cfg.seed
+    headers = {"Content-Type": "application/json"}
+    if cfg.api_key_env:
+        headers["Authorization"] = f"Bearer {os.environ[cfg.api_key_env]}"
+    data = json.dumps(body).encode()
+    last = ""
+    for attempt in range(cfg.retries + 1):
+        if stop.is_set():
+            raise RequestFailed("stopped")
+        try:
+            req = urllib.request.Request(
+                chat_url(cfg.endpoint), data=data, headers=headers, method="POST"
+            )
+            with urllib.request.urlopen(req, timeout=cfg.timeout) as r:
+                resp = json.loads(r.read().decode("utf-8"))
+            if not resp.get("choices"):
+                raise RequestFailed(f"response has no choices: {str(resp)[:200]}")
+            return resp, attempt + 1
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}: {exc.read()[:200].decode('utf-8', 'replace')}"
+            if exc.code not in RETRY_STATUS:
+                raise RequestFailed(last) from None
+        except (
+            urllib.error.URLError,
+            TimeoutError,
+            ConnectionError,
+            OSError,
+            json.JSONDecodeError,
+        ) as exc:
+            last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+        delay = min(60.0, cfg.backoff * 2**attempt) * (0.5 + random.random())  # backoff with jitter
+        if stop.wait(delay):
+            raise RequestFailed("stopped")
+    raise RequestFailed(f"gave up after {cfg.retries + 1} attempts; last: {last}")
+
+
+def regenerate(cfg: GenerateConfig, messages: list[dict], stop: threading.Event) -> dict:
+    """The conversation with its last (or every) assistant turn the target's, and provenance."""
+    idx = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    todo = idx[-1:] if cfg.turns == "last" else idx
+    out = list(messages[: todo[0]])
+    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    finish, served, requests = [], None, 0
+    for i in todo:
+        out.extend(messages[len(out) : i])  # the user turns (and others) before this answer
+        resp, attempts = post_chat(cfg, out, stop)
+        requests += attempts
+        choice = resp["choices"][0]
+        text = (choice.get("message") or {}).get("content")
+        if not isinstance(text, str):
+            raise RequestFailed(f"turn {i}: the response has no text content")
+        out.append({"role": "assistant", "content": text})
+        finish.append(choice.get("finish_reason"))
+        served = resp.get("model", served)
+        for k in usage:
+            usage[k] += int((resp.get("usage") or {}).get(k) or 0)
+    provenance = {"endpoint_model": cfg.model, "served_model": served, "max_tokens": cfg.max_tokens,
+                  "temperature": cfg.temperature, "seed": cfg.seed, "turns": cfg.turns, "finish_reason": finish,
+                  "truncated": "length" in finish, "usage": usage, "eyas_version": __version__}  # fmt: skip
+    return {"messages": out, "generation": provenance, "requests": requests}
+
+
+# ---------------------------------------------------------------------------- the stage
+
+
+def _inputs(cfg: GenerateConfig) -> list[RawRecord]:
+    recs: list[RawRecord] = []
+    for f in cfg.data:
+        p = Path(f)
+        if not p.is_file():
+            raise FileNotFoundError(f"input file not found: {p}")
+        recs.extend(iter_records(p))
+    return recs
+
+
+def _job(cfg: GenerateConfig) -> dict:
+    return {"model": cfg.model, "data": [str(Path(f).resolve()) for f in cfg.data],
+            "data_fingerprint": _fingerprint(cfg.data), "sampling": cfg.sampling()}  # fmt: skip
+
+
+def generate(cfg: GenerateConfig, command: str = "eyas generate ...") -> GenerateSummary:
+    out = Path(cfg.out)
+    state = state_dir(out)
+    recs = _inputs(cfg)
+    job = _job(cfg)
+    state.mkdir(parents=True, exist_ok=True)
+    saved = state / "generate.json"
+    if saved.exists():
+        prev = read_json(saved)
+        diff = [k for k in ("model", "data_fingerprint", "sampling") if prev.get(k) != job[k]]
+        if diff:
+            raise ValueError(f"{saved}: this generation was started with another {', '.join(diff)} "
+                             f"({prev.get(diff[0])!r}); use another --out, or the original settings")  # fmt: skip
+    else:
+        atomic_write_json(saved, {**job, "endpoint": cfg.endpoint, "records": len(recs), "created": time.time(),
+                                  "eyas_version": __version__})  # fmt: skip
+    lock = WriterLock(state, 0, 1).acquire()
+    log = None
+    try:
+        done = read_log(state / "log.jsonl")
+        log = DurableLog(state / "log.jsonl")
+        return _run(cfg, recs, done, log, state, out, command)
+    finally:
+        if log is not None:
+            log.close()
+        lock.release()
+
+
+def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
+    s = GenerateSummary(out=str(out), records=len(recs), done_before=len(done))
+    errors: dict[int, dict] = {}
+    todo = []
+    for pos, rec in enumerate(recs):
+        if pos in done:
+            continue
+        try:
+            obj = _parse(rec)
+            rid = record_id(obj, rec)
+            fmt, messages = to_messages(obj)
+            if fmt == "text":
+                raise RecordError("a 'text' record has no turns to regenerate", "no-assistant")
+            todo.append((pos, rec, rid, messages))
+        except RecordError as exc:
+            errors[pos] = {"file": rec.file, "line": rec.line, "reason": str(exc), "code": exc.code}
+    stop = threading.Event()
+    reason: list[str] = []
+
+    def on_signal(signum, _frame):
+        reason.append(f"stopped by {signal.Signals(signum).name}")
+        stop.set()
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}  # fmt: skip
+    t0 = time.monotonic()
+
+    def extra() -> str:
+        el = max(time.monotonic() - t0, 1e-9)
+        return (f"{s.requests / el:.1f} req/s, {s.completion_tokens / el:,.0f} tok/s, "
+                f"{len(errors)} failed") if s.requests else ""  # fmt: skip
+
+    rep = Reporter("generate", len(recs), unit="records", enabled=cfg.progress, extra=extra)
+    rep.__enter__()
+    rep.skip(len(done))
+    # Daemon workers: a stop abandons requests still in flight after a grace period instead
+    # of waiting out their timeouts (their records are simply done again on resume).
+    work: queue.Queue = queue.Queue()
+    results: queue.Queue = queue.Queue()
+
+    def worker() -> None:
+        while (item := work.get()) is not None:
+            try:
+                results.put((item, regenerate(cfg, item[3], stop), None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                results.put((item, None, exc))
+
+    for _ in range(cfg.concurrency):
+        threading.Thread(target=worker, name="eyas-gen", daemon=True).start()
+    items, in_flight, stopped_at = iter(todo), 0, None
+    try:
+        while True:
+            while (
+                not stop.is_set()
+                and in_flight < 2 * cfg.concurrency
+                and (item := next(items, None))
+            ):
+                work.put(item)
+                in_flight += 1
+            if in_flight == 0:
+                break
+            if stop.is_set():
+                stopped_at = stopped_at or time.monotonic()
+                if time.monotonic() - stopped_at > STOP_GRACE:
+                    break
+            try:
+                (pos, rec, rid, _), result, exc = results.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            in_flight -= 1
+            if exc is not None:
+                if not isinstance(exc, RequestFailed):
+                    raise exc
+                if not stop.is_set():
+                    errors[pos] = {
+                        "file": rec.file,
+                        "line": rec.line,
+                        "id": rid,
+                        "reason": str(exc),
+                        "code": "request",
+                    }
+                    rep.advance()
+                continue
+            requests = result.pop("requests")  # attempts: this session's statistics, not provenance
+            record = {"id": rid, **result}
+            log.append(
+                {"pos": pos, "file": rec.file, "line": rec.line, "record": record}
+            )  # durable first
+            done[pos] = {"record": record}
+            s.generated += 1
+            s.requests += requests
+            s.completion_tokens += result["generation"]["usage"]["completion_tokens"]
+            rep.advance()
+    finally:
+        stop.set()
+        for _ in range(cfg.concurrency):
+            work.put(None)
+        rep.__exit__(None, None, None)
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    s.seconds = time.monotonic() - t0
+    s.failed = len(errors)
+    s.errors = [errors[p] for p in sorted(errors)]
+    _write_errors(state, s.errors)
+    if reason:
+        raise GenerateStopped(reason[0], len(done), len(recs), command)
+    s.truncated = sum(bool(done[p]["record"]["generation"]["truncated"]) for p in done)
+    _write_out(out, recs, done)
+    return s
+
+
+def _write_errors(state: Path, errors: list[dict]) -> None:
+    atomic_write(
+        state / "errors.jsonl",
+        lambda f: f.write("".join(json.dumps(e) + "\n" for e in errors).encode()),
+    )
+
+
+def _write_out(out: Path, recs: list[RawRecord], done: dict[int, dict]) -> None:
+    """OUT from the log, in input order, each record once, published atomically."""
+
+    def write(f) -> None:
+        for pos in range(len(recs)):
+            if pos in done:
+                f.write((json.dumps(done[pos]["record"], ensure_ascii=False) + "\n").encode())
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, write)
+    fsync_dir(out.parent)
+
+
+def generation_status(state: Path) -> dict:
+    """What `status` and `doctor` say about a generation directory."""
+    from .lock import all_locks
+
+    job = read_json(state / "generate.json")
+    done = read_log(state / "log.jsonl") if (state / "log.jsonl").exists() else {}
+    errors = [json.loads(x) for x in (state / "errors.jsonl").read_text().splitlines()] \
+        if (state / "errors.jsonl").exists() else []  # fmt: skip
+    locks = all_locks(state)
+    out = state.with_name(state.name[: -len(STATE_SUFFIX)])
+    return {"state": str(state), "out": str(out), "out_written": out.exists(), "records": job["records"],
+            "done": len(done), "failed": len(errors), "remaining": job["records"] - len(done),
+            "model": job["model"], "endpoint": job.get("endpoint"), "sampling": job["sampling"],
+            "live_writer": any(lk.live for lk in locks), "locks": [lk.describe() for lk in locks]}  # fmt: skip
+
+
+__all__ = [
+    "GenerateConfig",
+    "GenerateStopped",
+    "generate",
+    "generation_status",
+    "state_dir",
+    "asdict",
+]

@@ -1,0 +1,162 @@
+"""`eyas generate` against a real loopback server that fails on purpose: exactly once, in
+input order, through SIGKILLs, SIGTERM, 500s, 429s, stalls and dropped connections."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import eyas
+
+from eyas.demo_data import generate_conversations
+
+SERVER = Path(__file__).parent / "fault_server.py"
+
+
+@pytest.fixture(scope="module")
+def server():
+    p = subprocess.Popen(
+        [sys.executable, str(SERVER), "--seed", "3", "--stall", "0.8"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    port = int(p.stdout.readline().split()[1])
+    yield f"http://127.0.0.1:{port}"
+    p.kill()
+    p.wait()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    convs = generate_conversations(36, seed=21)
+    for i, c in enumerate(convs):  # some conversations with two assistant turns
+        if i % 3 == 0:
+            c["messages"] += [
+                {"role": "user", "content": f"and again, {i}?"},
+                {"role": "assistant", "content": "x"},
+            ]
+    p = tmp_path_factory.mktemp("gen") / "in.jsonl"
+    lines = [json.dumps({**c, "id": f"r{i}"}) for i, c in enumerate(convs)]
+    lines.insert(5, "{not json")
+    lines.insert(20, json.dumps({"id": "lonely", "messages": [{"role": "user", "content": "hi"}]}))
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def _cmd(server: str, inputs: Path, out: Path, *extra) -> list[str]:
+    return [sys.executable, "-m", "eyas.cli", "generate", "--endpoint", server, "--model", "target", "--data", str(inputs),
+            "--out", str(out), "--concurrency", "4", "--timeout", "0.5", "--retries", "6", "--backoff", "0.05", "--turns", "all",
+            *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(server, inputs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gen-ref") / "out.jsonl"
+    p = subprocess.run(_cmd(server, inputs, out), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1 and "2 records failed" in p.stderr, (
+        p.stderr
+    )  # the two bad input records
+    return out
+
+
+def test_reference_output(reference, inputs):
+    recs = [json.loads(x) for x in reference.read_text().splitlines()]
+    assert [r["id"] for r in recs] == [f"r{i}" for i in range(36)]  # input order, each once
+    for r in recs:
+        assistant = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+        assert assistant and all(a.startswith("target says") for a in assistant)
+        g = r["generation"]
+        assert (
+            g["endpoint_model"] == "target"
+            and g["temperature"] == 0.0
+            and g["usage"]["completion_tokens"] > 0
+        )
+        assert g["truncated"] == ("length" in g["finish_reason"])
+    assert any(r["generation"]["truncated"] for r in recs)  # cut by max_tokens: kept and marked
+    errors = [
+        json.loads(x)
+        for x in (reference.parent / "out.jsonl.eyas-gen" / "errors.jsonl").read_text().splitlines()
+    ]
+    assert sorted(e["line"] for e in errors) == [6, 21] and {e["code"] for e in errors} == {
+        "malformed-json",
+        "no-assistant",
+    }
+
+
+def test_sigkill_at_random_moments_exactly_once(server, inputs, reference, tmp_path):
+    out = tmp_path / "out.jsonl"
+    rng, kills = random.Random(5), 0
+    for _ in range(60):
+        p = subprocess.Popen(
+            _cmd(server, inputs, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        if kills >= 10:
+            assert p.wait(timeout=600) == 1  # done; the two bad records fail as before
+            break
+        time.sleep(rng.uniform(0.3, 1.2))
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            kills += 1
+        p.wait()
+    assert kills >= 10
+    assert out.read_bytes() == reference.read_bytes()
+    log = [
+        json.loads(x)
+        for x in (tmp_path / "out.jsonl.eyas-gen" / "log.jsonl").read_text().splitlines()
+        if x.strip()
+    ]
+    positions = [e["pos"] for e in log]
+    assert len(positions) == len(set(positions)) == 36  # each record logged exactly once
+
+
+def test_sigterm_stops_cleanly_and_a_rerun_finishes(inputs, reference, tmp_path):
+    srv = subprocess.Popen(
+        [sys.executable, str(SERVER), "--seed", "9", "--stall", "0.8"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        server = f"http://127.0.0.1:{int(srv.stdout.readline().split()[1])}"  # fresh faults for every request
+        out = tmp_path / "out.jsonl"
+        log = tmp_path / "out.jsonl.eyas-gen" / "log.jsonl"
+        p = subprocess.Popen(
+            _cmd(server, inputs, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        while p.poll() is None and not (log.exists() and log.read_bytes().count(b"\n") >= 3):
+            time.sleep(0.01)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 75 and "Resume with the same command" in err, err
+        assert not out.exists()
+        st = eyas("status", out)
+        assert st.returncode == 0 and "done" in st.stdout and "remaining" in st.stdout, st.stdout
+        assert subprocess.run(_cmd(server, inputs, out), capture_output=True).returncode == 1
+    finally:
+        srv.kill()
+    assert out.read_bytes() == reference.read_bytes()
+
+
+def test_changed_settings_are_refused_and_the_key_is_never_written(server, inputs, tmp_path):
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "MY_KEY": "sk-secret-4242"}
+    p = subprocess.run(
+        _cmd(server, inputs, out, "--api-key-env", "MY_KEY"),
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert p.returncode == 1, p.stderr
+    for f in [out, *out.parent.rglob("*")]:
+        if f.is_file():
+            assert b"sk-secret-4242" not in f.read_bytes(), f
+    p = subprocess.run(
+        _cmd(server, inputs, out, "--max-tokens", "7"), capture_output=True, text=True
+    )
+    assert p.returncode == 1 and "another sampling" in p.stderr, p.stderr
