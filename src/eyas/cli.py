@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -208,7 +209,9 @@ def generate(
         retries=retries, backoff=backoff, turns=turns, api_key_env=api_key_env,
     )  # fmt: skip
     command = (
-        " ".join(["eyas", *sys.argv[1:]]) if sys.argv[1:2] == ["generate"] else "eyas generate ..."
+        shlex.join(["eyas", *sys.argv[1:]])
+        if sys.argv[1:2] == ["generate"]
+        else "eyas generate ..."
     )
     try:
         s = run_generate(cfg, command)

@@ -97,10 +97,14 @@ def doctor(
 
 
 def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
+    from .generate import STATE_SUFFIX
     from .prepare import PreparedDataset
     from .target import model_fingerprint
     from .verify import verify
 
+    gen = run if (run / "generate.json").is_file() else run.with_name(run.name + STATE_SUFFIX)
+    if (gen / "generate.json").is_file():
+        return _check_generation(gen, actions)
     rep = RunReport(str(run))
     try:
         mr = load_run_meta(run)
@@ -245,4 +249,33 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
                 f"resume the extraction of {run}", f"eyas extract --resume {run}", blocking=False
             )
         )
+    return rep
+
+
+def _check_generation(state: Path, actions: list[Action]) -> RunReport:
+    """A generation directory (`eyas generate`): progress, failures, writer, what to run."""
+    from .generate import generation_status
+    from .lock import live_locks
+
+    g = generation_status(state)
+    rep = RunReport(str(state))
+    rep.facts = {k: g[k] for k in ("records", "done", "failed", "remaining")}
+    rep.add(
+        "ok",
+        f"generation: {g['done']}/{g['records']} records done for model {g['model']} at {g['endpoint']}",
+    )
+    if g["failed"]:
+        rep.add("warn", f"errors: {g['failed']} record(s) failed in the last session (see {state}/errors.jsonl); "
+                "a rerun retries them")  # fmt: skip
+    live = live_locks(state)
+    for lk in live:
+        rep.add("ok", f"lock: {lk.describe()}")
+    cmd = g.get("command") or "the original eyas generate command"
+    if live:
+        actions.append(
+            Action(f"a generator is running on {state}; let it finish", None, blocking=False)
+        )
+    elif g["remaining"] > 0 or not g["out_written"]:
+        actions.append(Action(f"continue the generation into {g['out']} (only what is missing is sent)", cmd,
+                              blocking=False))  # fmt: skip
     return rep

@@ -403,6 +403,8 @@ def extract(
             layout = Layout.parse(meta.get("layout"))
             if adopted := recover(run, journal, set(mine), done, layout, meta["hidden_size"]):
                 say(f"adopted {adopted} complete sample(s) whose journal entry was lost")
+            if all(i in done for i in mine):  # nothing left: no need to load the target
+                return ExtractSummary(str(run), len(mine), len(mine), 0, 0, 0, 0.0, 0)
             lock.set_phase("loading the model")
             backend = open_backend(cfg.backend, _spec(cfg, meta, ds, device, lengths), say)
             lock.set_phase("extracting")

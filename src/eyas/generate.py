@@ -292,7 +292,7 @@ def generate(cfg: GenerateConfig, command: str = "eyas generate ...") -> Generat
                              f"({prev.get(diff[0])!r}); use another --out, or the original settings")  # fmt: skip
     else:
         atomic_write_json(saved, {**job, "endpoint": cfg.endpoint, "records": len(recs), "created": time.time(),
-                                  "eyas_version": __version__})  # fmt: skip
+                                  "command": command, "eyas_version": __version__})  # fmt: skip
     lock = WriterLock(state, 0, 1).acquire()
     log = None
     try:
@@ -449,6 +449,7 @@ def generation_status(state: Path) -> dict:
     return {"state": str(state), "out": str(out), "out_written": out.exists(), "records": job["records"],
             "done": len(done), "failed": len(errors), "remaining": job["records"] - len(done),
             "model": job["model"], "endpoint": job.get("endpoint"), "sampling": job["sampling"],
+            "command": job.get("command"),
             "live_writer": any(lk.live for lk in locks), "locks": [lk.describe() for lk in locks]}  # fmt: skip
 
 
