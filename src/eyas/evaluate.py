@@ -33,6 +33,14 @@ class EvalResult:
     base_seconds: float = 0.0
     mismatches: list[dict] = field(default_factory=list)
 
+    def compare(self, prompt: int, spec: list[int], base: list[int], tok) -> None:
+        """Record where speculative decoding's output first differs from greedy's, if it does."""
+        if spec != base:
+            first = next((j for j, (a, b) in enumerate(zip(spec, base, strict=False)) if a != b),
+                         min(len(spec), len(base)))  # fmt: skip
+            self.mismatches.append({"prompt": prompt, "first_difference_at": first, "greedy": tok.decode(base),
+                                    "speculative": tok.decode(spec)})  # fmt: skip
+
     @property
     def acceptance_length(self) -> float:
         """Mean tokens produced per target forward in decoding (1 + accepted per round)."""
@@ -233,19 +241,7 @@ def evaluate(
             res.spec_seconds += t2 - t1
             res.base_tokens += len(base)
             res.spec_tokens += len(spec)
-            if spec != base:
-                first = next(
-                    (j for j, (a, b) in enumerate(zip(spec, base, strict=False)) if a != b),
-                    min(len(spec), len(base)),
-                )
-                res.mismatches.append(
-                    {
-                        "prompt": i,
-                        "first_difference_at": first,
-                        "greedy": tok.decode(base),
-                        "speculative": tok.decode(spec),
-                    }
-                )
+            res.compare(i, spec, base, tok)
             rep.advance()
     finally:
         rep.__exit__(None, None, None)
@@ -330,13 +326,7 @@ def evaluate_vllm(
     res.base_tokens = sum(len(x) for x in base)
     res.spec_tokens = sum(len(x) for x in spec_out)
     for i, (a, b) in enumerate(zip(spec_out, base, strict=True)):
-        if a != b:
-            first = next(
-                (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                min(len(a), len(b)),
-            )
-            res.mismatches.append({"prompt": i, "first_difference_at": first, "greedy": tok.decode(b),
-                                   "speculative": tok.decode(a)})  # fmt: skip
+        res.compare(i, a, b, tok)
     return res
 
 
