@@ -128,7 +128,7 @@ def extract_rate(stderr: str) -> float:
 
 
 def journal_sums(run: Path) -> dict:
-    from eyas.store import committed
+    from eyas.journal import committed
 
     return {i: e["header_xxh3"] for i, e in committed(run).items()}
 

@@ -1,6 +1,6 @@
 """A loopback OpenAI-compatible chat server that fails on purpose, deterministically.
 
-    python tests/fault_server.py [--seed 0] [--stall 2.0]     # prints "port N", serves forever
+    python tests/fault_server.py [--seed 0] [--stall 2.0] [--delay 0]   # prints "port N", serves forever
 
 Each distinct request body gets, from a hash of it and the seed, a number of faulty
 attempts (0-3) before it is answered: HTTP 500, HTTP 429, a stall past the client's
@@ -29,7 +29,7 @@ def answer(messages: list[dict]) -> tuple[str, str]:
     return text, "length" if int(h[:6], 16) % 7 == 0 else "stop"
 
 
-def make_handler(seed: int, stall: float):
+def make_handler(seed: int, stall: float, delay: float = 0.0):
     attempts: dict[str, int] = {}
     lock = threading.Lock()
 
@@ -58,6 +58,7 @@ def make_handler(seed: int, stall: float):
                 return self._send(int(kind), {"error": f"injected {kind}"})
             req = json.loads(body)
             text, finish = answer(req["messages"])
+            time.sleep(delay)  # the time a real target takes to answer
             self._send(200, {
                 "id": f"chatcmpl-{key[:8]}", "object": "chat.completion", "model": req["model"],
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
@@ -82,8 +83,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stall", type=float, default=2.0)
+    ap.add_argument("--delay", type=float, default=0.0, help="Seconds before each answer.")
     args = ap.parse_args()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(args.seed, args.stall))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(args.seed, args.stall, args.delay))
     server.daemon_threads = True
     print(f"port {server.server_address[1]}", flush=True)
     server.serve_forever()

@@ -13,10 +13,11 @@ from conftest import eyas
 from transformers import AutoModelForCausalLM
 
 from eyas.extract import ExtractConfig, extract
+from eyas.journal import read_all_journals
 from eyas.lock import WriterLock
 from eyas.prepare import PrepareConfig, PreparedDataset, prepare
 from eyas.runmeta import read_run_meta
-from eyas.store import load_sample, read_all_journals
+from eyas.store import load_sample
 from eyas.target import default_aux_layers, plan_batches
 from eyas.verify import verify
 

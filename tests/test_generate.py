@@ -22,9 +22,18 @@ SERVER = Path(__file__).parent / "fault_server.py"
 
 
 @contextlib.contextmanager
-def fault_server(seed: int):
+def fault_server(seed: int, delay: float = 0.0):
     """A fresh fault server: every request meets its injected faults anew."""
-    cmd = [sys.executable, str(SERVER), "--seed", str(seed), "--stall", "0.8"]
+    cmd = [
+        sys.executable,
+        str(SERVER),
+        "--seed",
+        str(seed),
+        "--stall",
+        "0.8",
+        "--delay",
+        str(delay),
+    ]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         yield f"http://127.0.0.1:{int(p.stdout.readline().split()[1])}"
@@ -99,7 +108,7 @@ def test_reference_output(reference, inputs):
 def test_sigkill_at_random_moments_exactly_once(inputs, reference, tmp_path):
     out = tmp_path / "out.jsonl"
     rng = random.Random(5)
-    with fault_server(5) as server:
+    with fault_server(5, delay=0.3) as server:  # slow enough that 10 kills land mid-job
         _kill_repeatedly(server, inputs, out, rng)
     assert out.read_bytes() == reference.read_bytes()
     log = [
@@ -115,7 +124,9 @@ def _kill_repeatedly(server: str, inputs: Path, out: Path, rng: random.Random) -
     kills = 0
     for _ in range(60):
         p = subprocess.Popen(
-            _cmd(server, inputs, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            _cmd(server, inputs, out, "--concurrency", "2"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         if kills >= 10:
             assert p.wait(timeout=600) == 1  # done; the two bad records fail as before

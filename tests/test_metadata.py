@@ -18,9 +18,10 @@ import pytest
 from conftest import eyas
 
 from eyas.extract import ExtractConfig, extract, plan_run
+from eyas.journal import journal_path, read_journal, rewrite_journal
 from eyas.lock import LockHeld, WriterLock, read_lock
 from eyas.runmeta import read_run_meta, write_run_meta
-from eyas.store import journal_path, read_journal, rewrite_journal, sample_relpath
+from eyas.store import sample_relpath
 from eyas.verify import verify
 
 

@@ -14,9 +14,9 @@ from conftest import eyas
 
 from eyas.demo_target import DEMO_TARGET
 from eyas.extract import ExtractConfig, extract
+from eyas.journal import journal_path, read_journal, rewrite_journal
 from eyas.lock import WriterLock
 from eyas.prepare import PreparedDataset
-from eyas.store import journal_path, read_journal, rewrite_journal
 
 CONV = [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5"}]
 

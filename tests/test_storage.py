@@ -8,9 +8,10 @@ import torch
 from conftest import eyas
 
 from eyas.extract import ExtractConfig, extract
+from eyas.journal import committed
 from eyas.prepare import PreparedDataset
 from eyas.runmeta import read_run_meta
-from eyas.store import Layout, committed, dequantize_fp8, load_sample, quantize_fp8, read_sample
+from eyas.store import Layout, dequantize_fp8, load_sample, quantize_fp8, read_sample
 from eyas.verify import verify
 from eyas.weights import lm_head_weight
 

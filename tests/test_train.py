@@ -16,11 +16,12 @@ import torch
 from conftest import eyas
 from safetensors.torch import load_file
 
+from eyas.checkpoint import latest_checkpoint
 from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
 from eyas.export import load_export
 from eyas.extract import ExtractConfig, extract
 from eyas.prepare import PrepareConfig, prepare
-from eyas.train import TrainConfig, latest_checkpoint, train
+from eyas.train import TrainConfig, train
 from eyas.weights import embed_weight
 
 TRAIN_ARGS = [

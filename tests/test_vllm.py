@@ -20,9 +20,10 @@ import torch
 from conftest import eyas
 
 from eyas.demo_data import generate_conversations, write_jsonl
+from eyas.journal import read_all_journals
 from eyas.prepare import PrepareConfig, PreparedDataset, prepare
 from eyas.runmeta import read_run_meta
-from eyas.store import load_sample, read_all_journals
+from eyas.store import load_sample
 from eyas.tiny import TinySizes, build_tiny_target
 from eyas.verify import verify
 

@@ -9,7 +9,7 @@ from conftest import eyas
 from transformers import AutoModelForCausalLM
 
 from eyas.extract import ExtractConfig, extract
-from eyas.store import journal_path, read_journal, rewrite_journal
+from eyas.journal import journal_path, read_journal, rewrite_journal
 from eyas.weights import INDEX, embed_weight, lm_head_weight, weight_layout
 
 

@@ -155,7 +155,7 @@ def prepare(
         markup=False,
         highlight=False,
     )
-    from .prepare import REASONS
+    from .records import REASONS
 
     for code, n in s.reasons.items():
         console.print(f"  {n:6d}  {REASONS.get(code, code)}", markup=False, highlight=False)
@@ -431,6 +431,7 @@ def verify(
 ) -> None:
     """Check every committed sample; report missing, corrupt, orphan and duplicate samples."""
     from .store import StoreError
+    from .verify import render as render_verify
     from .verify import verify as run_verify
 
     try:
@@ -440,32 +441,7 @@ def verify(
     if as_json:
         _print_json(rep.to_dict())
     else:
-        what = "headers and sizes" if quick else "headers, sizes and checksums"
-        report.print(
-            f"checked {rep.checked} samples ({what}): {rep.ok} ok in {rep.seconds:.2f}s"
-            + (
-                ""
-                if quick
-                else f"; {rep.bytes_read / 1e6:.1f} MB hashed at {rep.mb_per_s:.0f} MB/s"
-            ),
-            markup=False,
-            highlight=False,
-        )
-        for p in rep.problems:
-            report.print(f"  [red]{p.kind:9s}[/] {escape(p.detail)}", highlight=False)
-        if rep.unjournaled:
-            report.print(f"  {len(rep.unjournaled)} intact sample file(s) have no journal entry (written just before "
-                         f"a stop): `eyas extract --resume {run}` adopts them after checking every checksum",
-                         markup=False, highlight=False)  # fmt: skip
-        for r in rep.repairs:
-            report.print(f"  repaired: {r}", markup=False, highlight=False)
-        if rep.repaired:
-            report.print(
-                f"repaired; now run: eyas extract --resume {run}", markup=False, highlight=False
-            )
-        elif rep.problems:
-            report.print(f"to fix: eyas verify --repair {run} && eyas extract --resume {run}",
-                         markup=False, highlight=False)  # fmt: skip
+        render_verify(rep, report)
     if not rep.clean and not rep.repaired:
         raise typer.Exit(EXIT_PROBLEMS)
 
@@ -476,9 +452,8 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """Done/remaining/failed samples, bytes, free space, throughput, ETA and the lock holder."""
-    from .fsutil import human_bytes, human_duration
-    from .generate import STATE_SUFFIX, generation_status
-    from .status import ago, run_status
+    from .generate import STATE_SUFFIX, format_generation, generation_status
+    from .status import format_status, run_status
     from .store import StoreError
 
     gen = run if (run / "generate.json").is_file() else run.with_name(run.name + STATE_SUFFIX)
@@ -487,12 +462,7 @@ def status(
         if as_json:
             _print_json(g)
         else:
-            report.print("\n".join([
-                f"generation {g['state']} -> {g['out']} ({'written' if g['out_written'] else 'not written yet'})",
-                f"records    {g['done']}/{g['records']} done, {g['remaining']} remaining, {g['failed']} failed last session",
-                f"model      {g['model']} at {g['endpoint']}, sampling {g['sampling']}",
-                *([f"lock       {lk}" for lk in g["locks"]] or ["lock       none (no generator running)"]),
-            ]), markup=False, highlight=False)  # fmt: skip
+            report.print(format_generation(g), markup=False, highlight=False)
         return
     try:
         st = run_status(run)
@@ -501,37 +471,7 @@ def status(
     if as_json:
         _print_json(st.to_dict())
         return
-    pct = 100 * st.done / st.total if st.total else 100.0
-    if st.live_writer:
-        speed = (f"{st.recent_samples_per_s:.2f} samples/s, {st.recent_tokens_per_s:,.0f} tokens/s (last minutes)"
-                 if st.recent_tokens_per_s else "no commits in the last minutes")  # fmt: skip
-        eta = human_duration(st.eta_seconds) if st.eta_seconds is not None else "?"
-    else:
-        speed, eta = "- (no writer running)", "- (no writer running)"
-    lines = [
-        f"run        {st.run}",
-        f"samples    {st.done}/{st.total} done ({pct:.1f}%), {st.remaining} remaining, {st.failed} failed",
-        f"tokens     {st.tokens_done:,}/{st.tokens_total:,}",
-        f"disk       {human_bytes(st.bytes_done)} written, ~{human_bytes(st.bytes_projected)} projected in all, "
-        f"~{human_bytes(st.bytes_needed)} still needed; {human_bytes(st.free_bytes)} free on {st.mount_point} ({st.fs_type})",
-        f"last commit {ago(st.last_commit)}",
-        f"throughput {speed}",
-        f"ETA        {eta}",
-    ]
-    if st.model_loaded is False and not st.live_writer:
-        lines.append("model      never loaded: the last writer stopped while starting or loading the target; "
-                     f"`eyas extract --resume {st.run}` starts again from loading")  # fmt: skip
-    for lk in st.locks:
-        lines.append(f"lock       {lk['describe']}")
-    if not st.locks:
-        lines.append("lock       none (no writer running)")
-    if st.temp_files:
-        lines.append(f"temp files {st.temp_files} stray (removed on resume)")
-    if st.meta_warning:
-        lines.append(f"warning    {st.meta_warning} (`eyas verify --repair {st.run}` restores it)")
-    if st.fs_warning:
-        lines.append(f"warning    {st.fs_warning}")
-    report.print("\n".join(lines), markup=False, highlight=False)
+    report.print(format_status(st), markup=False, highlight=False)
 
 
 @app.command()
@@ -544,44 +484,13 @@ def doctor(
 ) -> None:
     """Assess GPUs, disks and runs after a failure; end with an ordered plan."""
     from .doctor import doctor as run_doctor
-    from .fsutil import human_bytes
+    from .doctor import render as render_doctor
 
     rep = run_doctor(list(runs or []), deep=deep)
     if as_json:
         _print_json(rep.to_dict())
         raise typer.Exit(EXIT_PROBLEMS if rep.needs_action else 0)
-    mark = {"ok": "[green]ok[/]   ", "warn": "[yellow]warn[/] ", "error": "[red]FAIL[/] "}
-    report.print("[bold]GPUs[/]")
-    if not rep.gpus.gpus:
-        report.print(f"  {rep.gpus.note}", markup=False, highlight=False)
-    for g in rep.gpus.gpus:
-        util = f"{g.utilization}%" if g.utilization is not None else "?"
-        report.print(
-            f"  GPU {g.index} {g.name}: {human_bytes(g.used_bytes)} / {human_bytes(g.total_bytes)} used, {util} busy",
-            markup=False,
-            highlight=False,
-        )
-        for p in g.processes:
-            report.print(
-                f"    PID {p.pid} {human_bytes(p.used_bytes)}: {p.cmdline or p.name} [{p.owner()}]",
-                markup=False,
-                highlight=False,
-            )
-            if p.stop_command():
-                report.print(f"      stop: {p.stop_command()}", markup=False, highlight=False)
-    for r in rep.runs:
-        report.print(f"[bold]Run {escape(r.run)}[/]", highlight=False)
-        for level, text in r.lines:
-            report.print(f"  {mark[level]}{escape(text)}", highlight=False)
-    report.print("[bold]Plan[/]")
-    if not rep.actions:
-        report.print("  nothing to do", markup=False, highlight=False)
-    for n, a in enumerate(rep.actions, 1):
-        report.print(
-            f"  {n}. {a.text}" + (f"\n     $ {a.command}" if a.command else ""),
-            markup=False,
-            highlight=False,
-        )
+    render_doctor(rep, report)
     if rep.needs_action:
         raise typer.Exit(EXIT_PROBLEMS)
 

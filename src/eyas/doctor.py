@@ -15,9 +15,10 @@ from pathlib import Path
 
 from .fsutil import human_bytes
 from .gpu import GpuReport, query_gpus
+from .journal import read_errors
 from .runmeta import load_run_meta
 from .status import ago, run_status
-from .store import StoreError, read_errors
+from .store import StoreError
 
 FOREIGN_GPU_BYTES = 2 << 30  # what counts as "holding" a GPU, as in extract's preflight
 
@@ -279,3 +280,34 @@ def _check_generation(state: Path, actions: list[Action]) -> RunReport:
         actions.append(Action(f"continue the generation into {g['out']} (only what is missing is sent)", cmd,
                               blocking=False))  # fmt: skip
     return rep
+
+
+def render(rep: DoctorReport, out) -> None:
+    """The report for people, on a rich console `out`: GPUs, each run, the plan."""
+    from rich.markup import escape
+
+    mark = {"ok": "[green]ok[/]   ", "warn": "[yellow]warn[/] ", "error": "[red]FAIL[/] "}
+    plain = dict(markup=False, highlight=False)
+    out.print("[bold]GPUs[/]")
+    if not rep.gpus.gpus:
+        out.print(f"  {rep.gpus.note}", **plain)
+    for g in rep.gpus.gpus:
+        util = f"{g.utilization}%" if g.utilization is not None else "?"
+        out.print(f"  GPU {g.index} {g.name}: {human_bytes(g.used_bytes)} / {human_bytes(g.total_bytes)} used, "
+                  f"{util} busy", **plain)  # fmt: skip
+        for p in g.processes:
+            out.print(
+                f"    PID {p.pid} {human_bytes(p.used_bytes)}: {p.cmdline or p.name} [{p.owner()}]",
+                **plain,
+            )
+            if p.stop_command():
+                out.print(f"      stop: {p.stop_command()}", **plain)
+    for r in rep.runs:
+        out.print(f"[bold]Run {escape(r.run)}[/]", highlight=False)
+        for level, text in r.lines:
+            out.print(f"  {mark[level]}{escape(text)}", highlight=False)
+    out.print("[bold]Plan[/]")
+    if not rep.actions:
+        out.print("  nothing to do", **plain)
+    for n, a in enumerate(rep.actions, 1):
+        out.print(f"  {n}. {a.text}" + (f"\n     $ {a.command}" if a.command else ""), **plain)

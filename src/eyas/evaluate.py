@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .export import load_export
-from .prepare import RecordError, _parse, iter_records, to_messages
+from .records import RecordError, iter_records, parse_record, to_messages
 from .ui import Reporter
 
 
@@ -88,7 +88,7 @@ def load_prompts(tokenizer, path: Path, limit: int | None) -> list[list[int]]:
     prompts = []
     for rec in iter_records(Path(path)):
         try:
-            fmt, msgs = to_messages(_parse(rec))
+            fmt, msgs = to_messages(parse_record(rec))
         except RecordError:
             continue
         if fmt == "text":

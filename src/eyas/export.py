@@ -38,7 +38,7 @@ class ExportError(ValueError):
 
 def trained_weights(train_dir: Path) -> tuple[dict, dict, dict]:
     """(state dict, drafter config dict, train.json) of a training directory."""
-    from .train import latest_checkpoint
+    from .checkpoint import latest_checkpoint
 
     train_dir = Path(train_dir)
     if not (train_dir / "train.json").is_file():

@@ -34,27 +34,29 @@ from . import __version__
 from .backends import BACKENDS, BackendSpec, open_backend
 from .fsutil import DiskFullError, filesystem_info, free_bytes, human_bytes, is_disk_full
 from .gpu import gpu_preflight
+from .journal import (
+    Journal,
+    append_error,
+    committed,
+    journal_path,
+    scan_journal,
+    set_aside_damaged_lines,
+)
 from .lock import LockHeld, WriterLock
 from .prepare import PreparedDataset
 from .runmeta import load_run_meta, write_run_meta
 from .store import (
     STORE_VERSION,
-    Journal,
     Layout,
     Sample,
     StoreError,
-    append_error,
     check_sample_file,
     commit_samples,
-    committed,
     ensure_inside,
     iter_sample_files,
     journal_entry,
-    journal_path,
     read_head,
     sample_index_of,
-    scan_journal,
-    set_aside_damaged_lines,
 )
 from .target import (
     DTYPES,

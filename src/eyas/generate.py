@@ -35,7 +35,7 @@ from pathlib import Path
 from . import __version__
 from .fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
 from .lock import WriterLock
-from .prepare import RawRecord, RecordError, _parse, iter_records, record_id, to_messages
+from .records import RawRecord, RecordError, iter_records, parse_record, record_id, to_messages
 from .ui import Reporter
 
 STATE_SUFFIX = ".eyas-gen"
@@ -313,7 +313,7 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
         if pos in done:
             continue
         try:
-            obj = _parse(rec)
+            obj = parse_record(rec)
             rid = record_id(obj, rec)
             fmt, messages = to_messages(obj)
             if fmt == "text":
@@ -451,6 +451,17 @@ def generation_status(state: Path) -> dict:
             "model": job["model"], "endpoint": job.get("endpoint"), "sampling": job["sampling"],
             "command": job.get("command"),
             "live_writer": any(lk.live for lk in locks), "locks": [lk.describe() for lk in locks]}  # fmt: skip
+
+
+def format_generation(g: dict) -> str:
+    """`generation_status` for people."""
+    locks = [f"lock       {lk}" for lk in g["locks"]] or ["lock       none (no generator running)"]
+    return "\n".join([
+        f"generation {g['state']} -> {g['out']} ({'written' if g['out_written'] else 'not written yet'})",
+        f"records    {g['done']}/{g['records']} done, {g['remaining']} remaining, {g['failed']} failed last session",
+        f"model      {g['model']} at {g['endpoint']}, sampling {g['sampling']}",
+        *locks,
+    ])  # fmt: skip
 
 
 __all__ = [

@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,14 +35,10 @@ from .fsutil import (
     read_json,
     sha256_file,
 )
+from .records import RawRecord, RecordError, iter_records, parse_record, record_id, to_messages
 from .ui import Reporter
 
 FORMAT_VERSION = 1
-ROLES = {"system", "user", "assistant", "tool", "developer"}
-SHAREGPT_ROLES = {
-    "system": "system", "human": "user", "user": "user", "gpt": "assistant",
-    "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "tool": "tool",
-}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,43 +76,6 @@ class PrepareConfig:
             raise ValueError(f"--max-error-rate must lie in [0, 1], got {self.max_error_rate}")
 
 
-class RecordError(ValueError):
-    """A record that cannot be prepared; the message says what was wrong, `code` which
-    kind of problem it is (the summary groups by it)."""
-
-    def __init__(self, message: str, code: str):
-        super().__init__(message)
-        self.code = code
-
-
-# What each kind of bad record is called in the summary.
-REASONS = {
-    "invalid-utf8": "invalid UTF-8",
-    "malformed-json": "malformed JSON",
-    "not-an-object": "record is not a JSON object",
-    "bad-id": "id is not a string or an integer",
-    "duplicate-id": "id repeats an earlier record's",
-    "no-conversation": "no 'messages', 'conversations' or 'text' field",
-    "bad-text": "'text' is not a non-empty string",
-    "bad-turns": "turns are not a list of objects",
-    "no-role": "a turn has no role",
-    "unknown-role": "a turn has an unknown role",
-    "bad-content": "a turn's content is not text",
-    "empty-assistant": "an assistant turn is empty",
-    "no-assistant": "no assistant turn",
-    "template": "the chat template failed on the conversation",
-    "zero-trainable": "no trainable tokens",
-    "overlong": "longer than --max-length (skipped)",
-}
-
-
-@dataclass
-class RawRecord:
-    file: str
-    line: int
-    raw: bytes | object  # bytes of one JSONL line, or an already-parsed JSON element
-
-
 @dataclass
 class Prepared:
     id: str
@@ -146,130 +104,6 @@ class PrepareSummary:
     @property
     def error_rate(self) -> float:
         return self.failed / self.records if self.records else 0.0
-
-
-# ---------------------------------------------------------------------------- reading input
-
-
-def iter_records(path: Path) -> Iterator[RawRecord]:
-    """Records of one input file; JSON arrays and JSONL are told apart by the first byte."""
-    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is no content
-    head = data.lstrip()[:1]
-    if path.suffix == ".json" or head == b"[":
-        try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RecordError(f"{path}: not valid JSON: {exc}", "malformed-json") from exc
-        items = (
-            doc
-            if isinstance(doc, list)
-            else doc.get("data", [doc])
-            if isinstance(doc, dict)
-            else [doc]
-        )
-        for i, item in enumerate(items):
-            yield RawRecord(str(path), i + 1, item)  # "line" = 1-based element index
-        return
-    for n, line in enumerate(data.split(b"\n"), start=1):
-        if line.strip():
-            yield RawRecord(str(path), n, line)
-
-
-def _parse(rec: RawRecord) -> dict:
-    if isinstance(rec.raw, bytes):
-        try:
-            text = rec.raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise RecordError(f"invalid UTF-8 at byte {exc.start}", "invalid-utf8") from exc
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise RecordError(
-                f"malformed JSON: {exc.msg} at column {exc.colno}", "malformed-json"
-            ) from exc
-    else:
-        obj = rec.raw
-    if not isinstance(obj, dict):
-        raise RecordError(
-            f"record is a JSON {type(obj).__name__}, expected an object", "not-an-object"
-        )
-    return obj
-
-
-def record_id(obj: dict, rec: RawRecord) -> str:
-    rid = obj.get("id")
-    if rid is None:
-        return f"{Path(rec.file).name}:{rec.line}"
-    if not isinstance(rid, (str, int)):
-        raise RecordError(f"id must be a string or integer, got {type(rid).__name__}", "bad-id")
-    return str(rid)
-
-
-def _text_of(content, i: int, role: str) -> str:
-    """A turn's text: a string, or OpenAI content parts whose text parts are joined in order
-    (with newlines, as serving engines render them for text-only templates)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise RecordError(f"turn {i} ({role}) content part {j} is of type {kind!r}; only text parts "
-                                  "can be trained on", "bad-content")  # fmt: skip
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise RecordError(f"turn {i} ({role}) content must be a string or a list of text parts, "
-                      f"got {type(content).__name__}", "bad-content")  # fmt: skip
-
-
-def to_messages(obj: dict) -> tuple[str, list[dict] | str]:
-    """(format, messages) or ("text", text); raises RecordError naming what is wrong."""
-    if "messages" in obj:
-        fmt, turns, rkey, ckey, roles = "openai", obj["messages"], "role", "content", None
-    elif "conversations" in obj:
-        fmt, turns, rkey, ckey, roles = (
-            "sharegpt",
-            obj["conversations"],
-            "from",
-            "value",
-            SHAREGPT_ROLES,
-        )
-    elif "text" in obj:
-        if not isinstance(obj["text"], str):
-            raise RecordError(
-                f"'text' must be a string, got {type(obj['text']).__name__}", "bad-text"
-            )
-        if not obj["text"].strip():
-            raise RecordError("'text' is empty", "bad-text")
-        return "text", obj["text"]
-    else:
-        raise RecordError("no 'messages', 'conversations' or 'text' field", "no-conversation")
-    if not isinstance(turns, list):
-        raise RecordError(
-            f"'{'messages' if fmt == 'openai' else 'conversations'}' must be a list, got {type(turns).__name__}",
-            "bad-turns",
-        )
-    messages = []
-    for i, t in enumerate(turns):
-        if not isinstance(t, dict):
-            raise RecordError(f"turn {i} is a {type(t).__name__}, expected an object", "bad-turns")
-        role, content = t.get(rkey), t.get(ckey)
-        if not isinstance(role, str):
-            raise RecordError(f"turn {i} has no '{rkey}' string", "no-role")
-        if roles is not None:
-            if role.lower() not in roles:
-                raise RecordError(f"turn {i} has unknown role {role!r}", "unknown-role")
-            role = roles[role.lower()]
-        elif role not in ROLES:
-            raise RecordError(f"turn {i} has unknown role {role!r}", "unknown-role")
-        content = _text_of(content, i, role)
-        if role == "assistant" and not content.strip():
-            raise RecordError(f"turn {i} is an empty assistant turn", "empty-assistant")
-        messages.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise RecordError("no assistant turn", "no-assistant")
-    return fmt, messages
 
 
 # ---------------------------------------------------------------------------- loss mask
@@ -366,7 +200,7 @@ def _prepare_one(rec: RawRecord, cfg: PrepareConfig) -> Prepared | tuple[str, st
     """A Prepared sample, or (id, code, reason) for a bad record."""
     rid = f"{Path(rec.file).name}:{rec.line}"
     try:
-        obj = _parse(rec)
+        obj = parse_record(rec)
         rid = record_id(obj, rec)
         fmt, content = to_messages(obj)
         if fmt == "text":

@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .fsutil import filesystem_info
+from .journal import read_all_journals, read_errors
 from .lock import all_locks
 from .runmeta import load_run_meta
-from .store import read_all_journals, read_errors, stray_temp_files
+from .store import stray_temp_files
 
 RATE_WINDOW = 300.0  # seconds of commits that make the live rate
 
@@ -112,3 +113,39 @@ def ago(t: float | None) -> str:
     from .fsutil import human_duration
 
     return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))} ({human_duration(time.time() - t)} ago)"
+
+
+def format_status(st: RunStatus) -> str:
+    """The status for people: one fact per line."""
+    from .fsutil import human_bytes, human_duration
+
+    pct = 100 * st.done / st.total if st.total else 100.0
+    if st.live_writer:
+        speed = (f"{st.recent_samples_per_s:.2f} samples/s, {st.recent_tokens_per_s:,.0f} tokens/s (last minutes)"
+                 if st.recent_tokens_per_s else "no commits in the last minutes")  # fmt: skip
+        eta = human_duration(st.eta_seconds) if st.eta_seconds is not None else "?"
+    else:
+        speed = eta = "- (no writer running)"
+    lines = [
+        f"run        {st.run}",
+        f"samples    {st.done}/{st.total} done ({pct:.1f}%), {st.remaining} remaining, {st.failed} failed",
+        f"tokens     {st.tokens_done:,}/{st.tokens_total:,}",
+        f"disk       {human_bytes(st.bytes_done)} written, ~{human_bytes(st.bytes_projected)} projected in all, "
+        f"~{human_bytes(st.bytes_needed)} still needed; {human_bytes(st.free_bytes)} free on {st.mount_point} ({st.fs_type})",
+        f"last commit {ago(st.last_commit)}",
+        f"throughput {speed}",
+        f"ETA        {eta}",
+    ]
+    if st.model_loaded is False and not st.live_writer:
+        lines.append("model      never loaded: the last writer stopped while starting or loading the target; "
+                     f"`eyas extract --resume {st.run}` starts again from loading")  # fmt: skip
+    lines += [f"lock       {lk['describe']}" for lk in st.locks] or [
+        "lock       none (no writer running)"
+    ]
+    if st.temp_files:
+        lines.append(f"temp files {st.temp_files} stray (removed on resume)")
+    if st.meta_warning:
+        lines.append(f"warning    {st.meta_warning} (`eyas verify --repair {st.run}` restores it)")
+    if st.fs_warning:
+        lines.append(f"warning    {st.fs_warning}")
+    return "\n".join(lines)

@@ -17,8 +17,6 @@ import contextlib
 import json
 import math
 import os
-import re
-import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -27,11 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_safetensors
 from .cpu import choose_threads, configure_threads
 from .drafter import Drafter, DrafterConfig
-from .fsutil import atomic_write_json, fsync_dir, honour_umask, read_json
+from .fsutil import atomic_write_json, read_json
 from .runmeta import read_run_meta
 from .target import plan_batches
 from .train_data import SampleReader, epoch_batches, prefetch, split_samples, usable_samples
@@ -206,67 +204,6 @@ def summarize(stats: torch.Tensor) -> dict:
         run += prod
         accept.append(run)
     return {"loss": loss, "acc": acc, "cond_acc": cond, "accept_len": accept}
-
-
-# ---------------------------------------------------------------------------- checkpoints
-
-
-def _ckpt_dirs(out: Path) -> list[Path]:
-    d = out / "checkpoints"
-    if not d.is_dir():
-        return []
-    # A step-N.tmp directory holds its marker for a moment before its rename: skip it.
-    return sorted(
-        p for p in d.iterdir() if re.fullmatch(r"step-\d{8}", p.name) and (p / "COMPLETE").is_file()
-    )
-
-
-def save_checkpoint(
-    out: Path, drafter: Drafter, opt: torch.optim.Optimizer, state: dict, keep: int
-) -> Path:
-    final = out / "checkpoints" / f"step-{state['step']:08d}"
-    if (final / "COMPLETE").is_file():
-        return final
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_safetensors(
-        {k: v.contiguous() for k, v in drafter.state_dict().items()}, tmp / "drafter.safetensors"
-    )
-    opt_tensors = {}
-    for pi, st in opt.state_dict()["state"].items():
-        for name, v in st.items():
-            opt_tensors[f"{pi}.{name}"] = torch.as_tensor(v).contiguous()
-    save_safetensors(opt_tensors, tmp / "optimizer.safetensors")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    atomic_write_json(tmp / "state.json", state)
-    atomic_write_json(tmp / "COMPLETE", {"step": state["step"]})  # the marker: written last
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    for old in _ckpt_dirs(out)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def load_checkpoint(ckpt: Path, drafter: Drafter, opt: torch.optim.Optimizer | None) -> dict:
-    drafter.load_state_dict(load_file(str(ckpt / "drafter.safetensors")))
-    if opt is not None:
-        flat = load_file(str(ckpt / "optimizer.safetensors"))
-        state: dict[int, dict] = {}
-        for key, v in flat.items():
-            pi, name = key.split(".", 1)
-            state.setdefault(int(pi), {})[name] = v
-        sd = opt.state_dict()
-        sd["state"] = state
-        opt.load_state_dict(sd)
-    return read_json(ckpt / "state.json")
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    dirs = _ckpt_dirs(Path(out))
-    return dirs[-1] if dirs else None
 
 
 # ---------------------------------------------------------------------------- the run
@@ -565,12 +502,6 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     elapsed = time.monotonic() - t0
     return {"val": last_val, "steps": state["step"], "tokens_per_s": tokens_seen * world / max(elapsed, 1e-9),
             "seconds": elapsed}  # fmt: skip
-
-
-def save_safetensors(tensors: dict, path: Path) -> None:
-    """safetensors' own writer, with the file mode the umask gives (it creates 0600 files)."""
-    save_file(tensors, str(path))
-    honour_umask(path)
 
 
 def all_reduce_cpu(t: torch.Tensor) -> None:

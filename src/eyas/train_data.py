@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .store import StoreError, check_sample_file, committed, read_sample, sample_relpath
+from .journal import committed
+from .store import StoreError, check_sample_file, read_sample, sample_relpath
 from .target import plan_batches
 
 

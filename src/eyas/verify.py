@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .fsutil import fsync_dir, is_temp_file
+from .journal import journal_files, rewrite_journal, scan_journals, set_aside_damaged_lines
 from .lock import live_locks
 from .runmeta import load_run_meta, restore_run_meta
 from .store import (
@@ -34,12 +35,8 @@ from .store import (
     check_sample_file,
     ensure_inside,
     iter_sample_files,
-    journal_files,
-    rewrite_journal,
     sample_index_of,
     sample_relpath,
-    scan_journals,
-    set_aside_damaged_lines,
     stray_temp_files,
 )
 
@@ -197,3 +194,32 @@ def _repair(run: Path, rep: VerifyReport, scans, bad: set[int], total: int) -> N
             keep.append(e)
         if len(keep) != len(scan.entries):
             rewrite_journal(paths[rank], keep)
+
+
+def render(rep: VerifyReport, out) -> None:
+    """The report for people, on a rich console `out`."""
+    from rich.markup import escape
+
+    run = rep.run
+    what = "headers and sizes" if rep.quick else "headers, sizes and checksums"
+    hashed = (
+        "" if rep.quick else f"; {rep.bytes_read / 1e6:.1f} MB hashed at {rep.mb_per_s:.0f} MB/s"
+    )
+    out.print(f"checked {rep.checked} samples ({what}): {rep.ok} ok in {rep.seconds:.2f}s{hashed}",
+              markup=False, highlight=False)  # fmt: skip
+    for p in rep.problems:
+        out.print(f"  [red]{p.kind:9s}[/] {escape(p.detail)}", highlight=False)
+    if rep.unjournaled:
+        out.print(f"  {len(rep.unjournaled)} intact sample file(s) have no journal entry (written just before a "
+                  f"stop): `eyas extract --resume {run}` adopts them after checking every checksum",
+                  markup=False, highlight=False)  # fmt: skip
+    for r in rep.repairs:
+        out.print(f"  repaired: {r}", markup=False, highlight=False)
+    if rep.repaired:
+        out.print(f"repaired; now run: eyas extract --resume {run}", markup=False, highlight=False)
+    elif rep.problems:
+        out.print(
+            f"to fix: eyas verify --repair {run} && eyas extract --resume {run}",
+            markup=False,
+            highlight=False,
+        )
