@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -43,6 +44,27 @@ def llama_dataset(tmp_path_factory, targets, conversations) -> Path:
         )
     )
     return out
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(base: Path, size: str):
+    """A real tmpfs of `size` under `base` (skips the test where mounting is refused);
+    always unmounted."""
+    mnt = base / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs here ({r.stderr.strip() or 'mount refused'}); needs root"
+        )
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def eyas(*args, check: bool = False, timeout: float = 300, **kw) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import eyas
+from conftest import eyas, mounted_tmpfs
 
 from eyas.extract import ExtractConfig, extract
 from eyas.journal import read_all_journals
@@ -120,19 +120,8 @@ def test_sigterm_finishes_commit_and_exits_75(tmp_path, targets, llama_dataset, 
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(
-            f"cannot mount a tmpfs here ({r.stderr.strip() or 'mount refused'}); needs root"
-        )
-    try:
+    with mounted_tmpfs(tmp_path, "2m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _grow(mnt: Path, size: str) -> None:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import eyas
+from conftest import eyas, mounted_tmpfs
 
 from eyas.demo_target import DEMO_TARGET
 from eyas.extract import ExtractConfig, extract
@@ -186,21 +186,8 @@ def test_short_runs_warm_up_in_proportion(tmp_path):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    import subprocess
-
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(
-            f"cannot mount a tmpfs here ({r.stderr.strip() or 'mount refused'}); needs root"
-        )
-    try:
+    with mounted_tmpfs(tmp_path, "3m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_small_disk_counts_and_advice_agree(small_tmpfs, targets, llama_dataset):
