@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,12 +39,12 @@ SIZES = TinySizes(
 
 @pytest.fixture(scope="module")
 def vtargets(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """(target, prepared dataset) for a tiny llama and qwen3 that vLLM runs on a CPU."""
+    """(target, prepared dataset) for tiny llama, qwen3 and deepseek_v3 targets vLLM runs on a CPU."""
     base = tmp_path_factory.mktemp("vtargets")
     conv = base / "conv.jsonl"
     write_jsonl(conv, generate_conversations(48, seed=5))
     out = {}
-    for arch in ("llama", "qwen3"):
+    for arch in ("llama", "qwen3", "deepseek_v3"):
         model = build_tiny_target(base / arch, arch, sizes=SIZES)
         prepare(
             PrepareConfig(
@@ -51,6 +52,14 @@ def vtargets(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
             )
         )
         out[arch] = (model, base / f"{arch}-ds")
+    # The same MLA + MoE weights with a plain rope: vLLM's CPU rope op took another path
+    # here and got MLA's queries wrong until eyas's worker fix (vllm_cpu_fixes).
+    plain = base / "deepseek_v3-plain-rope"
+    shutil.copytree(out["deepseek_v3"][0], plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 50000.0}
+    (plain / "config.json").write_text(json.dumps(cfg))
+    out["deepseek_v3-plain-rope"] = (plain, out["deepseek_v3"][1])
     return out
 
 
@@ -86,7 +95,7 @@ def _assert_close_to(run: Path, ref: Path, n: int) -> None:
             torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v3", "deepseek_v3-plain-rope"])
 def test_vllm_store_equals_hf(vtargets, hf_runs, tmp_path, arch):
     model, ds = vtargets[arch]
     run = tmp_path / "run"

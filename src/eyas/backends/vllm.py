@@ -44,6 +44,8 @@ def engine_kwargs(spec: BackendSpec) -> dict:
     )
     if spec.max_model_len:
         kw["max_model_len"] = spec.max_model_len
+    if on_cpu:  # corrects vLLM's CPU rope op for MLA queries; see the module
+        kw["worker_extension_cls"] = "eyas.backends.vllm_cpu_fixes.CPUFixes"
     return kw
 
 
