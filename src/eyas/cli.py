@@ -91,6 +91,9 @@ def tiny_target(
     layers: int = typer.Option(8, "--layers", help="Decoder layers."),
     hidden_size: int = typer.Option(64, "--hidden-size", help="Hidden size H."),
     seed: int = typer.Option(0, "--seed"),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code", help="Let --like's tokenizer code run."
+    ),
 ) -> None:
     """Build a small random target of a real architecture, with tokenizer and chat template."""
     from .tiny import TinySizes, build_tiny_target
@@ -102,7 +105,8 @@ def tiny_target(
         num_key_value_heads=min(2, heads) if heads % 2 == 0 else 1, intermediate_size=2 * hidden_size,
     )  # fmt: skip
     try:
-        path = build_tiny_target(out, arch, like=like, sizes=sizes, seed=seed)
+        path = build_tiny_target(out, arch, like=like, sizes=sizes, seed=seed,
+                                 trust_remote_code=trust_remote_code)  # fmt: skip
     except (FileNotFoundError, OSError, ValueError) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     console.print(
@@ -129,6 +133,9 @@ def prepare(
         0.01, "--max-error-rate", help="Failed fraction that makes exit 1."
     ),
     num_workers: int = typer.Option(1, "--num-workers", help="Tokenizer processes."),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code", help="Let the model directory's tokenizer code run."
+    ),
     extra_data: list[Path] | None = typer.Argument(None, help="More input files."),
 ) -> None:
     """Render conversations with the model's chat template; write ids, loss masks, vocab counts."""
@@ -140,6 +147,7 @@ def prepare(
         PrepareConfig, model=str(model), data=tuple(str(p) for p in [*data, *(extra_data or [])]),
         out=str(out), max_length=max_length, overlong=overlong, last_turn_only=last_turn_only,
         draft_vocab_size=draft_vocab_size, max_error_rate=max_error_rate, num_workers=num_workers,
+        trust_remote_code=trust_remote_code,
     )  # fmt: skip
     from .target import ModelDirError
 
@@ -636,6 +644,9 @@ def evaluate(
     tensor_parallel_size: int = typer.Option(
         1, "--tensor-parallel-size", help="vllm: GPUs for the target."
     ),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code", help="Let the model directory's code run."
+    ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check."""
@@ -647,7 +658,8 @@ def evaluate(
     _quiet_transformers()
     if engine not in ("hf", "vllm"):
         raise fail(f"--engine must be hf or vllm, got {engine!r}", EXIT_USAGE)
-    kw = dict(k=draft_tokens, max_new_tokens=max_new_tokens, limit=limit or None)
+    kw = dict(k=draft_tokens, max_new_tokens=max_new_tokens, limit=limit or None,
+              trust_remote_code=trust_remote_code)  # fmt: skip
     if engine == "vllm":
         kw["tensor_parallel_size"] = tensor_parallel_size
     try:

@@ -193,6 +193,7 @@ def evaluate(
     k: int = 3,
     max_new_tokens: int = 64,
     limit: int | None = 20,
+    trust_remote_code: bool = False,
     progress: bool = True,
 ) -> EvalResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -200,9 +201,11 @@ def evaluate(
     from .target import check_model_dir
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(
+        model_dir, local_files_only=True, trust_remote_code=trust_remote_code
+    )
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, local_files_only=True
+        model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
     ).eval()
     from .cpu import configure_threads
 
@@ -258,6 +261,7 @@ def evaluate_vllm(
     max_new_tokens: int = 64,
     limit: int | None = 20,
     tensor_parallel_size: int = 1,
+    trust_remote_code: bool = False,
     progress: bool = True,
 ) -> EvalResult:
     """The same measurement with vLLM as the judge: greedy generation without and with the
@@ -280,7 +284,9 @@ def evaluate_vllm(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(
+        model_dir, local_files_only=True, trust_remote_code=trust_remote_code
+    )
     prompts = load_prompts(tok, Path(data), limit)
     if not prompts:
         raise ValueError(f"{data}: no usable conversations with an assistant turn")
@@ -288,6 +294,7 @@ def evaluate_vllm(
     dtype = resolve_dtype("auto", device)
     spec = BackendSpec(model=model_dir, aux_layers=(), device=device, dtype=dtype, store_dtype=dtype,
                        layout=Layout(), tensor_parallel_size=tensor_parallel_size,
+                       trust_remote_code=trust_remote_code,
                        max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 8)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]

@@ -61,6 +61,8 @@ class PrepareConfig:
     """Fraction of failed records above which the run counts as failed (exit 1)."""
     num_workers: int = 1
     """Processes that tokenize in parallel."""
+    trust_remote_code: bool = False
+    """Let the model directory's tokenizer code run (Kimi's tokenizer is such code)."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -160,10 +162,13 @@ def tokenize_with_mask(
     tokenizer, text: str, spans: list[tuple[int, int]] | None
 ) -> tuple[list[int], list[int]]:
     """Token ids of `text`; a token is trainable when it overlaps an assistant span (all if None)."""
+    if spans is None:
+        ids = _encode(tokenizer, text)
+        return ids, [1] * len(ids)
+    if not tokenizer.is_fast:
+        return _mask_without_offsets(tokenizer, text, spans)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
-    if spans is None:
-        return ids, [1] * len(ids)
     mask = [0] * len(ids)
     j = 0
     for k, (s, e) in enumerate(enc["offset_mapping"]):
@@ -174,26 +179,118 @@ def tokenize_with_mask(
     return ids, mask
 
 
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _mask_without_offsets(
+    tokenizer, text: str, spans: list[tuple[int, int]]
+) -> tuple[list[int], list[int]]:
+    """The mask for a tokenizer that gives no character offsets (one that is Python code only).
+
+    Each span edge is mapped to a token position. Chat templates start and end assistant
+    turns at special tokens, where a tokenizer always cuts, so the pieces between edges
+    usually tokenize to exactly the whole text's ids, and the edges are known at once.
+    Otherwise each edge is placed by `_tokens_before`.
+    """
+    ids = _encode(tokenizer, text)
+    edges = sorted({e for span in spans for e in span})
+    pieces = [text[a:b] for a, b in zip([0, *edges], [*edges, len(text)], strict=True)]
+    parts = [_encode(tokenizer, p) if p else [] for p in pieces]
+    at: dict[int, tuple[int, bool]] = {}  # edge -> (tokens wholly before it, next one straddles)
+    if [t for part in parts for t in part] == ids:
+        n = 0
+        for edge, part in zip(edges, parts, strict=False):
+            n += len(part)
+            at[edge] = (n, False)
+    else:
+        at = {edge: _tokens_before(tokenizer, text, ids, edge) for edge in edges}
+    mask = [0] * len(ids)
+    for s, e in spans:
+        end = at[e][0] + (1 if at[e][1] else 0)  # a token that straddles the end overlaps
+        for k in range(at[s][0], min(end, len(ids))):
+            mask[k] = 1
+    return ids, mask
+
+
+def _tokens_before(tokenizer, text: str, ids: list[int], edge: int) -> tuple[int, bool]:
+    """How many of `ids` lie wholly before character `edge`, and whether the next one starts
+    before it. The ids that the text before the edge tokenizes to agree with `ids` up to some
+    point, and those lie before the edge; from there, tokens are added while the decoded
+    prefix stays within the edge (decoding is checked against the text)."""
+    before = _encode(tokenizer, text[:edge])
+    j = 0
+    while j < min(len(before), len(ids)) and before[j] == ids[j]:
+        j += 1
+    diverged = j < len(before)
+
+    def decoded(n: int) -> str:
+        return tokenizer.decode(
+            ids[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    while j < len(ids):
+        t = decoded(j + 1)
+        if len(t) > edge or not text.startswith(t):
+            break
+        j += 1
+    t = decoded(j)
+    if j < len(ids) and text.startswith(t):
+        return j, len(t) < edge
+    return j, diverged and j < len(ids)
+
+
 # ---------------------------------------------------------------------------- workers
 
 _TOK = None
 
 
-def _init_worker(model: str) -> None:
+def _init_worker(model: str, trust_remote_code: bool) -> None:
     global _TOK
-    _TOK = load_tokenizer(model)
+    _TOK = load_tokenizer(model, trust_remote_code)
 
 
-def load_tokenizer(model: str):
+def load_tokenizer(model: str, trust_remote_code: bool = False):
+    """The model's tokenizer: a fast one, or one that is Python code (then with the flag)."""
     from transformers import AutoTokenizer
 
-    from .target import check_model_dir
+    from .target import ModelDirError, check_model_dir
 
     check_model_dir(model, tokenizer=True)
-    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    if not tok.is_fast:
-        raise ValueError(f"{model}: a fast tokenizer is needed (offsets locate assistant tokens)")
-    return tok
+    try:
+        return AutoTokenizer.from_pretrained(
+            model, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except (ValueError, OSError) as exc:
+        code = _tokenizer_code(model)
+        if not trust_remote_code and (code or "trust_remote_code" in str(exc)):
+            raise ModelDirError(
+                f"{model}: its tokenizer is Python code shipped with the model"
+                f"{f' ({code})' if code else ''}; let it run with --trust-remote-code"
+            ) from None
+        raise
+    except Exception as exc:  # the shipped code does not load (an import this transformers lacks)
+        code = _tokenizer_code(model)
+        if not (trust_remote_code and code):
+            raise
+        import transformers
+
+        raise ValueError(
+            f"{model}: its tokenizer code ({code}) does not load with transformers "
+            f"{transformers.__version__}: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _tokenizer_code(model: str) -> str | None:
+    """The tokenizer class a model directory ships as code (tokenizer_config.json's auto_map)."""
+    try:
+        auto = json.loads((Path(model) / "tokenizer_config.json").read_text()).get("auto_map", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    ref = auto.get("AutoTokenizer") if isinstance(auto, dict) else None
+    if isinstance(ref, list):
+        ref = next((r for r in ref if r), None)
+    return ref if isinstance(ref, str) else None
 
 
 def _prepare_one(rec: RawRecord, cfg: PrepareConfig) -> Prepared | tuple[str, str, str]:
@@ -241,7 +338,12 @@ def _prepare_chunk(args: tuple[list[RawRecord], PrepareConfig]) -> list:
 
 def tokenizer_fingerprint(tokenizer) -> str:
     h = hashlib.sha256()
-    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    if tokenizer.is_fast:
+        h.update(tokenizer.backend_tokenizer.to_str().encode())
+    else:  # Python code: its class, vocabulary and special tokens
+        h.update(type(tokenizer).__name__.encode())
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+        h.update(json.dumps(sorted(str(t) for t in tokenizer.all_special_tokens)).encode())
     h.update(b"\0" + (tokenizer.chat_template or "").encode())
     return h.hexdigest()[:16]
 
@@ -249,7 +351,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def prepare(cfg: PrepareConfig) -> PrepareSummary:
     """Run the prepare stage; returns counts. Raises only for problems with the whole run."""
     out = Path(cfg.out)
-    tok = load_tokenizer(cfg.model)
+    tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
     global _TOK
     _TOK = tok
     raws: list[RawRecord] = []
@@ -265,7 +367,9 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     with Reporter("prepare", len(raws), unit="records", enabled=cfg.progress) as rep:
         if cfg.num_workers > 1 and len(chunks) > 1:
             with ProcessPoolExecutor(
-                cfg.num_workers, initializer=_init_worker, initargs=(cfg.model,)
+                cfg.num_workers,
+                initializer=_init_worker,
+                initargs=(cfg.model, cfg.trust_remote_code),
             ) as ex:
                 for res in ex.map(_prepare_chunk, chunks):
                     results.extend(res)

@@ -32,10 +32,9 @@ def check_model_dir(path: str | Path, *, tokenizer: bool = False, weights: bool 
         raise ModelDirError(f"{p} is a file, not a model directory")
     if not (p / "config.json").is_file():
         raise ModelDirError(f"{p} has no config.json (not a transformers model directory)")
-    if tokenizer and not any(
-        (p / f).is_file()
-        for f in ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
-    ):
+    tokenizer_files = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json",
+                       "tokenizer_config.json")  # fmt: skip
+    if tokenizer and not any((p / f).is_file() for f in tokenizer_files):
         raise ModelDirError(f"{p} has no tokenizer (tokenizer.json or tokenizer.model)")
     if weights and not any(p.glob("*.safetensors")):
         raise ModelDirError(f"{p} has no safetensors weights")

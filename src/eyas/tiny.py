@@ -155,11 +155,25 @@ def _arch_config(arch: str, vocab_size: int, sizes: TinySizes, tokenizer):
             topk_method="noaux_tc",  # as DeepSeek-V3 / Kimi-K2 configs say; vLLM reads it
             scoring_func="sigmoid",
             first_k_dense_replace=1,
-            kv_lora_rank=max(8, h // 4),
+            # DeepSeek-V3's and Kimi-K2's MLA widths: a latent of 512 plus 64 rope dims (576,
+            # the one MLA head size vLLM's CPU kernels take); the per-head parts stay tiny.
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
             q_lora_rank=max(8, h // 2),
-            qk_rope_head_dim=8,
             qk_nope_head_dim=8,
             v_head_dim=h // sizes.num_attention_heads,
+            # YaRN as in Kimi-K2's config (factor 32, betas 1, mscales 1, theta 50000), over
+            # this model's shorter context.
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 50000.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": common["max_position_embeddings"] // 32,
+                "beta_fast": 1.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
             **common,
         )
     raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
@@ -238,9 +252,10 @@ def build_tiny_target(
     sizes: TinySizes | None = None,
     seed: int = 0,
     tokenizer=None,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Write a tiny random target to `out` and return it; float32 weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     sizes = sizes or TinySizes()
     out = Path(out)
@@ -248,7 +263,9 @@ def build_tiny_target(
         like = Path(like)
         if not (like / "config.json").exists():
             raise FileNotFoundError(f"--like {like}: no config.json there")
-        tokenizer = AutoTokenizer.from_pretrained(like, local_files_only=True)
+        from .prepare import load_tokenizer
+
+        tokenizer = load_tokenizer(str(like), trust_remote_code)
         if not tokenizer.chat_template:
             raise ValueError(f"--like {like}: the tokenizer has no chat template")
         config = _like_config(like, sizes, len(tokenizer))
