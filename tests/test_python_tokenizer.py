@@ -125,3 +125,21 @@ def test_tokenizer_code_that_does_not_import_is_named(tmp_path, targets):
         and "does not load with transformers" in p.stderr
     )
     assert "no_such_helper" in p.stderr and not (tmp_path / "ds").exists()
+
+
+def test_pieces_that_do_not_add_up_fall_back_to_the_whole_text(tmp_path, targets, monkeypatch):
+    """Cuts a tokenizer does not make (as when an added token swallows nearby spaces):
+    the piece ids differ from the whole text's, and the edges are placed in the whole text."""
+    import eyas.prepare as prep
+
+    fast = AutoTokenizer.from_pretrained(targets["qwen3"])
+    slow = AutoTokenizer.from_pretrained(
+        python_tokenizer_copy(targets["qwen3"], tmp_path / "slow"), trust_remote_code=True
+    )
+    text, spans = prep.assistant_spans(fast, MULTI)
+    bogus = {p for s, e in spans for p in (s + 1, e - 3)}  # inside tokens, never a real cut
+    monkeypatch.setattr(prep, "_added_token_edges", lambda tok, t: bogus)
+    pieces = sorted({0, len(text)} | bogus)
+    parts = [_encode(slow, text[a:b]) for a, b in zip(pieces[:-1], pieces[1:], strict=True)]
+    assert sum(parts, []) != _encode(slow, text)
+    assert prep._mask_without_offsets(slow, text, spans) == tokenize_with_mask(fast, text, spans)

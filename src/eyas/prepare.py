@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -188,21 +189,31 @@ def _mask_without_offsets(
 ) -> tuple[list[int], list[int]]:
     """The mask for a tokenizer that gives no character offsets (one that is Python code only).
 
-    Each span edge is mapped to a token position. Chat templates start and end assistant
-    turns at special tokens, where a tokenizer always cuts, so the pieces between edges
-    usually tokenize to exactly the whole text's ids, and the edges are known at once.
-    Otherwise each edge is placed by `_tokens_before`.
+    A tokenizer cuts the text at its added (special) tokens and tokenizes the pieces between
+    them on their own, so each piece's ids are known, and chat templates start and end the
+    assistant's turns at or near such tokens. An edge at a piece's start is exact; one inside
+    a piece is placed by `_tokens_before` within that piece. Where the pieces do not add up
+    to the whole text's ids (a token that swallows the spaces beside it), the edges are
+    placed within the whole text instead, which is slower but the same.
     """
     ids = _encode(tokenizer, text)
-    edges = sorted({e for span in spans for e in span})
-    pieces = [text[a:b] for a, b in zip([0, *edges], [*edges, len(text)], strict=True)]
-    parts = [_encode(tokenizer, p) if p else [] for p in pieces]
+    cuts = sorted({0, len(text)} | _added_token_edges(tokenizer, text))
+    pieces = list(zip(cuts[:-1], cuts[1:], strict=True))
+    parts = [_encode(tokenizer, text[a:b]) for a, b in pieces]
+    edges = {e for span in spans for e in span}
     at: dict[int, tuple[int, bool]] = {}  # edge -> (tokens wholly before it, next one straddles)
     if [t for part in parts for t in part] == ids:
-        n = 0
-        for edge, part in zip(edges, parts, strict=False):
-            n += len(part)
-            at[edge] = (n, False)
+        first = 0  # token index of the piece's first token
+        for (a, b), part in zip(pieces, parts, strict=True):
+            for edge in edges:
+                if edge == a:
+                    at[edge] = (first, False)
+                elif a < edge < b:
+                    j, straddles = _tokens_before(tokenizer, text[a:b], part, edge - a)
+                    at[edge] = (first + j, straddles)
+            first += len(part)
+        if len(text) in edges:
+            at[len(text)] = (len(ids), False)
     else:
         at = {edge: _tokens_before(tokenizer, text, ids, edge) for edge in edges}
     mask = [0] * len(ids)
@@ -211,6 +222,17 @@ def _mask_without_offsets(
         for k in range(at[s][0], min(end, len(ids))):
             mask[k] = 1
     return ids, mask
+
+
+def _added_token_edges(tokenizer, text: str) -> set[int]:
+    """Character positions where an added token (a chat template's markers) starts or ends."""
+    added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+    if not added:
+        return set()
+    edges = set()
+    for m in re.finditer("|".join(map(re.escape, added)), text):
+        edges.update(m.span())
+    return edges
 
 
 def _tokens_before(tokenizer, text: str, ids: list[int], edge: int) -> tuple[int, bool]:
