@@ -336,6 +336,10 @@ def test_deepseek_v3_target_end_to_end(targets, conversations, tmp_path):
         eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex").returncode
         == 0
     )
+    # its draft vocabulary is the whole vocabulary: no id map in the export (vLLM refuses one)
+    cfg = json.loads((tmp_path / "ex" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == cfg["transformer_layer_config"]["vocab_size"]
+    assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "ex" / "model.safetensors")))
     r = eyas("evaluate", "--model", t, "--drafter", tmp_path / "ex", "--data", conversations, "--limit", "3",
              "--max-new-tokens", "12", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr

@@ -215,6 +215,23 @@ def test_vllm_judges_like_eyas_evaluate(demo_drafter):
     assert sg["lossless"] and sg["acceptance_length"] > 1.0
 
 
+def test_vllm_loads_a_drafter_whose_draft_vocab_is_the_whole_vocab(vtargets, hf_runs, tmp_path):
+    """D = V (the tiny llama's 2048 ids, under the default 32000): vLLM has no id map then."""
+    model, _ = vtargets["llama"]
+    eyas("train", "--data", hf_runs["llama"], "--out", tmp_path / "tr", "--epochs", "1", "--ttt-steps", "2",
+         "--batch-tokens", "2048", check=True, timeout=600)  # fmt: skip
+    eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex", check=True)
+    cfg = json.loads((tmp_path / "ex" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == cfg["transformer_layer_config"]["vocab_size"]
+    prompts = tmp_path / "p.jsonl"
+    write_jsonl(prompts, generate_conversations(3, seed=99))
+    p = eyas("evaluate", "--model", model, "--drafter", tmp_path / "ex", "--data", prompts, "--limit", "3",
+             "--max-new-tokens", "12", "--engine", "vllm", "--json", timeout=900)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    assert res["lossless"] and res["rounds"] > 0
+
+
 def _free_port() -> int:
     import socket
 

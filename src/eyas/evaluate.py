@@ -304,8 +304,14 @@ def evaluate_vllm(
         if progress:
             console.print(f"evaluate (vllm): {'with' if speculative else 'without'} the drafter, "
                           f"{len(prompts)} prompts", markup=False, highlight=False)  # fmt: skip
-        llm = LLM(**{**engine_kwargs(spec), "disable_log_stats": speculative is None},
-                  **({"speculative_config": speculative} if speculative else {}))  # fmt: skip
+        try:
+            llm = LLM(**{**engine_kwargs(spec), "disable_log_stats": speculative is None},
+                      **({"speculative_config": speculative} if speculative else {}))  # fmt: skip
+        except RuntimeError as exc:  # vLLM's own cause is in its log, above on stderr
+            what = "the target with the drafter" if speculative else "the target"
+            raise ValueError(
+                f"vLLM could not start {what} (its log above says why): {exc}"
+            ) from None
         t0 = time.perf_counter()
         outs = llm.generate(inputs, params, use_tqdm=False)
         seconds = time.perf_counter() - t0

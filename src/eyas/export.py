@@ -4,7 +4,9 @@
 - `sglang`: the EAGLE format (`LlamaForCausalLMEagle3`), decoder layer as `midlayer.*`.
 
 Both carry `fc`, the layer, `norm`, `lm_head` [D, H], `d2t` (int64) and `t2d` (bool), and the
-target's token embeddings copied exactly (never random ones). `norm_before_residual` is
+target's token embeddings copied exactly (never random ones). A draft vocabulary that is the
+whole vocabulary (D = V) maps every id to itself: then `d2t` and `t2d` are left out, because
+vLLM has no place for them and refuses to load a drafter that carries them. `norm_before_residual` is
 written explicitly because loaders disagree on its default. `load_export` reads either
 format back.
 
@@ -150,6 +152,12 @@ def export(
     }
     prefix = _LAYER_PREFIX[fmt]
     tensors = {}
+    if c.draft_vocab_size == c.vocab_size:
+        if state["d2t"].any():
+            raise ExportError(
+                f"{train_dir}: the draft vocabulary is the whole vocabulary but d2t is not zero"
+            )
+        state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     for name, t in state.items():
         if name.startswith("midlayer."):
             name = prefix + name.removeprefix("midlayer.")
@@ -202,6 +210,9 @@ def load_export(path: str | Path) -> tuple[Drafter, list[int]]:
         for k, v in raw.items()
     }
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    if c.draft_vocab_size == c.vocab_size and "d2t" not in state:  # the identity, left out
+        state["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ExportError(f"{path}/model.safetensors: missing {missing}, unexpected {unexpected}")
