@@ -149,7 +149,7 @@ def train_vs_bare(args) -> float:
             d.attention = "chunked" if device.type == "cpu" else "flex"
             d.to(device)
             lm_head = lm_head.to(device)
-            entries = usable_samples(work / "run", meta["hidden_size"], lambda m: None)
+            entries, _ = usable_samples(work / "run", meta["hidden_size"], lambda m: None)
             reader = SampleReader(work / "run", entries, False)
             lengths = {i: e["tokens"] for i, e in entries.items()}
             idx, _ = split_samples(sorted(entries), 0.0)

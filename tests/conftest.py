@@ -76,3 +76,8 @@ def eyas(*args, check: bool = False, timeout: float = 300, **kw) -> subprocess.C
             f"eyas {' '.join(map(str, args))} exited {p.returncode}\n{p.stdout}\n{p.stderr}"
         )
     return p
+
+
+def pytest_collection_modifyitems(config, items):
+    """The whole-demo run goes last: the quick tests report first, not after minutes of silence."""
+    items.sort(key=lambda it: it.nodeid.startswith("tests/test_demo.py"))

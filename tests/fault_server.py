@@ -8,6 +8,12 @@ timeout, or a dropped connection. The answer itself depends only on the messages
 request answers the same whenever it finally gets through, and an interrupted job must end
 with exactly what an uninterrupted one writes. Every seventh conversation is "cut by
 max_tokens" (finish_reason "length").
+
+A last user message that contains `HOSTILE:<kind>` gets, every time, an answer that is not
+a usable completion: `bad-utf8` (a body that is not UTF-8), `array` (a JSON array),
+`choices-string`, `usage-text` (non-numeric token counts), `surrogate` (a lone surrogate
+in the content), `trickle` (a valid answer sent one byte per second), `huge` (5 MB of
+content), or `think` (a valid answer with `reasoning_content` and `tool_calls`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,13 @@ def make_handler(seed: int, stall: float, delay: float = 0.0):
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            req = json.loads(body)
+            last = next(
+                (m.get("content") or "" for m in reversed(req["messages"]) if m["role"] == "user"),
+                "",
+            )
+            if "HOSTILE:" in last:  # the same hostile answer every time, no injected faults first
+                return self._hostile(last.split("HOSTILE:")[1].split()[0], req)
             key = hashlib.sha256(body + str(seed).encode()).hexdigest()
             with lock:
                 n = attempts.get(key, 0)
@@ -56,7 +69,6 @@ def make_handler(seed: int, stall: float, delay: float = 0.0):
                     time.sleep(stall)
                     return self._send(503, {"error": "stalled"})
                 return self._send(int(kind), {"error": f"injected {kind}"})
-            req = json.loads(body)
             text, finish = answer(req["messages"])
             time.sleep(delay)  # the time a real target takes to answer
             self._send(200, {
@@ -64,6 +76,55 @@ def make_handler(seed: int, stall: float, delay: float = 0.0):
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
                 "usage": {"prompt_tokens": len(json.dumps(req["messages"])) // 4, "completion_tokens": len(text.split())},
             })  # fmt: skip
+
+        def _hostile(self, kind: str, req: dict) -> None:
+            good = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "fine"},
+                                 "finish_reason": "stop"}], "model": req["model"],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1}}  # fmt: skip
+            if kind == "bad-utf8":
+                return self._raw(200, b'{"choices": [{"message": {"content": "\xff\xfe"}}]}')
+            if kind == "array":
+                return self._raw(200, b"[1, 2, 3]")
+            if kind == "choices-string":
+                return self._raw(200, b'{"choices": "none"}')
+            if kind == "usage-text":
+                good["usage"]["completion_tokens"] = "many"
+                return self._send(200, good)
+            if kind == "surrogate":
+                return self._raw(200, b'{"choices": [{"message": {"content": "a\\ud800b"}}]}')
+            if kind == "huge":
+                good["choices"][0]["message"]["content"] = "x" * (5 << 20)
+                return self._send(200, good)
+            if kind == "think":
+                good["choices"][0]["message"].update(
+                    reasoning_content="let me think", content="",
+                    tool_calls=[{"id": "c1", "type": "function",
+                                 "function": {"name": "add", "arguments": '{"a": 1}'}}])  # fmt: skip
+                return self._send(200, good)
+            if kind == "trickle":
+                data = json.dumps(good).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    for i in range(len(data)):
+                        self.wfile.write(data[i : i + 1])
+                        self.wfile.flush()
+                        time.sleep(1.0)
+                except OSError:
+                    pass
+                return None
+            raise ValueError(kind)
+
+        def _raw(self, code: int, data: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            try:
+                self.wfile.write(data)
+            except OSError:
+                pass
 
         def _send(self, code: int, obj: dict) -> None:
             data = json.dumps(obj).encode()

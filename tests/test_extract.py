@@ -178,7 +178,11 @@ def test_resume_refuses_changed_model_or_dataset(tmp_path, targets, conversation
     shutil.copytree(targets["llama"], model)
     small = tmp_path / "small.jsonl"
     small.write_text("".join(conversations.read_text().splitlines(keepends=True)[:30]))
-    prepare(PrepareConfig(model=str(model), data=(str(small),), out=str(data), progress=False))
+    prepare(
+        PrepareConfig(
+            model=str(model), data=(str(small),), out=str(data), progress=False, force=True
+        )
+    )
     p = eyas("extract", "--resume", run)
     assert p.returncode == 1 and "dataset changed" in p.stderr
     # A new run into the same directory with another config is refused too.

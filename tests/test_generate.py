@@ -177,3 +177,82 @@ def test_changed_settings_are_refused_and_the_key_is_never_written(server, input
         _cmd(server, inputs, out, "--max-tokens", "7"), capture_output=True, text=True
     )
     assert p.returncode == 1 and "another sampling" in p.stderr, p.stderr
+
+
+def test_bad_answers_are_per_record_errors(server, tmp_path):
+    """Answers that are not usable completions fail their record (after retries), never the
+    job; a trickling server is cut at --timeout for the whole request; an answer over
+    --max-response-bytes is refused. The good records are written."""
+    kinds = ["bad-utf8", "array", "choices-string", "usage-text", "surrogate", "trickle", "huge"]
+    recs = [{"id": k, "messages": [{"role": "user", "content": f"HOSTILE:{k} please"},
+                                   {"role": "assistant", "content": "x"}]} for k in kinds]  # fmt: skip
+    recs.insert(3, {"id": "good", "messages": [{"role": "user", "content": "hello"},
+                                               {"role": "assistant", "content": "x"}]})  # fmt: skip
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "out.jsonl"
+    t0 = time.monotonic()
+    cmd = [
+        *_cmd(server, data, out)[:-2],
+        "--timeout",
+        "3",
+        "--retries",
+        "1",
+        "--max-response-bytes",
+        "1000000",
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"{len(kinds)} records failed" in p.stderr
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["good"]
+    errors = {e["id"]: e["reason"] for e in map(json.loads, (tmp_path / "out.jsonl.eyas-gen" / "errors.jsonl").read_text().splitlines())}  # fmt: skip
+    assert set(errors) == set(kinds)
+    assert "not UTF-8" in errors["bad-utf8"] and "JSON list" in errors["array"]
+    assert "lone surrogate" in errors["surrogate"] and "token count" in errors["usage-text"]
+    assert "within --timeout" in errors["trickle"] and "--max-response-bytes" in errors["huge"]
+    assert took < 60  # two attempts of 3 s for the trickle, not minutes of one byte a second
+    # A rerun retries only the failed records and ends the same way: the job can finish.
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and f"{len(kinds)} records failed" in p.stderr
+
+
+def test_opening_assistant_turn_is_kept_and_reasoning_is_kept(server, tmp_path):
+    recs = [
+        {"id": "opens", "messages": [{"role": "assistant", "content": "Hi, I am the bot."},
+                                     {"role": "user", "content": "hello"},
+                                     {"role": "assistant", "content": "x"}]},
+        {"id": "thinks", "messages": [{"role": "user", "content": "HOSTILE:think add"},
+                                      {"role": "assistant", "content": "x"}]},
+        {"id": "only-opening", "messages": [{"role": "assistant", "content": "Hi."}]},
+    ]  # fmt: skip
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "out.jsonl"
+    p = subprocess.run(_cmd(server, data, out), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "1 records failed" in p.stderr, (
+        p.stderr
+    )  # only-opening: nothing to do
+    got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    opens = got["opens"]
+    assert opens["messages"][0] == {"role": "assistant", "content": "Hi, I am the bot."}
+    assert opens["messages"][2]["content"].startswith("target says")
+    assert opens["generation"]["kept_as_written"] == [0]
+    turn = got["thinks"]["messages"][1]
+    assert (
+        turn["reasoning_content"] == "let me think"
+        and turn["tool_calls"][0]["function"]["name"] == "add"
+    )
+
+
+def test_disk_full_is_exit_75(server, inputs, tmp_path):
+    from conftest import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path, "1m") as mnt:
+        (mnt / "filler").write_bytes(b"\0" * (1024 * 1024 - 8192))
+        p = subprocess.run(
+            _cmd(server, inputs, mnt / "out.jsonl"), capture_output=True, text=True, timeout=300
+        )
+        assert p.returncode == 75 and "disk full" in p.stderr and "Traceback" not in p.stderr, (
+            p.stderr
+        )

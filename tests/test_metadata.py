@@ -364,15 +364,15 @@ def test_train_never_trains_on_damaged_samples(tmp_path, reference):
     for i in range(7):
         assert str(path(i)) in r.stderr, (i, r.stderr)
     assert str(path(7)) not in r.stderr
-    skipped = [
-        json.loads(x)["index"]
-        for x in (tmp_path / "t" / "skipped_samples.jsonl").read_text().splitlines()
+    lines = [
+        json.loads(x) for x in (tmp_path / "t" / "skipped_samples.jsonl").read_text().splitlines()
     ]
-    assert sorted(skipped) == [
-        0,
-        1,
-        2,
-    ]  # found by their checksums on first read; 3-6 by their headers
+    # Every sample left out is listed once, with why and when: 0-2 by their checksums on
+    # first read, 3-6 by their headers at start-up.
+    assert sorted(e["index"] for e in lines) == list(range(7))
+    when = {e["index"]: e["found"] for e in lines}
+    assert all(when[i] == "while training" for i in range(3))
+    assert all(when[i].startswith("at start-up") for i in range(3, 7))
     # Without tensor checksums the header checks still hold: swapped, re-signed, truncated.
     r = eyas("train", "--data", run, "--out", tmp_path / "t2", "--epochs", "1", "--ttt-steps", "2",
              "--batch-tokens", "1024", "--val-fraction", "0", "--no-verify-data")  # fmt: skip

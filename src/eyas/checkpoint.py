@@ -1,8 +1,10 @@
 """Training checkpoints: all-or-nothing step directories, and drafter weights on disk.
 
-A step directory is written under a temp name, fsynced, given a COMPLETE marker (written
-last) and renamed into place; only directories with the marker are ever loaded, so a
-checkpoint is complete or invisible. The newest `keep` survive.
+A step directory is written under a temp name, fsynced, given its manifest (`COMPLETE`: the
+sizes and xxh3-128 checksums of its files, written last) and renamed into place; only
+directories with the manifest are considered, and a resume loads the newest one whose files
+match it, falling back past damaged ones and saying so. The newest `keep` survive. The
+final drafter carries a manifest too, checked by `export`.
 """
 
 from __future__ import annotations
@@ -10,19 +12,42 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from .drafter import Drafter
-from .fsutil import atomic_write_json, fsync_dir, honour_umask, read_json
+from .fsutil import (
+    DiskFullError,
+    atomic_write_json,
+    fsync_dir,
+    honour_umask,
+    is_disk_full,
+    read_json,
+)
+from .manifest import ManifestError, check_manifest, write_manifest
 
 
-def save_safetensors(tensors: dict, path: Path) -> None:
-    """safetensors' own writer, with the file mode the umask gives (it creates 0600 files)."""
-    save_file(tensors, str(path))
+def save_safetensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    """safetensors' own writer, with the file mode the umask gives (it creates 0600 files);
+    its error for a full disk (not an OSError) becomes DiskFullError."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as exc:
+        if "os error 28" in str(exc) or "os error 122" in str(exc):
+            raise DiskFullError(28, f"no space left writing {path}") from exc
+        raise
     honour_umask(path)
+
+
+MARKER = "COMPLETE"  # the checkpoint's manifest: its files' sizes and checksums, written last
+FINAL_MANIFEST = "drafter.manifest.json"  # the final drafter's: drafter.safetensors and its config
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint where one was needed; the message says why and what to do."""
 
 
 def _ckpt_dirs(out: Path) -> list[Path]:
@@ -31,53 +56,142 @@ def _ckpt_dirs(out: Path) -> list[Path]:
         return []
     # A step-N.tmp directory holds its marker for a moment before its rename: skip it.
     return sorted(
-        p for p in d.iterdir() if re.fullmatch(r"step-\d{8}", p.name) and (p / "COMPLETE").is_file()
+        p for p in d.iterdir() if re.fullmatch(r"step-\d{8}", p.name) and (p / MARKER).is_file()
     )
+
+
+def remove_stale_temp(out: Path) -> list[Path]:
+    """Remove step-N.tmp directories left by a killed save (only the lock holder may)."""
+    d = Path(out) / "checkpoints"
+    stale = sorted(d.glob("step-*.tmp")) if d.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
 
 
 def save_checkpoint(
     out: Path, drafter: Drafter, opt: torch.optim.Optimizer, state: dict, keep: int
 ) -> Path:
     final = out / "checkpoints" / f"step-{state['step']:08d}"
-    if (final / "COMPLETE").is_file():
+    if (final / MARKER).is_file():
         return final
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_safetensors(
-        {k: v.contiguous() for k, v in drafter.state_dict().items()}, tmp / "drafter.safetensors"
-    )
-    opt_tensors = {}
-    for pi, st in opt.state_dict()["state"].items():
-        for name, v in st.items():
-            opt_tensors[f"{pi}.{name}"] = torch.as_tensor(v).contiguous()
-    save_safetensors(opt_tensors, tmp / "optimizer.safetensors")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    atomic_write_json(tmp / "state.json", state)
-    atomic_write_json(tmp / "COMPLETE", {"step": state["step"]})  # the marker: written last
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
+    try:
+        tmp.mkdir(parents=True)
+        save_safetensors(
+            {k: v.contiguous() for k, v in drafter.state_dict().items()},
+            tmp / "drafter.safetensors",
+        )
+        opt_tensors = {}
+        for pi, st in opt.state_dict()["state"].items():
+            for name, v in st.items():
+                opt_tensors[f"{pi}.{name}"] = torch.as_tensor(v).contiguous()
+        save_safetensors(opt_tensors, tmp / "optimizer.safetensors")
+        atomic_write_json(tmp / "state.json", state)
+        write_manifest(tmp, ["drafter.safetensors", "optimizer.safetensors", "state.json"], MARKER,
+                       step=state["step"])  # fmt: skip
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+        if is_disk_full(exc):
+            raise DiskFullError(exc.errno, f"no space left saving checkpoint {final}") from exc
+        raise
     for old in _ckpt_dirs(out)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def load_checkpoint(ckpt: Path, drafter: Drafter, opt: torch.optim.Optimizer | None) -> dict:
-    drafter.load_state_dict(load_file(str(ckpt / "drafter.safetensors")))
-    if opt is not None:
-        flat = load_file(str(ckpt / "optimizer.safetensors"))
-        state: dict[int, dict] = {}
-        for key, v in flat.items():
-            pi, name = key.split(".", 1)
-            state.setdefault(int(pi), {})[name] = v
-        sd = opt.state_dict()
-        sd["state"] = state
-        opt.load_state_dict(sd)
-    return read_json(ckpt / "state.json")
+    """Check `ckpt` against its manifest, then load it; raises ManifestError naming the
+    damage (a legacy marker without checksums is loaded unchecked)."""
+    try:
+        check_manifest(ckpt, MARKER)
+    except ManifestError:
+        if not _legacy_marker(ckpt):
+            raise
+    try:
+        drafter.load_state_dict(load_file(str(ckpt / "drafter.safetensors")))
+        if opt is not None:
+            flat = load_file(str(ckpt / "optimizer.safetensors"))
+            state: dict[int, dict] = {}
+            for key, v in flat.items():
+                pi, name = key.split(".", 1)
+                state.setdefault(int(pi), {})[name] = v
+            sd = opt.state_dict()
+            sd["state"] = state
+            opt.load_state_dict(sd)
+        st = read_json(ckpt / "state.json")
+    except Exception as exc:  # noqa: BLE001 - any unreadable part means a damaged checkpoint
+        raise ManifestError(f"{ckpt}: cannot be loaded ({type(exc).__name__}: {exc})") from None
+    if not isinstance(st, dict) or not all(
+        isinstance(st.get(k), int) for k in ("step", "epoch", "batch")
+    ):
+        raise ManifestError(f"{ckpt / 'state.json'}: not a training state")
+    return st
+
+
+def _legacy_marker(ckpt: Path) -> bool:
+    """A marker from before checkpoints had manifests: {"step": N} and nothing else."""
+    try:
+        m = read_json(ckpt / MARKER)
+    except (OSError, ValueError):
+        return False
+    return isinstance(m, dict) and set(m) == {"step"}
+
+
+def resume_checkpoint(
+    out: Path, drafter: Drafter, opt: torch.optim.Optimizer, log
+) -> tuple[dict, Path] | None:
+    """Load the newest checkpoint that checks out, falling back (and saying so) past damaged
+    ones; None when there is none at all; CheckpointError when every one is damaged."""
+    dirs = _ckpt_dirs(Path(out))
+    damaged = []
+    for ckpt in reversed(dirs):
+        try:
+            state = load_checkpoint(ckpt, drafter, opt)
+        except ManifestError as exc:
+            damaged.append(str(exc))
+            aside = ckpt.with_name(f"damaged-{ckpt.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(ckpt, aside)  # its step is saved afresh when training reaches it again
+            log(f"warning: checkpoint {ckpt.name} is damaged, set aside as {aside.name}: {exc}")
+            continue
+        if damaged:
+            log(
+                f"falling back to the newest intact checkpoint, {ckpt.name}: steps after it are trained again"
+            )
+        return state, ckpt
+    if damaged:
+        raise CheckpointError(f"{out}: every checkpoint is damaged ({'; '.join(damaged)}); "
+                              "start again with another --out")  # fmt: skip
+    return None
 
 
 def latest_checkpoint(out: Path) -> Path | None:
     dirs = _ckpt_dirs(Path(out))
     return dirs[-1] if dirs else None
+
+
+def save_final(out: Path, drafter: Drafter) -> None:
+    """The trained drafter and its config, then their manifest (written last)."""
+    save_safetensors(
+        {k: v.contiguous() for k, v in drafter.state_dict().items()}, out / "drafter.safetensors"
+    )
+    atomic_write_json(out / "drafter_config.json", drafter.config.to_dict())
+    write_manifest(out, ["drafter.safetensors", "drafter_config.json"], FINAL_MANIFEST)
+
+
+def load_final(train_dir: Path) -> tuple[dict, dict]:
+    """(state dict, config dict) of a training directory's final drafter, checked against
+    its manifest; ManifestError names what is wrong."""
+    train_dir = Path(train_dir)
+    check_manifest(train_dir, FINAL_MANIFEST)
+    try:
+        return load_file(str(train_dir / "drafter.safetensors")), read_json(
+            train_dir / "drafter_config.json"
+        )
+    except Exception as exc:  # noqa: BLE001
+        raise ManifestError(
+            f"{train_dir / 'drafter.safetensors'}: cannot be loaded ({exc})"
+        ) from None

@@ -74,6 +74,15 @@ def fail(msg: str, code: int = EXIT_PROBLEMS) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _disk_full(exc: BaseException, then: str) -> None:
+    """A full disk is a clean, resumable stop in every stage: exit 75 and one line."""
+    from .fsutil import is_disk_full
+
+    if is_disk_full(exc):
+        raise fail(f"disk full: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}. "
+                   f"Nothing half-written is kept; free space, then: {then}", EXIT_STOPPED) from None  # fmt: skip
+
+
 def _config(factory, **kw):
     try:
         return factory(**kw)
@@ -89,13 +98,21 @@ def tiny_target(
         None, "--like", help="Real model dir (config + tokenizer) to imitate."
     ),
     layers: int = typer.Option(8, "--layers", help="Decoder layers."),
-    hidden_size: int = typer.Option(64, "--hidden-size", help="Hidden size H."),
+    hidden_size: int = typer.Option(
+        64,
+        "--hidden-size",
+        help="Hidden size H (4 heads of H/4; vLLM's CPU kernels need heads of 64: --hidden-size 256).",
+    ),
     seed: int = typer.Option(0, "--seed"),
     trust_remote_code: bool = typer.Option(
         False, "--trust-remote-code", help="Let --like's tokenizer code run."
     ),
 ) -> None:
-    """Build a small random target of a real architecture, with tokenizer and chat template."""
+    """Build a small random target of a real architecture, with tokenizer and chat template.
+
+    Its weights are random: it rehearses the machinery (extract, train, export, evaluate),
+    and a drafter trained on it learns nothing (accuracy about 0). `eyas demo`'s target is
+    the one that learns."""
     from .tiny import TinySizes, build_tiny_target
 
     _quiet_transformers()
@@ -136,6 +153,7 @@ def prepare(
     trust_remote_code: bool = typer.Option(
         False, "--trust-remote-code", help="Let the model directory's tokenizer code run."
     ),
+    force: bool = typer.Option(False, "--force", help="Replace an existing dataset at --out."),
     extra_data: list[Path] | None = typer.Argument(None, help="More input files."),
 ) -> None:
     """Render conversations with the model's chat template; write ids, loss masks, vocab counts."""
@@ -147,15 +165,21 @@ def prepare(
         PrepareConfig, model=str(model), data=tuple(str(p) for p in [*data, *(extra_data or [])]),
         out=str(out), max_length=max_length, overlong=overlong, last_turn_only=last_turn_only,
         draft_vocab_size=draft_vocab_size, max_error_rate=max_error_rate, num_workers=num_workers,
-        trust_remote_code=trust_remote_code,
+        trust_remote_code=trust_remote_code, force=force,
     )  # fmt: skip
     from .target import ModelDirError
 
     try:
         s = run(cfg)
-    except ModelDirError as exc:
+    except (ModelDirError, FileNotFoundError) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
-    except (FileNotFoundError, ValueError, OSError) as exc:
+    except (ValueError, OSError) as exc:
+        _disk_full(
+            exc,
+            shlex.join(["eyas", *sys.argv[1:]])
+            if sys.argv[1:2] == ["prepare"]
+            else "prepare again",
+        )
         raise fail(str(exc)) from None
     console.print(
         f"prepared {s.prepared}/{s.records} records, {s.tokens} tokens ({s.trainable_tokens} trainable), "
@@ -191,7 +215,9 @@ def generate(
     max_tokens: int = typer.Option(2048, "--max-tokens"),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy."),
     seed: int | None = typer.Option(None, "--seed"),
-    timeout: float = typer.Option(600.0, "--timeout", help="Seconds per request before a retry."),
+    timeout: float = typer.Option(
+        600.0, "--timeout", help="Seconds one request may take in all before a retry."
+    ),
     retries: int = typer.Option(
         6, "--retries", help="Retries on 429/5xx, timeouts, dropped connections."
     ),
@@ -206,6 +232,9 @@ def generate(
         "--api-key-env",
         help="Environment variable with the API key (never written anywhere).",
     ),
+    max_response_bytes: int = typer.Option(
+        64 << 20, "--max-response-bytes", help="Largest answer accepted (bytes)."
+    ),
 ) -> None:
     """Replace assistant turns with the target's own answers, through a serving endpoint, exactly once."""
     from .generate import GenerateConfig, GenerateStopped
@@ -215,6 +244,7 @@ def generate(
         GenerateConfig, endpoint=endpoint, model=model, data=tuple(str(p) for p in data), out=str(out),
         concurrency=concurrency, max_tokens=max_tokens, temperature=temperature, seed=seed, timeout=timeout,
         retries=retries, backoff=backoff, turns=turns, api_key_env=api_key_env,
+        max_response_bytes=max_response_bytes,
     )  # fmt: skip
     command = (
         shlex.join(["eyas", *sys.argv[1:]])
@@ -225,7 +255,10 @@ def generate(
         s = run_generate(cfg, command)
     except GenerateStopped as exc:
         raise fail(str(exc), EXIT_STOPPED) from None
+    except FileNotFoundError as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
     except (LockHeldError, ValueError, OSError) as exc:
+        _disk_full(exc, command)
         raise fail(str(exc)) from None
     console.print(
         f"generated {s.generated} records ({s.done_before} done before, {s.failed} failed, {s.truncated} cut by "
@@ -420,7 +453,7 @@ def estimate(
     report.print(
         f"{samples:,} samples x {tokens_per_sample:,.0f} tokens, H={H}, {layout.name()}, {store_dtype}:\n"
         f"  {per_token:,} bytes per token + {per_sample:,} bytes per sample (header, journal line)\n"
-        f"  {human_bytes(total)} in all ({total / 1e12:.2f} TB); {per_token / peers:.0%} of the 8H+16 = {peers:,} "
+        f"  {human_bytes(total)} in all ({_decimal(total)}); {per_token / peers:.0%} of the 8H+16 = {peers:,} "
         f"bytes per token other tools store",
         markup=False, highlight=False,
     )  # fmt: skip
@@ -545,6 +578,14 @@ def train(
         "--attention",
         help="TTT attention: auto, reference, chunked (O(T) memory) or flex (GPU).",
     ),
+    allow_partial: bool = typer.Option(
+        False, "--allow-partial", help="Train on a run whose extraction is not finished."
+    ),
+    head_init: str = typer.Option(
+        "target",
+        "--head-init",
+        help="Drafter head at the start: target (its lm_head rows) or random.",
+    ),
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
     from .store import StoreError
@@ -559,6 +600,7 @@ def train(
         grad_accum=grad_accum, val_fraction=val_fraction, eval_every=eval_every, save_every=save_every,
         keep_checkpoints=keep_checkpoints, draft_vocab_size=draft_vocab_size, dtype=dtype, device=device,
         seed=seed, verify_data=verify_data, intermediate_size=intermediate_size, attention=attention,
+        allow_partial=allow_partial, head_init=head_init,
     )  # fmt: skip
     try:
         res = run_train(cfg, resume=resume)
@@ -566,7 +608,10 @@ def train(
         raise fail(str(exc), EXIT_STOPPED) from None
     except ModelDirError as exc:
         raise fail(str(exc), EXIT_USAGE) from None
+    except LockHeldError as exc:
+        raise fail(str(exc)) from None
     except (StoreError, ValueError, OSError, KeyError) as exc:
+        _disk_full(exc, f"eyas train --resume --data {data} --out {out}")
         raise fail(str(exc)) from None
     v = res["val"]
     tail = (
@@ -601,9 +646,13 @@ def export(
         "--verifier",
         help="The target's name or path on the serving machine (default: its local path).",
     ),
+    force: bool = typer.Option(
+        False, "--force", help="Replace --out even if it holds files that are not an export."
+    ),
 ) -> None:
-    """Write the trained drafter in a format vLLM or SGLang loads."""
-    from .export import ExportError
+    """Write the trained drafter in a format vLLM or SGLang loads (atomically: --out is
+    always a whole export, the old one or the new one)."""
+    from .export import ExportError, ExportUsage
     from .export import export as run_export
 
     try:
@@ -614,10 +663,17 @@ def export(
             dtype=dtype,
             speculative_tokens=speculative_tokens,
             verifier=verifier,
+            force=force,
         )
     except ExportError as exc:
-        raise fail(str(exc), EXIT_USAGE if "--" in str(exc) else EXIT_PROBLEMS) from None
+        raise fail(
+            str(exc), EXIT_USAGE if isinstance(exc, ExportUsage) else EXIT_PROBLEMS
+        ) from None
     except OSError as exc:
+        _disk_full(
+            exc,
+            shlex.join(["eyas", *sys.argv[1:]]) if sys.argv[1:2] == ["export"] else "export again",
+        )
         raise fail(str(exc)) from None
     if fmt == "vllm":
         hint = f'vllm serve TARGET --speculative-config \'{{"method":"eagle3","model":"{path}","num_speculative_tokens":{speculative_tokens}}}\''
@@ -675,9 +731,16 @@ def evaluate(
         _print_json(d)
     else:
         pos = ", ".join(f"{a:.2f}" if a is not None else "-" for a in d["per_position_acceptance"])
+
+        def ci(key: str) -> str:
+            return f" (95% interval {d[key][0]:.2f}-{d[key][1]:.2f} over prompts)" if d[key] else ""
+
         report.print(
-            f"{d['prompts']} prompts, {d['rounds']} rounds: mean acceptance length {d['acceptance_length']:.2f} "
-            f"(K={draft_tokens}); per-position acceptance [{pos}]\n"
+            f"{d['prompts']} prompts, {d['rounds']} rounds (K={draft_tokens}):\n"
+            f"  tokens emitted per target forward {d['tokens_per_forward']:.2f}{ci('tokens_per_forward_ci95')}, "
+            "cut where each reply ends\n"
+            f"  acceptance length {d['acceptance_length']:.2f}{ci('acceptance_length_ci95')}, engine-style "
+            f"(counts drafts accepted past the reply's end); per-position acceptance [{pos}]\n"
             f"speculative {d['spec_tokens_per_s']:.1f} tok/s vs greedy {d['greedy_tokens_per_s']:.1f} tok/s "
             f"(x{d['speedup']}); lossless: {'yes' if d['lossless'] else 'NO'}",
             markup=False,
@@ -713,6 +776,14 @@ def demo(
         _print_json(summary)
     if not summary["lossless"]:
         raise fail("speculative decoding differed from greedy decoding")
+
+
+def _decimal(n: float) -> str:
+    """Bytes in decimal units (what disks are sold in), beside human_bytes' binary ones."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1e3:.2f} kB"
 
 
 def _print_json(obj) -> None:

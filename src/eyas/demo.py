@@ -117,6 +117,10 @@ def run_demo(
             val["accept_len"][min(2, len(val["accept_len"]) - 1)], 3
         ),
         "measured_acceptance_length_k3": ed["acceptance_length"],
+        "measured_acceptance_length_ci95": ed["acceptance_length_ci95"],
+        "tokens_per_forward_k3": ed["tokens_per_forward"],
+        "tokens_per_forward_ci95": ed["tokens_per_forward_ci95"],
+        "eval_rounds": ed["rounds"],
         "per_position_acceptance": ed["per_position_acceptance"],
         "train_tokens_per_s": round(t["tokens_per_s"], 1),
         "spec_tokens_per_s": ed["spec_tokens_per_s"],
@@ -131,6 +135,10 @@ def run_demo(
     return summary
 
 
+def _ci(ci: list[float] | None) -> str:
+    return f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+
+
 def _print_table(s: dict) -> None:
     tab = Table(title="eyas demo", show_header=False, title_style="bold")
     tab.add_column(style="bold")
@@ -142,8 +150,14 @@ def _print_table(s: dict) -> None:
         ("val acc per TTT step", " ".join(f"{a:.2f}" for a in s["val_acc_per_step"])),
         ("val conditional acc", " ".join(f"{a:.2f}" for a in s["val_cond_acc_per_step"])),
         (
+            "tokens per target forward, K=3",
+            f"{s['tokens_per_forward_k3']:.2f} {_ci(s['tokens_per_forward_ci95'])}, cut where replies end "
+            f"({s['eval_rounds']} rounds)",
+        ),
+        (
             "acceptance length, K=3",
-            f"estimated {s['estimated_acceptance_length_k3']:.2f}, measured {s['measured_acceptance_length_k3']:.2f}",
+            f"estimated {s['estimated_acceptance_length_k3']:.2f}, measured {s['measured_acceptance_length_k3']:.2f} "
+            f"{_ci(s['measured_acceptance_length_ci95'])} (engine-style)",
         ),
         (
             "per-position acceptance",

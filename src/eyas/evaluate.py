@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .export import load_export
+from .prepare import load_tokenizer
 from .records import RecordError, iter_records, parse_record, to_messages
 from .ui import Reporter
 
@@ -27,6 +28,9 @@ class EvalResult:
     drafted: int = 0
     accepted: int = 0
     per_position: list[list[int]] = field(default_factory=list)  # [accepted, drafted] per position
+    per_prompt: list[list[int]] = field(
+        default_factory=list
+    )  # [rounds, accepted, emitted] per prompt
     spec_tokens: int = 0
     spec_seconds: float = 0.0
     base_tokens: int = 0
@@ -43,13 +47,40 @@ class EvalResult:
 
     @property
     def acceptance_length(self) -> float:
-        """Mean tokens produced per target forward in decoding (1 + accepted per round)."""
+        """Engine-style acceptance length: 1 + accepted drafts per round, counting drafts the
+        target accepted after the reply's end too (vLLM's and SGLang's counters' figure)."""
         return 1 + self.accepted / self.rounds if self.rounds else 0.0
 
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens emitted per verifying target forward, cut where the reply ends (end of
+        sequence or the token limit): what speculative decoding saves. The headline."""
+        return sum(p[2] for p in self.per_prompt) / self.rounds if self.rounds else 0.0
+
+    def intervals(self, n: int = 2000, seed: int = 0) -> dict:
+        """95% bootstrap intervals over prompts for both figures (prompts resampled whole:
+        the rounds of one prompt are not independent)."""
+        import numpy as np
+
+        a = np.array(self.per_prompt, dtype=np.float64).reshape(-1, 3)
+        a = a[a[:, 0] > 0]
+        if len(a) < 2:
+            return {"acceptance_length": None, "tokens_per_forward": None}
+        idx = np.random.default_rng(seed).integers(0, len(a), (n, len(a)))
+        rounds = a[idx, 0].sum(1)
+        acc = 1 + a[idx, 1].sum(1) / rounds
+        tpf = a[idx, 2].sum(1) / rounds
+        q = lambda x: [round(float(v), 3) for v in np.percentile(x, [2.5, 97.5])]  # noqa: E731
+        return {"acceptance_length": q(acc), "tokens_per_forward": q(tpf)}
+
     def to_dict(self) -> dict:
+        ci = self.intervals()
         return {
             "prompts": self.prompts, "rounds": self.rounds, "draft_tokens": self.drafted, "accepted": self.accepted,
+            "tokens_per_forward": round(self.tokens_per_forward, 3),
+            "tokens_per_forward_ci95": ci["tokens_per_forward"],
             "acceptance_length": round(self.acceptance_length, 3),
+            "acceptance_length_ci95": ci["acceptance_length"],
             "per_position_acceptance": [round(a / d, 3) if d else None for a, d in self.per_position],
             "spec_tokens_per_s": round(self.spec_tokens / self.spec_seconds, 1) if self.spec_seconds else 0.0,
             "greedy_tokens_per_s": round(self.base_tokens / self.base_seconds, 1) if self.base_seconds else 0.0,
@@ -148,6 +179,8 @@ def speculative(
 
     cache = DynamicCache(config=model.config)
     kw = _cache_kw(model, cache)
+    mine = [0, 0, 0]  # this prompt's rounds, accepted drafts, tokens emitted by those rounds
+    res.per_prompt.append(mine)
     out = model(torch.tensor([prompt]), **kw)
     aux = tap.aux()  # (1, P, 3H)
     x_next = int(out.logits[0, -1].argmax())
@@ -167,6 +200,8 @@ def speculative(
         res.rounds += 1
         res.drafted += k
         res.accepted += n
+        mine[0] += 1
+        mine[1] += n
         for j in range(k):
             res.per_position[j][1] += 1
             res.per_position[j][0] += int(j < n)
@@ -179,6 +214,7 @@ def speculative(
         x_next = new[-1]
         for t in new:
             gen.append(t)
+            mine[2] += 1  # emitted: what follows the reply's end is never shown or saved
             if t in eos or len(gen) >= max_new:
                 x_next = t
                 break
@@ -196,14 +232,12 @@ def evaluate(
     trust_remote_code: bool = False,
     progress: bool = True,
 ) -> EvalResult:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from .target import check_model_dir
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
-    tok = AutoTokenizer.from_pretrained(
-        model_dir, local_files_only=True, trust_remote_code=trust_remote_code
-    )
+    tok = load_tokenizer(model_dir, trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
     ).eval()
@@ -270,7 +304,6 @@ def evaluate_vllm(
     import gc
 
     import torch
-    from transformers import AutoTokenizer
 
     from .backends import BackendSpec
     from .backends.vllm import engine_kwargs, import_vllm
@@ -284,9 +317,7 @@ def evaluate_vllm(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    tok = AutoTokenizer.from_pretrained(
-        model_dir, local_files_only=True, trust_remote_code=trust_remote_code
-    )
+    tok = load_tokenizer(model_dir, trust_remote_code)
     prompts = load_prompts(tok, Path(data), limit)
     if not prompts:
         raise ValueError(f"{data}: no usable conversations with an assistant turn")
@@ -338,6 +369,9 @@ def evaluate_vllm(
         res.per_position[j][1] = res.rounds
     res.base_tokens = sum(len(x) for x in base)
     res.spec_tokens = sum(len(x) for x in spec_out)
+    # vLLM's counters are totals over the run, not per prompt: one row, so no interval. What
+    # it emitted after each prompt's first token is its output, already cut at the reply's end.
+    res.per_prompt = [[res.rounds, res.accepted, sum(max(len(x) - 1, 0) for x in spec_out)]]
     for i, (a, b) in enumerate(zip(spec_out, base, strict=True)):
         res.compare(i, a, b, tok)
     return res

@@ -20,16 +20,28 @@ Aux layer ids follow each engine's reading of `eagle_aux_hidden_state_layer_ids`
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from . import __version__
+from .checkpoint import save_safetensors
 from .drafter import Drafter, DrafterConfig
-from .fsutil import atomic_write_json, honour_umask, read_json
+from .fsutil import (
+    DiskFullError,
+    atomic_write_json,
+    fsync_dir,
+    is_disk_full,
+    read_json,
+)
+from .manifest import ManifestError, check_manifest, write_manifest
 
 FORMATS = ("vllm", "sglang")
+MANIFEST = "eyas-manifest.json"  # the export's files and checksums, written last
+_ARCHS = {"vllm": "Eagle3Speculator", "sglang": "LlamaForCausalLMEagle3"}
 _LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,26 +50,38 @@ class ExportError(ValueError):
     pass
 
 
+class ExportUsage(ExportError):
+    """A flag that cannot work as given (exit 2); other ExportErrors are problems found (exit 1)."""
+
+
 def trained_weights(train_dir: Path) -> tuple[dict, dict, dict]:
-    """(state dict, drafter config dict, train.json) of a training directory."""
-    from .checkpoint import latest_checkpoint
+    """(state dict, drafter config dict, train.json) of a finished training directory, its
+    final drafter checked against its manifest."""
+    from .checkpoint import FINAL_MANIFEST, load_final
 
     train_dir = Path(train_dir)
     if not (train_dir / "train.json").is_file():
         raise ExportError(f"{train_dir}: not a training directory (no train.json)")
     info = read_json(train_dir / "train.json")
-    final = train_dir / "drafter.safetensors"
-    if not final.is_file():
-        ckpt = latest_checkpoint(train_dir)
-        if ckpt is None:
-            raise ExportError(f"{train_dir}: no drafter.safetensors and no complete checkpoint")
-        final = ckpt / "drafter.safetensors"
-    cfg_path = train_dir / "drafter_config.json"
-    if not cfg_path.is_file():
+    final, cfg_path = train_dir / "drafter.safetensors", train_dir / "drafter_config.json"
+    again = f"eyas train --resume --data {info.get('data', {}).get('run', 'RUN')} --out {train_dir}"
+    if (train_dir / FINAL_MANIFEST).is_file():
+        try:
+            state, cdict = load_final(train_dir)
+        except ManifestError as exc:
+            raise ExportError(
+                f"{exc}; `{again}` writes it again from the last checkpoint"
+            ) from None
+        return state, cdict, info
+    if not (final.is_file() and cfg_path.is_file()):
         raise ExportError(
-            f"{cfg_path}: missing (training did not finish); finish or resume training first"
+            f"{train_dir}: no final drafter (training did not finish); finish it: {again}"
         )
-    return load_file(str(final)), read_json(cfg_path), info
+    return (
+        load_file(str(final)),
+        read_json(cfg_path),
+        info,
+    )  # from before final drafters had manifests
 
 
 def _llama_fields(c: DrafterConfig) -> dict:
@@ -132,13 +156,18 @@ def export(
     dtype: str = "float32",
     speculative_tokens: int = 3,
     verifier: str | None = None,
+    force: bool = False,
 ) -> Path:
     """Write `train_dir`'s drafter to `out`; `verifier` is the target's name or path as the
-    serving machine knows it (default: the local path it was trained against)."""
+    serving machine knows it (default: the local path it was trained against).
+
+    The export is written whole into a temp directory beside `out` and swapped into place,
+    so `out` is always a complete export (the old one or the new one). A directory that
+    holds anything but an earlier export is refused unless `force` (then it is replaced)."""
     if fmt not in FORMATS:
-        raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise ExportUsage(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if dtype not in _DTYPES:
-        raise ExportError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        raise ExportUsage(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     state, cdict, info = trained_weights(Path(train_dir))
     c = DrafterConfig(**cdict)
     target_cfg = (
@@ -168,15 +197,80 @@ def export(
         elif name == "d2t":
             t = t.long()
         tensors[name] = t.contiguous()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    honour_umask(out / "model.safetensors")
-    atomic_write_json(
-        out / "config.json",
-        export_config(fmt, c, info["aux_layers"], target, dtype, speculative_tokens),
-    )
+    out = Path(out).absolute()
+    _check_destination(out, force)
+    _remove_stale_temp(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        atomic_write_json(
+            tmp / "config.json",
+            export_config(fmt, c, info["aux_layers"], target, dtype, speculative_tokens),
+        )
+        write_manifest(tmp, ["model.safetensors", "config.json"], MANIFEST, format=fmt)
+        _swap_into_place(tmp, out)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):
+            raise DiskFullError(exc.errno, f"no space left writing the export to {out}") from exc
+        raise
     return out
+
+
+def is_export(path: Path) -> bool:
+    """An earlier export (eyas's, or any EAGLE-3 drafter directory of the two formats)."""
+    if (path / MANIFEST).is_file():
+        return True
+    try:
+        arch = (read_json(path / "config.json").get("architectures") or [None])[0]
+    except (OSError, ValueError, AttributeError):
+        return False
+    return arch in _ARCHS.values()
+
+
+def _check_destination(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportUsage(f"--out {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not is_export(out) and not force:
+        raise ExportUsage(f"--out {out} holds files that are not an earlier export; choose another "
+                          "--out, or pass --force to replace the directory and everything in it")  # fmt: skip
+
+
+def _remove_stale_temp(out: Path) -> None:
+    """Temp directories of exports to `out` whose process is gone (killed mid-export)."""
+    for p in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Make `tmp` be `out` in one step: a rename, or an exchange (renameat2) with the old
+    export, which is then removed. Where the exchange is not supported, two renames."""
+    if not out.exists():
+        os.rename(tmp, out)
+    elif _exchange(tmp, out):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old export
+    else:
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(out.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "renameat2"):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return (
+        libc.renameat2(at_fdcwd, str(a).encode(), at_fdcwd, str(b).encode(), rename_exchange) == 0
+    )
 
 
 def load_export(path: str | Path) -> tuple[Drafter, list[int]]:
@@ -185,8 +279,19 @@ def load_export(path: str | Path) -> tuple[Drafter, list[int]]:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ExportError(f"{path}: no config.json (not an exported drafter)")
+    if (path / MANIFEST).is_file():  # eyas's own export: every file as it was written
+        try:
+            m = check_manifest(path, MANIFEST)
+        except ManifestError as exc:
+            raise ExportError(f"{exc}; export the drafter again") from None
+    else:
+        m = {}
     cfg = json.loads(cfg_file.read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
+    if m and _ARCHS.get(m.get("format")) != arch:
+        raise ExportError(
+            f"{path}: {MANIFEST} says {m.get('format')!r} but config.json is {arch!r}"
+        )
     if arch == "Eagle3Speculator":
         layer, aux = cfg["transformer_layer_config"], cfg["eagle_aux_hidden_state_layer_ids"]
         prefix = "layers.0."

@@ -38,13 +38,17 @@ from .journal import (
     Journal,
     append_error,
     committed,
+    journal_files,
     journal_path,
+    read_journal,
+    rewrite_journal,
     scan_journal,
     set_aside_damaged_lines,
 )
 from .lock import LockHeld, WriterLock
 from .prepare import PreparedDataset
 from .runmeta import load_run_meta, write_run_meta
+from .status import recent_rate
 from .store import (
     STORE_VERSION,
     Layout,
@@ -57,6 +61,7 @@ from .store import (
     journal_entry,
     read_head,
     sample_index_of,
+    sample_relpath,
 )
 from .target import (
     DTYPES,
@@ -271,10 +276,22 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
             f"{run} was started with --trust-remote-code; the model's own code runs only when "
             "the current command allows it: add --trust-remote-code to resume"
         )
+    if meta and not (Path(cfg.data) / "dataset.json").exists():
+        raise ValueError(f"{cfg.data}: the prepared dataset of {run} is gone. {rebuild_hint(meta)}")
     ds = PreparedDataset.open(cfg.data)
     if meta:
         _check_same_inputs(cfg, meta, run, ds)
     return cfg, run, meta, ds
+
+
+def rebuild_hint(meta: dict) -> str:
+    """How to bring a run's dataset back: the exact `prepare` command, where run.json has it."""
+    from .prepare import prepare_command
+
+    if not meta.get("dataset_prepare"):
+        return f"Restore it at {meta['dataset_path']} (fingerprint {meta['dataset_fingerprint']})"
+    return (f"Rebuild it with the same inputs (fingerprint {meta['dataset_fingerprint']}), then resume: "
+            f"{prepare_command(meta['dataset_prepare'])}")  # fmt: skip
 
 
 def new_run_meta(cfg: ExtractConfig, ds: PreparedDataset) -> dict:
@@ -300,6 +317,7 @@ def new_run_meta(cfg: ExtractConfig, ds: PreparedDataset) -> dict:
         "vocab_size": f.vocab_size,
         "dataset_path": str(Path(cfg.data).resolve()),
         "dataset_fingerprint": ds.fingerprint,
+        "dataset_prepare": {**ds.meta.get("config", {}), "out": str(Path(cfg.data).resolve())},
         "samples": len(ds),
         "tokens": int(ds.lengths().sum()),
         "aux_layers": list(aux),
@@ -346,6 +364,43 @@ def recover(run: Path, journal: Journal, mine: set[int], done: dict, layout: Lay
             p.unlink(missing_ok=True)
     journal.sync()
     return adopted
+
+
+def _check_journaled_files(
+    run: Path, done: dict, mine: set[int], rank: int, whole: bool
+) -> list[str]:
+    """What the journal claims, checked at the cost of a `stat` per sample: a file that is
+    missing or not of its journaled size is not done. Its entry is dropped from this rank's
+    journal (from every journal when this writer holds the whole run) and the file, if
+    any, moved to quarantine; the sample is then extracted again. Returns the problems."""
+    from .fsutil import fsync_dir
+
+    lost: dict[int, str] = {}
+    for i, e in done.items():
+        if i not in mine:
+            continue
+        p = run / sample_relpath(i)
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            lost[i] = f"{p} is missing"
+            continue
+        if size != e["size"]:
+            lost[i] = f"{p} has {size} bytes, its journal entry {e['size']}"
+            q = run / "quarantine" / time.strftime("%Y%m%d-%H%M%S") / sample_relpath(i)
+            q.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(p, q)
+            fsync_dir(p.parent)
+    if lost:
+        for r, path in journal_files(run).items():
+            if whole or r == rank:
+                entries = read_journal(path)
+                keep = [e for e in entries if e["index"] not in lost]
+                if len(keep) != len(entries):
+                    rewrite_journal(path, keep)
+        for i in lost:
+            done.pop(i, None)
+    return list(lost.values())
 
 
 def say(msg: str) -> None:
@@ -399,15 +454,20 @@ def extract(
             for n, why in scan.damaged:
                 say(f"{scan.path}:{n}: damaged journal line ({why}) set aside (copy in {q}); "
                     "its sample is re-checked by its checksums")  # fmt: skip
+        done = committed(run)
+        # Before the journal opens for appends: dropping entries rewrites it.
+        if lost := _check_journaled_files(run, done, set(mine), cfg.rank, cfg.world == 1):
+            say(f"{len(lost)} journaled sample(s) have no intact file (missing or of another size; "
+                f"e.g. {lost[0]}): their entries are dropped and they are extracted again")  # fmt: skip
         journal = Journal(journal_path(run, cfg.rank))
         try:
-            done = committed(run)
             layout = Layout.parse(meta.get("layout"))
             if adopted := recover(run, journal, set(mine), done, layout, meta["hidden_size"]):
                 say(f"adopted {adopted} complete sample(s) whose journal entry was lost")
             if all(i in done for i in mine):  # nothing left: no need to load the target
                 return ExtractSummary(str(run), len(mine), len(mine), 0, 0, 0, 0.0, 0)
             lock.set_phase("loading the model")
+            say(f"loading the target ({cfg.backend} backend) from {cfg.model} ...")
             backend = open_backend(cfg.backend, _spec(cfg, meta, ds, device, lengths), say)
             lock.set_phase("extracting")
             try:
@@ -494,6 +554,7 @@ def _run_loop(cfg, run, meta, ds, backend, mine, done, journal) -> ExtractSummar
             stats["committed"] += 1
             stats["bytes"] += entry["size"]
             stats["tokens"] += entry["tokens"]
+            commits.append((entry.get("t", time.time()), entry["tokens"]))
 
     def writer() -> None:
         last_sync = time.monotonic()
@@ -527,12 +588,19 @@ def _run_loop(cfg, run, meta, ds, backend, mine, done, journal) -> ExtractSummar
     wt.start()
     t0 = time.monotonic()
 
+    tokens_left = sum(lengths[i] for i in mine if i not in done)
+    commits: list[tuple[float, int]] = []  # (time, tokens) per commit: the rate `status` shows
+
     def extra() -> str:
-        el = max(time.monotonic() - t0, 1e-9)
-        return f"{stats['tokens'] / el:,.0f} tok/s, {human_bytes(free_bytes(run))} free"
+        rate = recent_rate(commits, time.time())[1]
+        return f"{rate or 0:,.0f} tok/s, {human_bytes(free_bytes(run))} free"
+
+    def eta() -> float | None:  # in tokens, as `status` computes it: batches run short ones first
+        rate = recent_rate(commits, time.time())[1]
+        return max(tokens_left - stats["tokens"], 0) / rate if rate else None
 
     try:
-        with Reporter("extract", total, enabled=cfg.progress, extra=extra) as rep:
+        with Reporter("extract", total, enabled=cfg.progress, extra=extra, eta=eta) as rep:
             rep.skip(done_before)
             seen = 0
             for batch in todo:

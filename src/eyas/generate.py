@@ -19,6 +19,7 @@ State lives next to OUT, in `OUT.eyas-gen/`: `generate.json` (the job), `log.jso
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -27,8 +28,6 @@ import random
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -68,6 +67,8 @@ class GenerateConfig:
     """`last`: regenerate the last assistant turn; `all`: every assistant turn, in order."""
     api_key_env: str | None = None
     """Name of an environment variable holding the API key (the key is never written)."""
+    max_response_bytes: int = 64 << 20
+    """Largest answer accepted; a larger one is a failed request (it cannot be a sane reply)."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -79,9 +80,11 @@ class GenerateConfig:
             or self.max_tokens < 1
             or self.timeout <= 0
             or self.backoff < 0
+            or self.max_response_bytes < 1024
         ):
             raise ValueError(
-                "--concurrency and --max-tokens must be >= 1, --retries >= 0, --timeout > 0"
+                "--concurrency and --max-tokens must be >= 1, --retries >= 0, --timeout > 0, "
+                "--max-response-bytes >= 1024"
             )
         if not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(f"--endpoint must be an http(s) URL, got {self.endpoint!r}")
@@ -188,8 +191,95 @@ def chat_url(endpoint: str) -> str:
     return base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
 
 
+class Malformed(Exception):
+    """An answer that is not a usable chat completion (retried like a server error)."""
+
+
+def _send(cfg: GenerateConfig, data: bytes, headers: dict) -> tuple[int, bytes]:
+    """One POST under a whole-request deadline (`cfg.timeout` from connect to the last
+    byte: a server that trickles bytes cannot hold a request longer) and a cap on the
+    answer's size. Returns (status, body)."""
+    import http.client
+    import socket
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(chat_url(cfg.endpoint))
+    cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+    conn = cls(url.hostname, url.port, timeout=cfg.timeout)
+    expired = threading.Event()
+
+    def cut() -> None:  # the deadline: wake any blocked read by shutting the socket down
+        expired.set()
+        if conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(cfg.timeout, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        path = url.path + (f"?{url.query}" if url.query else "")
+        conn.request("POST", path, body=data, headers=headers)
+        r = conn.getresponse()
+        body = bytearray()
+        while chunk := r.read1(1 << 16):
+            body += chunk
+            if len(body) > cfg.max_response_bytes:
+                raise RequestFailed(
+                    f"answer larger than --max-response-bytes ({cfg.max_response_bytes:,})"
+                )
+        if expired.is_set():
+            raise TimeoutError("no complete answer within --timeout")
+        return r.status, bytes(body)
+    except (OSError, http.client.HTTPException) as exc:
+        if expired.is_set():
+            raise TimeoutError(f"no complete answer within --timeout {cfg.timeout:g}s") from None
+        raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        timer.cancel()
+        conn.close()
+
+
+def parse_answer(body: bytes) -> dict:
+    """A chat completion's JSON, checked for what `regenerate` reads; Malformed otherwise."""
+    try:
+        resp = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise Malformed("the answer is not UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise Malformed(f"the answer is not JSON ({exc})") from None
+    if not isinstance(resp, dict):
+        raise Malformed(f"the answer is a JSON {type(resp).__name__}, not an object")
+    choices = resp.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise Malformed(f"the answer has no list of choices: {str(resp)[:200]}")
+    msg = choices[0].get("message")
+    if not isinstance(msg, dict):
+        raise Malformed("choices[0].message is not an object")
+    for key in ("content", "reasoning_content", "reasoning"):
+        v = msg.get(key)
+        if v is not None and not isinstance(v, str):
+            raise Malformed(f"choices[0].message.{key} is not text")
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise Malformed(
+                    f"choices[0].message.{key} holds a lone surrogate (not valid Unicode)"
+                ) from None
+    usage = resp.get("usage")
+    if usage is not None and not isinstance(usage, dict):
+        raise Malformed("usage is not an object")
+    for k in ("prompt_tokens", "completion_tokens"):
+        v = (usage or {}).get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise Malformed(f"usage.{k} is not a token count: {v!r}")
+    return resp
+
+
 def post_chat(cfg: GenerateConfig, messages: list[dict], stop: threading.Event) -> tuple[dict, int]:
-    """One chat completion with retries and backoff; (response, attempts)."""
+    """One chat completion with retries and backoff; (response, attempts). Every way an
+    answer can fail (status, time, size, shape) ends in RequestFailed, never elsewhere."""
     body = {
         "model": cfg.model,
         "messages": messages,
@@ -207,36 +297,33 @@ def post_chat(cfg: GenerateConfig, messages: list[dict], stop: threading.Event) 
         if stop.is_set():
             raise RequestFailed("stopped")
         try:
-            req = urllib.request.Request(
-                chat_url(cfg.endpoint), data=data, headers=headers, method="POST"
-            )
-            with urllib.request.urlopen(req, timeout=cfg.timeout) as r:
-                resp = json.loads(r.read().decode("utf-8"))
-            if not resp.get("choices"):
-                raise RequestFailed(f"response has no choices: {str(resp)[:200]}")
-            return resp, attempt + 1
-        except urllib.error.HTTPError as exc:
-            last = f"HTTP {exc.code}: {exc.read()[:200].decode('utf-8', 'replace')}"
-            if exc.code not in RETRY_STATUS:
-                raise RequestFailed(last) from None
-        except (
-            urllib.error.URLError,
-            TimeoutError,
-            ConnectionError,
-            OSError,
-            json.JSONDecodeError,
-        ) as exc:
-            last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+            status, raw = _send(cfg, data, headers)
+            if status >= 400:
+                last = f"HTTP {status}: {raw[:200].decode('utf-8', 'replace')}"
+                if status not in RETRY_STATUS:
+                    raise RequestFailed(last)
+            else:
+                return parse_answer(raw), attempt + 1
+        except Malformed as exc:
+            last = f"malformed answer: {exc}"
+        except (TimeoutError, ConnectionError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
         delay = min(60.0, cfg.backoff * 2**attempt) * (0.5 + random.random())  # backoff with jitter
-        if stop.wait(delay):
+        if attempt < cfg.retries and stop.wait(delay):
             raise RequestFailed("stopped")
     raise RequestFailed(f"gave up after {cfg.retries + 1} attempts; last: {last}")
 
 
 def regenerate(cfg: GenerateConfig, messages: list[dict], stop: threading.Event) -> dict:
-    """The conversation with its last (or every) assistant turn the target's, and provenance."""
+    """The conversation with its last (or every) assistant turn the target's, and provenance.
+
+    An assistant turn that opens the conversation has no prompt to answer: it is kept as
+    written (named in the provenance), and the turns after it are regenerated."""
     idx = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    todo = idx[-1:] if cfg.turns == "last" else idx
+    kept = [i for i in idx if not any(m["role"] != "assistant" for m in messages[:i])]
+    todo = [i for i in (idx[-1:] if cfg.turns == "last" else idx) if i not in kept]
+    if not todo:
+        raise RequestFailed("no assistant turn has a prompt before it to regenerate from")
     out = list(messages[: todo[0]])
     usage = {"prompt_tokens": 0, "completion_tokens": 0}
     finish, served, requests = [], None, 0
@@ -245,17 +332,25 @@ def regenerate(cfg: GenerateConfig, messages: list[dict], stop: threading.Event)
         resp, attempts = post_chat(cfg, out, stop)
         requests += attempts
         choice = resp["choices"][0]
-        text = (choice.get("message") or {}).get("content")
-        if not isinstance(text, str):
-            raise RequestFailed(f"turn {i}: the response has no text content")
-        out.append({"role": "assistant", "content": text})
+        msg = choice["message"]
+        turn = {"role": "assistant", "content": msg.get("content") or ""}
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        if reasoning:
+            turn["reasoning_content"] = reasoning
+        if isinstance(msg.get("tool_calls"), list) and msg["tool_calls"]:
+            turn["tool_calls"] = msg["tool_calls"]
+        if not (turn["content"] or reasoning or turn.get("tool_calls")):
+            raise RequestFailed(f"turn {i}: the answer has no text, reasoning or tool calls")
+        out.append(turn)
         finish.append(choice.get("finish_reason"))
-        served = resp.get("model", served)
+        served = resp.get("model", served) if isinstance(resp.get("model"), str) else served
         for k in usage:
             usage[k] += int((resp.get("usage") or {}).get(k) or 0)
     provenance = {"endpoint_model": cfg.model, "served_model": served, "max_tokens": cfg.max_tokens,
                   "temperature": cfg.temperature, "seed": cfg.seed, "turns": cfg.turns, "finish_reason": finish,
                   "truncated": "length" in finish, "usage": usage, "eyas_version": __version__}  # fmt: skip
+    if kept:
+        provenance["kept_as_written"] = kept  # opening assistant turns: no prompt to answer
     return {"messages": out, "generation": provenance, "requests": requests}
 
 
@@ -376,8 +471,10 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
                 continue
             in_flight -= 1
             if exc is not None:
-                if not isinstance(exc, RequestFailed):
+                if not isinstance(exc, Exception):
                     raise exc
+                if not isinstance(exc, RequestFailed):  # a record this code cannot handle
+                    exc = RequestFailed(f"{type(exc).__name__}: {exc}")
                 if not stop.is_set():
                     errors[pos] = {
                         "file": rec.file,

@@ -153,8 +153,8 @@ def _pid_alive(pid: int) -> bool:
 class WriterLock:
     """The locks of one writer: `locks/run.lock` (shared or exclusive) and its rank's lock."""
 
-    def __init__(self, run: Path, rank: int, world: int):
-        self.run, self.rank, self.world = Path(run), rank, world
+    def __init__(self, run: Path, rank: int, world: int, what: str = "extract"):
+        self.run, self.rank, self.world, self.what = Path(run), rank, world, what
         self.dir = self.run / "locks"
         self.path = self.dir / f"rank-{rank:05d}.lock"
         self.taken_over: LockInfo | None = None
@@ -180,7 +180,7 @@ class WriterLock:
                 holder = read_lock(self.path)
                 raise LockHeld(
                     f"{self.path} is held by {holder.describe() if holder else 'another writer'}; "
-                    "another extract is running on this rank of the run"
+                    f"another {self.what} is running on {self.run}"
                 )
             rec, problem = _parse_record(os.pread(fd, 1 << 16, 0))
             if rec is not None and rec.get("host") != socket.gethostname():
@@ -207,8 +207,8 @@ class WriterLock:
         names = "; ".join(lk.describe() for lk in live) or "a writer starting up"
         if self.world == 1:
             return (
-                f"{self.run} has live writers ({names}); a whole-run extract cannot start while "
-                "they run. Let them finish, or resume their ranks with the same --rank/--world"
+                f"{self.run} has live writers ({names}); {self.what} cannot start while "
+                "they run. Let them finish (split extracts: resume their ranks with the same --rank/--world)"
             )
         return (
             f"{self.run} is being extracted as a whole by another writer ({names}); "

@@ -64,6 +64,9 @@ class PrepareConfig:
     """Processes that tokenize in parallel."""
     trust_remote_code: bool = False
     """Let the model directory's tokenizer code run (Kimi's tokenizer is such code)."""
+    force: bool = False
+    """Replace an existing dataset at `out` (extraction runs made from it can then no longer
+    resume unless it is rebuilt identically)."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -373,6 +376,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def prepare(cfg: PrepareConfig) -> PrepareSummary:
     """Run the prepare stage; returns counts. Raises only for problems with the whole run."""
     out = Path(cfg.out)
+    if (out / "dataset.json").exists() and not cfg.force:
+        raise ValueError(f"{out} already holds a prepared dataset; extraction runs made from it need it "
+                         "to resume. Choose another --out, or pass --force to replace it")  # fmt: skip
+    for f in cfg.data:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"input file not found: {f}")
     tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
     global _TOK
     _TOK = tok
@@ -509,7 +518,8 @@ def write_dataset(
             "mean_trainable": float(mask.sum() / n),
         },
         "error_reasons": summary.reasons,
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "progress"},
+        "config": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()
+                      if k not in ("progress", "force")}, "cwd": os.getcwd()},
     }  # fmt: skip
     atomic_write_json(out / "dataset.json", meta)
     # The new dataset is committed; files of earlier versions are no longer referenced.
@@ -549,31 +559,80 @@ class PreparedDataset:
 
     @classmethod
     def open(cls, path: str | Path, *, check: bool = True) -> PreparedDataset:
+        """Open and validate a dataset: every violation is a DatasetError naming the file
+        and what is wrong. `check` adds the sha256 of every file against dataset.json."""
         path = Path(path)
         mpath = path / "dataset.json"
         if not mpath.is_file():
             raise DatasetError(
                 f"{path}: not a prepared dataset (no dataset.json); run `eyas prepare` first"
             )
-        meta = read_json(mpath)
-        if meta.get("format_version") != FORMAT_VERSION:
+        try:
+            meta = read_json(mpath)
+        except (OSError, ValueError) as exc:
+            raise DatasetError(f"{mpath}: unreadable ({exc})") from None
+        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
             raise DatasetError(
-                f"{mpath}: format_version {meta.get('format_version')} is not {FORMAT_VERSION}"
+                f"{mpath}: format_version {meta.get('format_version') if isinstance(meta, dict) else '?'} "
+                f"is not {FORMAT_VERSION}"
             )
+        _check_meta(mpath, meta)
         files = meta["files"]
-        if check:
-            for k in ("tokens", "records"):
-                f = path / files[k]["name"]
-                if not f.is_file():
-                    raise DatasetError(f"{f}: missing (listed in {mpath})")
-                if sha256_file(f) != files[k]["sha256"]:
-                    raise DatasetError(
-                        f"{f}: checksum does not match {mpath}; re-run `eyas prepare`"
-                    )
-        t = np_load_file(str(path / files["tokens"]["name"]))
-        with open(path / files["records"]["name"], encoding="utf-8") as f:
-            records = [json.loads(line) for line in f]
-        return cls(path, meta, t["input_ids"], t["loss_mask"], t["offsets"], records)
+        for k in ("tokens", "records", "vocab_freq"):
+            f = path / files[k]["name"]
+            if not f.is_file():
+                raise DatasetError(f"{f}: missing (listed in {mpath})")
+            if check and sha256_file(f) != files[k]["sha256"]:
+                raise DatasetError(f"{f}: checksum does not match {mpath}; re-run `eyas prepare`")
+        tpath = path / files["tokens"]["name"]
+        t = _load_tensors(
+            tpath, {"input_ids": np.int32, "loss_mask": np.uint8, "offsets": np.int64}
+        )
+        rpath = path / files["records"]["name"]
+        records = []
+        with open(rpath, "rb") as f:
+            for n, line in enumerate(f, start=1):
+                try:
+                    records.append(json.loads(line))
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise DatasetError(f"{rpath}:{n}: not a JSON record") from None
+        ds = cls(path, meta, t["input_ids"], t["loss_mask"], t["offsets"], records)
+        ds._validate(tpath, rpath)
+        return ds
+
+    def _validate(self, tpath: Path, rpath: Path) -> None:
+        n, ids, mask, off = (
+            self.meta["counts"]["samples"],
+            self.input_ids,
+            self.loss_mask,
+            self.offsets,
+        )
+        if len(self.records) != n:
+            raise DatasetError(
+                f"{rpath}: {len(self.records)} records, dataset.json says {n} samples"
+            )
+        if len(off) != n + 1 or (n and (off[0] != 0 or np.any(np.diff(off) < 0))):
+            raise DatasetError(f"{tpath}: offsets are not {n + 1} non-decreasing values from 0")
+        if off[-1] != len(ids) or len(mask) != len(ids):
+            raise DatasetError(f"{tpath}: offsets end at {int(off[-1])}, but there are {len(ids)} ids "
+                               f"and {len(mask)} mask values")  # fmt: skip
+        vocab = self.meta["vocab_size"]
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise DatasetError(
+                f"{tpath}: token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            )
+        if len(mask) and int(mask.max()) > 1:
+            raise DatasetError(f"{tpath}: loss mask value {int(mask.max())} (masks are 0 or 1)")
+        lengths = np.diff(off)
+        for i, r in enumerate(self.records):
+            if not isinstance(r, dict) or r.get("index") != i or r.get("tokens") != int(lengths[i]):
+                raise DatasetError(f"{rpath}:{i + 1}: record does not describe sample {i} of "
+                                   f"{int(lengths[i])} tokens")  # fmt: skip
+            if not all(
+                isinstance(r.get(k), t) for k, t in (("id", str), ("file", str), ("line", int))
+            ):
+                raise DatasetError(f"{rpath}:{i + 1}: record lacks its id, file or line")
 
     @property
     def fingerprint(self) -> str:
@@ -590,11 +649,80 @@ class PreparedDataset:
         return np.diff(self.offsets)
 
     def vocab_counts(self) -> np.ndarray:
-        return np_load_file(str(self.path / self.meta["files"]["vocab_freq"]["name"]))["counts"]
+        vpath = self.path / self.meta["files"]["vocab_freq"]["name"]
+        counts = _load_tensors(vpath, {"counts": np.int64})["counts"]
+        if counts.shape != (self.meta["vocab_size"],) or (len(counts) and int(counts.min()) < 0):
+            raise DatasetError(
+                f"{vpath}: counts are not {self.meta['vocab_size']} non-negative values"
+            )
+        return counts
 
     def draft_vocab(self, size: int | None = None):
         """Ids of the `size` most frequent trainable tokens (ties by id), ascending."""
         return draft_vocab_from_counts(self.vocab_counts(), size or self.meta["draft_vocab_size"])
+
+
+def prepare_command(config: dict) -> str:
+    """The `eyas prepare` command that rebuilds a dataset from its recorded config (the same
+    inputs give the same fingerprint, so a run made from it resumes)."""
+    import shlex
+
+    cmd = ["eyas", "prepare", "--model", config["model"]]
+    # Records name their input files as given: relative names must be given from the same place.
+    cd = (f"cd {shlex.quote(config['cwd'])} && "
+          if config.get("cwd") and not all(Path(f).is_absolute() for f in config["data"]) else "")  # fmt: skip
+    for f in config["data"]:
+        cmd += ["--data", f]
+    cmd += ["--out", config["out"]]
+    if config.get("max_length") is not None:
+        cmd += ["--max-length", str(config["max_length"])]
+    for key, default in (("overlong", "truncate"), ("draft_vocab_size", 32000)):
+        if config.get(key, default) != default:
+            cmd += [f"--{key.replace('_', '-')}", str(config[key])]
+    for key in ("last_turn_only", "trust_remote_code"):
+        if config.get(key):
+            cmd.append(f"--{key.replace('_', '-')}")
+    return cd + shlex.join(cmd)
+
+
+def _check_meta(mpath: Path, meta: dict) -> None:
+    """dataset.json's own fields: the sizes every later check relies on."""
+    files = meta.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(files.get(k), dict) and isinstance(files[k].get("name"), str)
+        and "/" not in files[k]["name"] and isinstance(files[k].get("sha256"), str)
+        for k in ("tokens", "records", "vocab_freq")
+    ):  # fmt: skip
+        raise DatasetError(
+            f"{mpath}: 'files' does not name the tokens, records and vocab_freq files"
+        )
+    vocab, dv = meta.get("vocab_size"), meta.get("draft_vocab_size")
+    samples = (
+        (meta.get("counts") or {}).get("samples") if isinstance(meta.get("counts"), dict) else None
+    )
+    if not isinstance(vocab, int) or not 0 < vocab <= 1 << 24:
+        raise DatasetError(f"{mpath}: vocab_size {vocab!r} is not a vocabulary size")
+    if not isinstance(dv, int) or not 0 < dv <= vocab:
+        raise DatasetError(
+            f"{mpath}: draft_vocab_size {dv!r} is not within 1..vocab_size ({vocab})"
+        )
+    if not isinstance(samples, int) or samples < 0:
+        raise DatasetError(f"{mpath}: counts.samples {samples!r} is not a sample count")
+
+
+def _load_tensors(path: Path, want: dict[str, type]) -> dict[str, np.ndarray]:
+    """The named 1-D arrays of a safetensors file, of the expected dtypes."""
+    try:
+        t = np_load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - safetensors' errors for damaged headers vary
+        raise DatasetError(f"{path}: unreadable ({exc})") from None
+    for name, dtype in want.items():
+        a = t.get(name)
+        if a is None or a.dtype != dtype or a.ndim != 1:
+            raise DatasetError(
+                f"{path}: tensor {name!r} missing or not a 1-D {np.dtype(dtype).name} array"
+            )
+    return t
 
 
 def draft_vocab_from_counts(counts: np.ndarray, size: int):

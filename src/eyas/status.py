@@ -45,7 +45,8 @@ class RunStatus:
     temp_files: int = 0
     ranks: list[int] = field(default_factory=list)
     meta_warning: str = ""
-    model_loaded: bool | None = None  # False: the last writer stopped while loading the model
+    model_loaded: bool = False  # False: no writer has finished loading the model yet
+    ignored_entries: list[str] = field(default_factory=list)  # journal entries outside the dataset
 
     @property
     def live_writer(self) -> bool:
@@ -60,9 +61,16 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
     mr = load_run_meta(run)
     meta = mr.meta
     journals = read_all_journals(run)
-    entries = {e["index"]: e for es in journals.values() for e in es}
-    failed = {e["index"] for e in read_errors(run)} - set(entries)
     total = meta["samples"]
+    entries, ignored = {}, []
+    for rank, es in sorted(journals.items()):
+        for e in es:
+            if e["index"] < total:
+                entries.setdefault(e["index"], e)
+            else:
+                ignored.append(f"journal/rank-{rank:05d}.jsonl names sample {e['index']}, "
+                               f"but the dataset has {total}")  # fmt: skip
+    failed = {e["index"] for e in read_errors(run) if e["index"] < total} - set(entries)
     tokens_done = sum(e["tokens"] for e in entries.values())
     bytes_done = sum(e["size"] for e in entries.values())
     tokens_total = meta["tokens"]
@@ -73,28 +81,16 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
               "describe": lk.describe()} for lk in all_locks(run)]  # fmt: skip
     live = [lk for lk in locks if lk["live"]]
 
-    times = [e["t"] for e in entries.values() if isinstance(e.get("t"), (int, float))]
-    last = max(times) if times else None
+    commits = [
+        (e["t"], e["tokens"]) for e in entries.values() if isinstance(e.get("t"), (int, float))
+    ]
+    last = max((t for t, _ in commits), default=None)
     rs = rt = eta = None
     if live:
-        now = time.time() if now is None else now
-        start = now - window
-        recent = [
-            e for e in entries.values() if isinstance(e.get("t"), (int, float)) and e["t"] >= start
-        ]
-        span = now - max(start, min((e["t"] for e in recent), default=now))
-        if recent and span > 1.0:
-            rs = len(recent) / span
-            rt = sum(e["tokens"] for e in recent) / span
-            eta = max(tokens_total - tokens_done, 0) / rt if rt > 0 else None
-    loaded = None
-    if not entries and not failed:
-        phases = [lk["phase"] for lk in locks]
-        loaded = (
-            not any(p in (None, "starting", "loading the model") for p in phases)
-            if phases
-            else False
-        )
+        rs, rt = recent_rate(commits, time.time() if now is None else now, window)
+        eta = max(tokens_total - tokens_done, 0) / rt if rt else None
+    phases = [lk["phase"] for lk in locks]
+    loaded = bool(entries or failed) or any(p == "extracting" for p in phases)
     return RunStatus(
         run=str(run), total=total, done=len(entries), failed=len(failed),
         remaining=total - len(entries) - len(failed), tokens_total=tokens_total, tokens_done=tokens_done,
@@ -103,8 +99,19 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
         last_commit=last, recent_samples_per_s=rs, recent_tokens_per_s=rt, eta_seconds=eta,
         locks=locks, temp_files=len(stray_temp_files(run)), ranks=sorted(journals),
         meta_warning=mr.damage or (f"run.backup.json is {mr.backup_damage}" if mr.backup_damage else ""),
-        model_loaded=loaded,
+        model_loaded=loaded, ignored_entries=ignored,
     )  # fmt: skip
+
+
+def recent_rate(commits: list[tuple[float, int]], now: float, window: float = RATE_WINDOW):
+    """(samples/s, tokens/s) of the commits of the last `window` seconds, measured from the
+    first of them to now; that first commit's own work was done before the window's clock
+    started, so it is not counted. (None, None) until there are two commits to measure."""
+    recent = sorted((t, n) for t, n in commits if t >= now - window)
+    if len(recent) < 2 or now - recent[0][0] <= 0:
+        return None, None
+    span = now - recent[0][0]
+    return (len(recent) - 1) / span, sum(n for _, n in recent[1:]) / span
 
 
 def ago(t: float | None) -> str:
@@ -128,7 +135,8 @@ def format_status(st: RunStatus) -> str:
         speed = eta = "- (no writer running)"
     lines = [
         f"run        {st.run}",
-        f"samples    {st.done}/{st.total} done ({pct:.1f}%), {st.remaining} remaining, {st.failed} failed",
+        f"samples    {st.done}/{st.total} done ({pct:.1f}%), {st.remaining} remaining, {st.failed} failed "
+        "(from the journals; files not read: `eyas verify` checks them)",
         f"tokens     {st.tokens_done:,}/{st.tokens_total:,}",
         f"disk       {human_bytes(st.bytes_done)} written, ~{human_bytes(st.bytes_projected)} projected in all, "
         f"~{human_bytes(st.bytes_needed)} still needed; {human_bytes(st.free_bytes)} free on {st.mount_point} ({st.fs_type})",
@@ -136,7 +144,7 @@ def format_status(st: RunStatus) -> str:
         f"throughput {speed}",
         f"ETA        {eta}",
     ]
-    if st.model_loaded is False and not st.live_writer:
+    if not st.model_loaded and not st.live_writer and any(lk["phase"] for lk in st.locks):
         lines.append("model      never loaded: the last writer stopped while starting or loading the target; "
                      f"`eyas extract --resume {st.run}` starts again from loading")  # fmt: skip
     lines += [f"lock       {lk['describe']}" for lk in st.locks] or [
@@ -148,4 +156,13 @@ def format_status(st: RunStatus) -> str:
         lines.append(f"warning    {st.meta_warning} (`eyas verify --repair {st.run}` restores it)")
     if st.fs_warning:
         lines.append(f"warning    {st.fs_warning}")
+    for w in st.ignored_entries[:5]:
+        lines.append(f"warning    ignored: {w}")
+    if not st.live_writer:
+        if st.remaining > 0:
+            lines.append(
+                f"next       eyas extract --resume {st.run}   (after a crash, `eyas doctor {st.run}` first)"
+            )
+        else:
+            lines.append(f"next       eyas train --data {st.run} --out TRAIN_DIR")
     return "\n".join(lines)

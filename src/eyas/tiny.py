@@ -228,6 +228,11 @@ def _like_config(like: Path, sizes: TinySizes, vocab_size: int):
             "eos_token_id",
             "pad_token_id",
             "hidden_act",
+            "routed_scaling_factor",
+            "max_position_embeddings",
+            "norm_topk_prob",
+            "scoring_func",
+            "topk_method",
         )
     }
     for k, v in keep.items():

@@ -26,16 +26,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_safetensors
+from .checkpoint import (
+    latest_checkpoint,
+    remove_stale_temp,
+    resume_checkpoint,
+    save_checkpoint,
+    save_final,
+)
 from .cpu import choose_threads, configure_threads
 from .drafter import Drafter, DrafterConfig
-from .fsutil import atomic_write_json, read_json
+from .fsutil import DiskFullError, atomic_write_bytes, atomic_write_json, is_disk_full, read_json
+from .lock import WriterLock
 from .runmeta import read_run_meta
 from .target import plan_batches
 from .train_data import SampleReader, epoch_batches, prefetch, split_samples, usable_samples
 from .ttt_attention import IMPLEMENTATIONS
 from .ui import Reporter, console
-from .weights import embed_weight, lm_head_weight
+from .weights import embed_weight, final_norm_weight, lm_head_weight
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,9 +87,16 @@ class TrainConfig:
     attention: str = "auto"
     """TTT attention: `reference` (full score matrices), `chunked` (blockwise, O(T) memory, any
     device), `flex` (fused kernel, GPU); `auto`: flex on a GPU, chunked on a CPU."""
+    allow_partial: bool = False
+    """Train on a run whose extraction is not finished (only the samples committed so far)."""
+    head_init: str = "target"
+    """The drafter's output head at the start: `target` (the target's own lm_head rows for
+    the draft vocabulary, and its final norm's weight; still trained) or `random`."""
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.head_init not in ("target", "random"):
+            raise ValueError(f"--head-init must be target or random, got {self.head_init!r}")
         if self.ttt_steps < 1 or self.epochs < 1 or self.grad_accum < 1:
             raise ValueError("--ttt-steps, --epochs and --grad-accum must be at least 1")
         if not 0 <= self.val_fraction < 1:
@@ -98,7 +112,7 @@ class TrainConfig:
 # May differ on resume. Paths may change (a moved run or training directory resumes):
 # the data and the target are identified by their fingerprints, not where they live.
 _RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "keep_checkpoints",
-              "data", "out", "model", "attention"}  # fmt: skip
+              "data", "out", "model", "attention", "allow_partial"}  # fmt: skip
 
 
 class TrainStopped(Exception):
@@ -241,7 +255,13 @@ def build_drafter(cfg: TrainConfig, meta: dict) -> tuple[Drafter, torch.Tensor |
     drafter.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
     drafter.set_draft_vocab(draft_ids)
     topk = "topk" in str(meta.get("layout", ""))
-    return drafter, None if topk else lm_head_weight(model_dir).float()
+    head = lm_head_weight(model_dir).float() if cfg.head_init == "target" or not topk else None
+    if cfg.head_init == "target":
+        # The drafter's last state stands in for the target's pre-norm state, so the target's
+        # final norm and head rows are where the drafter's norm and head should start.
+        drafter.lm_head.weight.data.copy_(head[draft_ids])  # (D, H)
+        drafter.norm.weight.data.copy_(final_norm_weight(model_dir).float())  # (H,)
+    return drafter, None if topk else head
 
 
 def draft_vocab_for(requested: int | None, meta: dict) -> int | None:
@@ -261,13 +281,52 @@ def _identity(meta: dict) -> dict:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
-    """Train (or resume) a drafter; returns the last validation summary."""
+    """Train (or resume) a drafter; returns the last validation summary. Rank 0 holds the
+    training directory's writer lock throughout: one training per directory."""
     rank, world = _dist()
     out, run = Path(cfg.out), Path(cfg.data)
     meta = read_run_meta(run)
+    _check_complete(run, meta, cfg.allow_partial)
+    if rank != 0:
+        return _train(cfg, resume, rank, world, run, out, meta)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = WriterLock(out, 0, 1, what="train").acquire()
+    try:
+        lock.set_phase("training")
+        for p in remove_stale_temp(out):
+            console.print(
+                f"removed {p}, left by a killed checkpoint save", markup=False, highlight=False
+            )
+        return _train(cfg, resume, rank, world, run, out, meta)
+    except OSError as exc:
+        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
+            raise DiskFullError(exc.errno, f"no space left writing to {out} ({exc})") from exc
+        raise
+    finally:
+        lock.release()
+
+
+def _check_complete(run: Path, meta: dict, allow_partial: bool) -> None:
+    """Refuse a run whose extraction is unfinished unless asked: hours spent on part of
+    the data should be a choice, never a surprise."""
+    from .journal import committed, read_errors
+
+    done = committed(run)
+    failed = {e["index"] for e in read_errors(run)} - set(done)
+    left = meta["samples"] - len([i for i in done if i < meta["samples"]]) - len(failed)
+    if left > 0 and not allow_partial:
+        raise ValueError(
+            f"{run}: extraction is not finished ({meta['samples'] - left}/{meta['samples']} samples "
+            f"done or failed, {left} remaining). Finish it first: eyas extract --resume {run} "
+            "(or pass --allow-partial to train on what is committed)"
+        )
+
+
+def _train(
+    cfg: TrainConfig, resume: bool, rank: int, world: int, run: Path, out: Path, meta: dict
+) -> dict:
     ident = _identity(meta)
     saved = out / "train.json"
-    ckpt = latest_checkpoint(out) if resume else None
     if saved.exists():
         prev = read_json(saved)
         if _identity(prev["data"]) != ident:
@@ -325,18 +384,25 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
         if rank == 0
         else (lambda m: None)
     )
-    entries = usable_samples(run, meta["hidden_size"], log)
+    entries, rejected = usable_samples(run, meta["hidden_size"], log)
     if not entries:
         raise ValueError(f"{run}: no committed samples to train on")
+    listed = _skipped_indices(out / "skipped_samples.jsonl") if rank == 0 else set()
 
-    def skipped(index: int, problem: str) -> None:
-        console.print(
-            f"warning: damaged sample left out of training: {problem}",
-            markup=False,
-            highlight=False,
-        )
+    def skipped(index: int, problem: str, when: str = "while training") -> None:
+        if when == "while training":
+            console.print(f"warning: damaged sample left out of training: {problem}",
+                          markup=False, highlight=False)  # fmt: skip
+        if rank != 0 or index in listed:
+            return
+        listed.add(index)
         with open(out / "skipped_samples.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps({"index": index, "problem": problem}) + "\n")
+            f.write(json.dumps({"index": index, "problem": problem, "found": when}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    for index, problem in rejected.items():
+        skipped(index, problem, "at start-up (file against its journal entry)")
 
     reader = SampleReader(run, entries, cfg.verify_data, pin=device.type == "cuda", report=skipped)
     lengths = {i: e["tokens"] for i, e in entries.items()}
@@ -364,8 +430,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
         )
 
     state = {"step": 0, "epoch": 0, "batch": 0}
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, drafter, opt)
+    if resume and (found := resume_checkpoint(out, drafter, opt, log)) is not None:
+        state, ckpt = found
         log(f"resuming from {ckpt} (epoch {state['epoch']}, batch {state['batch']})")
     if rank == 0:  # metrics logged after the state we start from are recomputed
         _truncate_metrics(out / "metrics.jsonl", state["step"])
@@ -488,11 +554,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
                     _print_summary(epoch, last_val)
         if rank == 0:
             save_checkpoint(out, drafter, opt, state, cfg.keep_checkpoints)
-            save_safetensors(
-                {k: v.contiguous() for k, v in drafter.state_dict().items()},
-                out / "drafter.safetensors",
-            )
-            atomic_write_json(out / "drafter_config.json", drafter.config.to_dict())
+            save_final(out, drafter)
             plot_metrics(out)
     finally:
         stack.close()  # prefetch threads stopped and joined
@@ -530,15 +592,31 @@ def _log(out: Path, rank: int, rec: dict) -> None:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metrics logged after the checkpoint we resume from: they are recomputed."""
+    """Drop metrics logged after the checkpoint we resume from (they are recomputed), and
+    a line torn by a kill or a full disk."""
     if not path.exists():
         return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= step
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = []
+    for line in path.read_bytes().splitlines():
+        try:
+            rec = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+            keep.append(line.decode())
+    atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
+
+
+def _skipped_indices(path: Path) -> set[int]:
+    """Samples `skipped_samples.jsonl` already lists (a resume lists each once)."""
+    out = set()
+    if path.exists():
+        for line in path.read_bytes().splitlines():
+            try:
+                out.add(int(json.loads(line)["index"]))
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                continue
+    return out
 
 
 def _print_summary(epoch: int, s: dict) -> None:

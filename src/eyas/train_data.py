@@ -27,10 +27,11 @@ from .store import StoreError, check_sample_file, read_sample, sample_relpath
 from .target import plan_batches
 
 
-def usable_samples(run: Path, hidden_size: int, log) -> dict[int, dict]:
-    """Committed samples whose files match their journal entries (index -> entry)."""
+def usable_samples(run: Path, hidden_size: int, log) -> tuple[dict[int, dict], dict[int, str]]:
+    """Committed samples whose files match their journal entries (index -> entry), and
+    those left out (index -> the problem)."""
     entries = committed(run)
-    good, bad = {}, []
+    good, bad = {}, {}
     for i, e in sorted(entries.items()):
         c = check_sample_file(
             run / sample_relpath(i), checksums=False, hidden_size=hidden_size, entry=e
@@ -38,13 +39,13 @@ def usable_samples(run: Path, hidden_size: int, log) -> dict[int, dict]:
         if c.ok:
             good[i] = e
         else:
-            bad.append(c.problem)
+            bad[i] = c.problem
     if bad:
         log(f"warning: {len(bad)} damaged sample(s) left out of training "
             f"(`eyas verify --repair {run}` and `eyas extract --resume {run}` redo them):")  # fmt: skip
-        for p in bad[:10]:
+        for p in list(bad.values())[:10]:
             log(f"  {p}")
-    return good
+    return good, bad
 
 
 def split_samples(indices: list[int], val_fraction: float) -> tuple[list[int], list[int]]:

@@ -28,9 +28,11 @@ class Reporter:
         unit: str = "samples",
         enabled: bool = True,
         extra: Callable[[], str] | None = None,
+        eta: Callable[[], float | None] | None = None,
         log_every: float = 30.0,
     ):
         self.label, self.total, self.unit = label, total, unit
+        self.eta = eta  # seconds left, when the caller knows better than units/s (tokens/s)
         log_every = float(os.environ.get("EYAS_LOG_EVERY", log_every))  # seconds between log lines
         self.enabled, self.extra, self.log_every = enabled, extra or (lambda: ""), log_every
         self.done = 0
@@ -48,13 +50,16 @@ class Reporter:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[extra]}"),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
+                *(
+                    [TextColumn("ETA {task.fields[eta]}")]
+                    if self.eta
+                    else [TextColumn("ETA"), TimeRemainingColumn()]
+                ),
                 console=console,
                 transient=False,
             )
             self._progress.__enter__()
-            self._task = self._progress.add_task(self.label, total=self.total, extra="")
+            self._task = self._progress.add_task(self.label, total=self.total, extra="", eta="?")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -77,20 +82,25 @@ class Reporter:
     def advance(self, n: int = 1) -> None:
         self.done += n
         if self._progress is not None:
-            self._progress.update(self._task, advance=n, extra=self.extra())
+            self._progress.update(self._task, advance=n, extra=self.extra(), eta=self._eta_text())
         elif self.enabled and time.monotonic() - self._last_log >= self.log_every:
             self._log()
+
+    def _eta_text(self) -> str:
+        from .fsutil import human_duration
+
+        if self.eta is not None:
+            left = self.eta()
+            return human_duration(left) if left is not None else "?"
+        rate = self.rate()
+        return human_duration((self.total - self.done) / rate if rate > 0 else float("inf"))
 
     def _log(self) -> None:
         self._last_log = time.monotonic()
         self._logged = self.done
-        rate = self.rate()
-        left = (self.total - self.done) / rate if rate > 0 else float("inf")
-        from .fsutil import human_duration
-
         console.print(
-            f"{self.label}: {self.done}/{self.total} {self.unit} ({rate:.1f}/s) "
-            f"{self.extra()} ETA {human_duration(left)}",
+            f"{self.label}: {self.done}/{self.total} {self.unit} ({self.rate():.1f}/s) "
+            f"{self.extra()} ETA {self._eta_text()}",
             markup=False,
             highlight=False,
         )

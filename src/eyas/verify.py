@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .fsutil import fsync_dir, is_temp_file
 from .journal import journal_files, rewrite_journal, scan_journals, set_aside_damaged_lines
-from .lock import live_locks
+from .lock import LockHeld, WriterLock
 from .runmeta import load_run_meta, restore_run_meta
 from .store import (
     Layout,
@@ -86,7 +86,24 @@ class VerifyReport:
 
 
 def verify(run: str | Path, *, quick: bool = False, repair: bool = False, workers: int | None = None) -> VerifyReport:  # fmt: skip
-    run = Path(run)
+    """Check a run; with `repair`, hold the whole run's writer lock from before the check
+    until the repair is done, so no writer can append to what the repair rewrites."""
+    if not repair:
+        return _verify(Path(run), quick, False, workers)
+    if not (Path(run) / "run.json").exists() and not (Path(run) / "run.backup.json").exists():
+        return _verify(Path(run), quick, False, workers)  # raises: not a run
+    try:
+        lock = WriterLock(Path(run), 0, 1, what="verify --repair").acquire()
+    except LockHeld as exc:
+        raise StoreError(f"cannot repair while a writer holds the run: {exc}") from None
+    try:
+        lock.set_phase("repairing")
+        return _verify(Path(run), quick, True, workers)
+    finally:
+        lock.release()
+
+
+def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> VerifyReport:
     rep = VerifyReport(str(run), quick=quick)
     mr = load_run_meta(run)  # raises StoreError when neither copy is usable
     meta = mr.meta
@@ -152,11 +169,6 @@ def verify(run: str | Path, *, quick: bool = False, repair: bool = False, worker
         rep.problems.append(Problem("temp", str(p), f"{p}: temp file left by an interrupted write"))
 
     if repair and rep.problems:
-        live = live_locks(run)
-        if live:
-            raise StoreError(
-                f"{run}: cannot repair while a writer holds the run: {live[0].describe()}"
-            )
         _repair(run, rep, scans, bad, total)
         rep.repaired = True
     return rep

@@ -61,21 +61,41 @@ def read_tensor(model_dir: str | Path, names: list[str]) -> torch.Tensor:
     raise KeyError(f"{d}: none of {names} found in the checkpoint's weights")
 
 
+def _tied(model_dir: Path) -> bool:
+    """Whether the target's output head is its input embeddings (`tie_word_embeddings`, in
+    the text part of a wrapper's config where there is one; transformers' default: tied)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    return bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True)))
+
+
+# Where a checkpoint keeps each tensor: plain causal LMs, transformers' multimodal layout
+# (`model.language_model.*`) and the hub layout of wrapped targets such as Kimi-K2.5
+# (`language_model.model.*`, `language_model.lm_head`).
+_EMBED = ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+          "language_model.model.embed_tokens.weight", "embed_tokens.weight"]  # fmt: skip
+_NORM = ["model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
+         "norm.weight"]  # fmt: skip
+_HEAD = ["lm_head.weight", "language_model.lm_head.weight"]
+
+
 def lm_head_weight(model_dir: str | Path) -> torch.Tensor:
-    """(V, H) output projection of the target; falls back to tied input embeddings."""
-    return read_tensor(
-        model_dir,
-        ["lm_head.weight", "model.embed_tokens.weight", "model.language_model.embed_tokens.weight"],
-    )
+    """(V, H) output projection of the target: its `lm_head`, or its input embeddings only
+    where the config says they are tied. An untied target without a head is an error."""
+    try:
+        return read_tensor(model_dir, _HEAD)
+    except KeyError:
+        if not _tied(Path(model_dir)):
+            raise KeyError(f"{model_dir}: no lm_head in the checkpoint's weights (looked for {', '.join(_HEAD)}), "
+                           "and tie_word_embeddings is false, so the embeddings are not the head") from None  # fmt: skip
+        return embed_weight(model_dir)
 
 
 def embed_weight(model_dir: str | Path) -> torch.Tensor:
     """(V, H) input embeddings of the target."""
-    return read_tensor(
-        model_dir,
-        [
-            "model.embed_tokens.weight",
-            "model.language_model.embed_tokens.weight",
-            "embed_tokens.weight",
-        ],
-    )
+    return read_tensor(model_dir, _EMBED)
+
+
+def final_norm_weight(model_dir: str | Path) -> torch.Tensor:
+    """(H,) weight of the target's final RMSNorm (applied before its lm_head)."""
+    return read_tensor(model_dir, _NORM)

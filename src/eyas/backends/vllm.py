@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..target import PLAIN_RMSNORM, rms_norm, target_facts
-from ..weights import read_tensor
+from ..weights import final_norm_weight
 from . import Backend, BackendSpec, Pending, StateShaper
 
 
@@ -133,9 +133,7 @@ class VLLMBackend(Backend):
         wanted = [i + 1 for i in spec.aux_layers] + [n]  # HF indices; n = last layer, pre-norm
         self.layer_ids = sorted(set(wanted))  # vLLM captures each once, in ascending order
         self.columns = [self.layer_ids.index(k) for k in wanted]
-        self.norm_weight = read_tensor(
-            spec.model, ["model.norm.weight", "model.language_model.norm.weight", "norm.weight"]
-        ).to(spec.dtype)
+        self.norm_weight = final_norm_weight(spec.model).to(spec.dtype)
         lm_head = None
         if spec.layout.topk:
             from ..weights import lm_head_weight
