@@ -214,3 +214,105 @@ def test_small_disk_counts_and_advice_agree(small_tmpfs, targets, llama_dataset)
     assert not any(
         "verify --repair" in (s["command"] or "") for s in d["plan"]
     )  # nothing to quarantine
+
+
+def test_train_refuses_a_partial_run(tmp_path, targets, llama_dataset):
+    """A run whose writer died part-way is not trained on by accident: refused with the
+    resume command; --allow-partial trains on what is committed."""
+    run = tmp_path / "run"
+    extract(ExtractConfig(model=str(targets["llama"]), data=str(llama_dataset), out=str(run), rank=0, world=2,
+                          progress=False))  # fmt: skip
+    args = ["train", "--data", run, "--epochs", "1", "--ttt-steps", "1", "--batch-tokens", "2048"]
+    r = eyas(*args, "--out", tmp_path / "t")
+    assert r.returncode == 1 and "extraction is not finished" in r.stderr, r.stderr
+    assert f"eyas extract --resume {run}" in r.stderr and "--allow-partial" in r.stderr
+    assert "60/120" in r.stderr and not (tmp_path / "t").exists()
+    r = eyas(*args, "--out", tmp_path / "t", "--allow-partial")
+    assert r.returncode == 0, r.stderr
+
+
+def test_prepare_refuses_to_replace_a_dataset_and_a_lost_one_is_rebuilt(
+    tmp_path, targets, conversations
+):
+    ds, run = tmp_path / "ds", tmp_path / "run"
+    prep = [
+        "prepare",
+        "--model",
+        targets["llama"],
+        "--data",
+        conversations,
+        "--out",
+        ds,
+        "--max-length",
+        "200",
+    ]
+    assert eyas(*prep).returncode == 0
+    p = eyas(
+        "prepare",
+        "--model",
+        targets["llama"],
+        "--data",
+        conversations,
+        "--out",
+        ds,
+        "--max-length",
+        "100",
+    )
+    assert (
+        p.returncode == 1
+        and "already holds a prepared dataset" in p.stderr
+        and "--force" in p.stderr
+    )
+    extract(
+        ExtractConfig(
+            model=str(targets["llama"]), data=str(ds), out=str(run), rank=0, world=2, progress=False
+        )
+    )
+    shutil.rmtree(ds)
+    # Both say exactly how to rebuild it: the same inputs give the same fingerprint.
+    r = eyas("extract", "--resume", run)
+    assert r.returncode == 1 and "is gone" in r.stderr and "eyas prepare --model" in r.stderr, (
+        r.stderr
+    )
+    plan = json.loads(eyas("doctor", run, "--json").stdout)["plan"]
+    cmd = next(a["command"] for a in plan if a["command"] and "eyas prepare" in a["command"])
+    assert "--max-length 200" in cmd and str(conversations) in cmd
+    args = cmd.replace(" --force", "").split()[1:]  # run it as printed
+    assert eyas(*args).returncode == 0
+    r = eyas("extract", "--resume", run)
+    assert r.returncode == 0 and "extracted 60 samples" in r.stderr, r.stderr
+
+
+def test_doctor_says_what_it_did_not_read_and_status_says_what_next(
+    tmp_path, targets, llama_dataset
+):
+    from eyas.store import sample_relpath
+
+    run = tmp_path / "run"
+    extract(
+        ExtractConfig(
+            model=str(targets["llama"]), data=str(llama_dataset), out=str(run), progress=False
+        )
+    )
+    f = run / sample_relpath(7)
+    b = bytearray(f.read_bytes())
+    b[-50] ^= 0x01  # one flipped byte inside a tensor's data
+    f.write_bytes(bytes(b))
+    d = eyas("doctor", run)
+    assert (
+        "their data was not read" in d.stdout and "eyas verify" in d.stdout and "MB/s" in d.stdout
+    ), d.stdout
+    plan = json.loads(eyas("doctor", run, "--json").stdout)["plan"]
+    assert any(a["command"] == f"eyas verify {run}" for a in plan)
+    assert eyas("verify", run).returncode == 1  # what the plan's command finds
+    st = eyas("status", run).stdout
+    assert "next       eyas train --data" in st
+    journal = journal_path(run, 0)
+    rewrite_journal(journal, read_journal(journal)[:100])
+    st = eyas("status", run).stdout
+    assert f"next       eyas extract --resume {run}" in st and "eyas doctor" in st
+
+
+def test_estimate_small_runs_in_readable_units():
+    p = eyas("estimate", "--samples", "10", "--tokens-per-sample", "100", "--hidden-size", "64")
+    assert p.returncode == 0 and "0.00 TB" not in p.stdout and " kB)" in p.stdout, p.stdout

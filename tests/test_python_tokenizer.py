@@ -55,6 +55,12 @@ def test_prepare_with_a_python_tokenizer_equals_the_fast_one(tmp_path, targets, 
     p = eyas("prepare", "--model", slow, "--data", src, "--out", tmp_path / "refused")
     assert p.returncode == 2 and "--trust-remote-code" in p.stderr, p.stderr
     assert not (tmp_path / "refused").exists()
+    # Every command that loads the tokenizer says it the same way (evaluate did not).
+    p = eyas("evaluate", "--model", slow, "--drafter", tmp_path / "no-drafter", "--data", src)
+    assert (
+        p.returncode == 2 and "--trust-remote-code" in p.stderr and "Traceback" not in p.stderr
+    ), p.stderr
+    assert "hf.co" not in p.stderr and "trust_remote_code=True" not in p.stderr
 
     fast_out, slow_out = tmp_path / "fast-ds", tmp_path / "slow-ds"
     eyas("prepare", "--model", targets[arch], "--data", src, "--out", fast_out, check=True)

@@ -68,12 +68,15 @@ def test_like_scales_down_a_real_sized_config(tmp_path, targets):
 
 def test_like_deepseek_keeps_mla_moe(tmp_path, targets):
     like = _config_and_tokenizer_only(
-        targets["deepseek_v3"], tmp_path / "ds-like", hidden_size=7168, num_hidden_layers=61
-    )
+        targets["deepseek_v3"], tmp_path / "ds-like", hidden_size=7168, num_hidden_layers=61,
+        routed_scaling_factor=2.827, max_position_embeddings=131072,
+    )  # fmt: skip
     out = tmp_path / "tiny"
     assert eyas("tiny-target", "--like", like, "--out", out).returncode == 0
     m = AutoModelForCausalLM.from_pretrained(out)
     assert type(m).__name__ == "DeepseekV3ForCausalLM" and m.config.hidden_size == 64
+    # What does not set the size is kept as the real model has it.
+    assert m.config.routed_scaling_factor == 2.827 and m.config.max_position_embeddings == 131072
 
 
 def test_bad_arch_and_missing_like(tmp_path):

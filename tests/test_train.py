@@ -286,6 +286,11 @@ def test_evaluate_is_lossless_and_accepts(trained, tmp_path):
     d = json.loads(r.stdout)
     assert d["lossless"] and d["prompts"] == 12 and d["rounds"] > 0
     assert d["acceptance_length"] > 1.2  # a trained drafter really skips target steps
+    # Emitted tokens are cut where each reply ends: never more than the engine-style figure.
+    assert 1.0 < d["tokens_per_forward"] <= d["acceptance_length"]
+    for key in ("tokens_per_forward_ci95", "acceptance_length_ci95"):
+        lo, hi = d[key]
+        assert lo <= d[key.removesuffix("_ci95")] <= hi
     assert len(d["per_position_acceptance"]) == 3
     assert d["per_position_acceptance"][0] >= d["per_position_acceptance"][2]
 

@@ -83,6 +83,18 @@ def _disk_full(exc: BaseException, then: str) -> None:
                    f"Nothing half-written is kept; free space, then: {then}", EXIT_STOPPED) from None  # fmt: skip
 
 
+def _json_object(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise fail(f"--chat-template-kwargs is not JSON: {exc}", EXIT_USAGE) from None
+    if not isinstance(obj, dict):
+        raise fail("--chat-template-kwargs must be a JSON object", EXIT_USAGE)
+    return obj
+
+
 def _config(factory, **kw):
     try:
         return factory(**kw)
@@ -154,6 +166,16 @@ def prepare(
         False, "--trust-remote-code", help="Let the model directory's tokenizer code run."
     ),
     force: bool = typer.Option(False, "--force", help="Replace an existing dataset at --out."),
+    chat_template_kwargs: str | None = typer.Option(
+        None,
+        "--chat-template-kwargs",
+        help="JSON object of chat-template variables, e.g. '{\"thinking\": false}'.",
+    ),
+    per_turn_samples: bool = typer.Option(
+        False,
+        "--per-turn-samples",
+        help="One sample per assistant turn (keeps each turn's reasoning as the target produced it).",
+    ),
     extra_data: list[Path] | None = typer.Argument(None, help="More input files."),
 ) -> None:
     """Render conversations with the model's chat template; write ids, loss masks, vocab counts."""
@@ -165,7 +187,8 @@ def prepare(
         PrepareConfig, model=str(model), data=tuple(str(p) for p in [*data, *(extra_data or [])]),
         out=str(out), max_length=max_length, overlong=overlong, last_turn_only=last_turn_only,
         draft_vocab_size=draft_vocab_size, max_error_rate=max_error_rate, num_workers=num_workers,
-        trust_remote_code=trust_remote_code, force=force,
+        trust_remote_code=trust_remote_code, force=force, chat_template_kwargs=_json_object(chat_template_kwargs),
+        per_turn_samples=per_turn_samples,
     )  # fmt: skip
     from .target import ModelDirError
 
@@ -182,7 +205,9 @@ def prepare(
         )
         raise fail(str(exc)) from None
     console.print(
-        f"prepared {s.prepared}/{s.records} records, {s.tokens} tokens ({s.trainable_tokens} trainable), "
+        f"prepared {s.prepared}/{s.records} records"
+        + (f" into {s.samples} samples (one per assistant turn)" if s.samples != s.prepared else "")
+        + f", {s.tokens} tokens ({s.trainable_tokens} trainable), "
         f"{s.truncated} truncated, {s.skipped_overlong} skipped as overlong, {s.failed} failed -> {s.out}",
         markup=False,
         highlight=False,
@@ -584,7 +609,7 @@ def train(
     head_init: str = typer.Option(
         "target",
         "--head-init",
-        help="Drafter head at the start: target (its lm_head rows) or random.",
+        help="Drafter head at the start: target (its lm_head rows), target-frozen or random.",
     ),
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""

@@ -232,15 +232,11 @@ def evaluate(
     trust_remote_code: bool = False,
     progress: bool = True,
 ) -> EvalResult:
-    from transformers import AutoModelForCausalLM
-
-    from .target import check_model_dir
+    from .target import check_model_dir, load_causal_lm
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
     tok = load_tokenizer(model_dir, trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
-    ).eval()
+    model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval()
     from .cpu import configure_threads
 
     configure_threads(model.config.hidden_size)

@@ -66,6 +66,7 @@ from .store import (
 from .target import (
     DTYPES,
     check_model_dir,
+    check_transformers_can_run,
     default_aux_layers,
     model_fingerprint,
     plan_batches,
@@ -431,6 +432,8 @@ def extract(
             shutil.rmtree(run, ignore_errors=True)  # a refusal leaves nothing behind
         raise
     device = resolve_device(cfg.device)
+    if cfg.backend == "hf":
+        check_transformers_can_run(cfg.model, device)
     try:  # before anything is written: a refusal leaves nothing behind
         gpu_preflight(device, parse_size(cfg.max_foreign_gpu_mem, 1), cfg.ignore_busy_gpus, say,
                       count=cfg.tensor_parallel_size if cfg.backend == "vllm" else None)  # fmt: skip

@@ -34,7 +34,15 @@ from pathlib import Path
 from . import __version__
 from .fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
 from .lock import WriterLock
-from .records import RawRecord, RecordError, iter_records, parse_record, record_id, to_messages
+from .records import (
+    RawRecord,
+    RecordError,
+    iter_records,
+    parse_record,
+    record_id,
+    record_tools,
+    to_messages,
+)
 from .ui import Reporter
 
 STATE_SUFFIX = ".eyas-gen"
@@ -277,7 +285,9 @@ def parse_answer(body: bytes) -> dict:
     return resp
 
 
-def post_chat(cfg: GenerateConfig, messages: list[dict], stop: threading.Event) -> tuple[dict, int]:
+def post_chat(
+    cfg: GenerateConfig, messages: list[dict], stop: threading.Event, tools: list | None = None
+) -> tuple[dict, int]:
     """One chat completion with retries and backoff; (response, attempts). Every way an
     answer can fail (status, time, size, shape) ends in RequestFailed, never elsewhere."""
     body = {
@@ -288,6 +298,8 @@ def post_chat(cfg: GenerateConfig, messages: list[dict], stop: threading.Event) 
     }
     if cfg.seed is not None:
         body["seed"] = cfg.seed
+    if tools:
+        body["tools"] = tools
     headers = {"Content-Type": "application/json"}
     if cfg.api_key_env:
         headers["Authorization"] = f"Bearer {os.environ[cfg.api_key_env]}"
@@ -314,7 +326,9 @@ def post_chat(cfg: GenerateConfig, messages: list[dict], stop: threading.Event) 
     raise RequestFailed(f"gave up after {cfg.retries + 1} attempts; last: {last}")
 
 
-def regenerate(cfg: GenerateConfig, messages: list[dict], stop: threading.Event) -> dict:
+def regenerate(
+    cfg: GenerateConfig, messages: list[dict], stop: threading.Event, tools: list | None = None
+) -> dict:
     """The conversation with its last (or every) assistant turn the target's, and provenance.
 
     An assistant turn that opens the conversation has no prompt to answer: it is kept as
@@ -326,10 +340,10 @@ def regenerate(cfg: GenerateConfig, messages: list[dict], stop: threading.Event)
         raise RequestFailed("no assistant turn has a prompt before it to regenerate from")
     out = list(messages[: todo[0]])
     usage = {"prompt_tokens": 0, "completion_tokens": 0}
-    finish, served, requests = [], None, 0
+    finish, served, requests, cut_in_reasoning = [], None, 0, []
     for i in todo:
         out.extend(messages[len(out) : i])  # the user turns (and others) before this answer
-        resp, attempts = post_chat(cfg, out, stop)
+        resp, attempts = post_chat(cfg, out, stop, tools)
         requests += attempts
         choice = resp["choices"][0]
         msg = choice["message"]
@@ -343,6 +357,13 @@ def regenerate(cfg: GenerateConfig, messages: list[dict], stop: threading.Event)
             raise RequestFailed(f"turn {i}: the answer has no text, reasoning or tool calls")
         out.append(turn)
         finish.append(choice.get("finish_reason"))
+        if (
+            finish[-1] == "length"
+            and reasoning
+            and not turn["content"]
+            and not turn.get("tool_calls")
+        ):
+            cut_in_reasoning.append(i)  # the token limit ended it while it was still thinking
         served = resp.get("model", served) if isinstance(resp.get("model"), str) else served
         for k in usage:
             usage[k] += int((resp.get("usage") or {}).get(k) or 0)
@@ -351,6 +372,8 @@ def regenerate(cfg: GenerateConfig, messages: list[dict], stop: threading.Event)
                   "truncated": "length" in finish, "usage": usage, "eyas_version": __version__}  # fmt: skip
     if kept:
         provenance["kept_as_written"] = kept  # opening assistant turns: no prompt to answer
+    if cut_in_reasoning:
+        provenance["cut_in_reasoning"] = cut_in_reasoning
     return {"messages": out, "generation": provenance, "requests": requests}
 
 
@@ -413,7 +436,7 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
             fmt, messages = to_messages(obj)
             if fmt == "text":
                 raise RecordError("a 'text' record has no turns to regenerate", "no-assistant")
-            todo.append((pos, rec, rid, messages))
+            todo.append((pos, rec, rid, messages, record_tools(obj)))
         except RecordError as exc:
             errors[pos] = {"file": rec.file, "line": rec.line, "reason": str(exc), "code": exc.code}
     stop = threading.Event()
@@ -443,7 +466,7 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
     def worker() -> None:
         while (item := work.get()) is not None:
             try:
-                results.put((item, regenerate(cfg, item[3], stop), None))
+                results.put((item, regenerate(cfg, item[3], stop, item[4]), None))
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 results.put((item, None, exc))
 
@@ -466,7 +489,7 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
                 if time.monotonic() - stopped_at > STOP_GRACE:
                     break
             try:
-                (pos, rec, rid, _), result, exc = results.get(timeout=0.2)
+                (pos, rec, rid, _, tools), result, exc = results.get(timeout=0.2)
             except queue.Empty:
                 continue
             in_flight -= 1
@@ -486,7 +509,7 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
                     rep.advance()
                 continue
             requests = result.pop("requests")  # attempts: this session's statistics, not provenance
-            record = {"id": rid, **result}
+            record = {"id": rid, **result, **({"tools": tools} if tools else {})}
             log.append(
                 {"pos": pos, "file": rec.file, "line": rec.line, "record": record}
             )  # durable first

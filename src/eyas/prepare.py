@@ -36,7 +36,15 @@ from .fsutil import (
     read_json,
     sha256_file,
 )
-from .records import RawRecord, RecordError, iter_records, parse_record, record_id, to_messages
+from .records import (
+    RawRecord,
+    RecordError,
+    iter_records,
+    parse_record,
+    record_id,
+    record_tools,
+    to_messages,
+)
 from .ui import Reporter
 
 FORMAT_VERSION = 1
@@ -62,6 +70,12 @@ class PrepareConfig:
     """Fraction of failed records above which the run counts as failed (exit 1)."""
     num_workers: int = 1
     """Processes that tokenize in parallel."""
+    chat_template_kwargs: dict | None = None
+    """Extra variables for the chat template (e.g. {"thinking": false}); kept in dataset.json."""
+    per_turn_samples: bool = False
+    """One sample per assistant turn (the conversation up to and including it, trained on that
+    turn only), so every turn's reasoning is trained as the target produced it, even where the
+    template drops earlier turns' reasoning from the history."""
     trust_remote_code: bool = False
     """Let the model directory's tokenizer code run (Kimi's tokenizer is such code)."""
     force: bool = False
@@ -99,6 +113,7 @@ class PrepareSummary:
     out: str
     records: int = 0
     prepared: int = 0
+    samples: int = 0  # more than `prepared` with per-turn samples
     failed: int = 0
     skipped_overlong: int = 0
     truncated: int = 0
@@ -135,31 +150,88 @@ def _prefix_before(render, messages: list[dict], i: int, upto: str) -> str:
 
 
 def assistant_spans(
-    tokenizer, messages: list[dict], last_turn_only: bool = False
+    tokenizer,
+    messages: list[dict],
+    last_turn_only: bool = False,
+    tools: list | None = None,
+    template_kwargs: dict | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans the assistant produced."""
+    """The rendered conversation and the character spans the assistant produced: each
+    assistant turn as the template renders it inside the whole conversation (its reasoning,
+    content, tool-call markup and end of turn), from after its generation prompt.
+
+    A turn normally renders the same whether or not more follows, and the conversation before
+    it as it renders on its own. Templates that rewrite history (dropping the reasoning of
+    turns before the last user turn, as Kimi's and Qwen3's do) break that; there each turn is
+    placed by the template's own markers: it starts after the k-th assistant header and ends
+    at the first end-of-turn marker after it, and must hold the turn's text. A turn that
+    cannot be placed is an error naming it, never a guess."""
+    extra = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = tools
 
     def render(msgs, gen=False):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        return tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=gen, **extra
+        )
 
     full = render(messages)
     spans = []
-    idx = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if last_turn_only:
-        idx = idx[-1:]
-    for i in idx:
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    marks: list = []
+    for k, i in enumerate(turns):
+        if last_turn_only and i != turns[-1]:
+            continue
         upto = render(messages[: i + 1])
         before = _prefix_before(render, messages, i, upto)
-        if not full.startswith(before) or not full.startswith(upto) or not upto.startswith(before):
-            raise RecordError(
-                f"the chat template renders assistant turn {i} differently inside the whole "
-                "conversation, so its tokens cannot be located",
-                "template",
-            )
-        end = len(upto.rstrip())  # trailing newlines after the end-of-turn token are template glue
-        if end > len(before):
-            spans.append((len(before), end))
+        if full.startswith(before) and upto.startswith(before) and full.startswith(upto):
+            start, end = len(before), len(upto.rstrip())  # trailing newlines are template glue
+        else:
+            if not marks:
+                marks.append(_turn_marks(render))
+            start, end = _place_by_marks(full, marks[0], k, len(turns), messages[i], i)
+        if end > start:
+            spans.append((start, end))
     return full, spans
+
+
+def _turn_marks(render) -> tuple[str, str] | None:
+    """(assistant header, end-of-turn marker) of a template, from probe conversations: the
+    header is what the generation prompt and a rendered assistant turn (with and without
+    reasoning) begin with; the marker is what closes the turn (`<|im_end|>`, `<|eot_id|>`)."""
+    probe, user = "\u2063eyas-probe\u2063", [{"role": "user", "content": "hi"}]
+    try:
+        base = render(user)
+        gen = render(user, gen=True)
+        plain = render([*user, {"role": "assistant", "content": probe}])
+        thought = render([*user, {"role": "assistant", "content": probe, "reasoning_content": "r"}])
+    except Exception:  # noqa: BLE001 - a template may refuse the probes
+        return None
+    if not all(t.startswith(base) for t in (gen, plain, thought)) or probe not in plain:
+        return None
+    header = os.path.commonprefix([gen[len(base) :], plain[len(base) :], thought[len(base) :]])
+    eot = plain[plain.rfind(probe) + len(probe) :].rstrip()
+    return (header, eot) if header and eot else None
+
+
+def _place_by_marks(full: str, marks, k: int, n: int, message: dict, i: int) -> tuple[int, int]:
+    def fail(why: str) -> RecordError:
+        return RecordError(f"assistant turn {i} renders differently inside the whole conversation and {why}, "
+                           "so its tokens cannot be located", "template")  # fmt: skip
+
+    if marks is None:
+        raise fail("the template's turn markers cannot be found")
+    header, eot = marks
+    starts = [m.end() for m in re.finditer(re.escape(header), full)]
+    if len(starts) != n:
+        raise fail(f"its assistant header appears {len(starts)} times for {n} assistant turns")
+    start = starts[k]
+    at = full.find(eot, start)
+    if at < 0 or (k + 1 < n and at + len(eot) > starts[k + 1] - len(header)):
+        raise fail("its end-of-turn marker is not where the next turn begins")
+    if message["content"].strip() not in full[start:at]:
+        raise fail("its text is not inside the place found for it")
+    return start, at + len(eot)
 
 
 def tokenize_with_mask(
@@ -318,39 +390,55 @@ def _tokenizer_code(model: str) -> str | None:
     return ref if isinstance(ref, str) else None
 
 
-def _prepare_one(rec: RawRecord, cfg: PrepareConfig) -> Prepared | tuple[str, str, str]:
-    """A Prepared sample, or (id, code, reason) for a bad record."""
+def _prepare_one(rec: RawRecord, cfg: PrepareConfig) -> list[Prepared] | tuple[str, str, str]:
+    """The record's samples (one, or one per assistant turn), or (id, code, reason) for a
+    bad record."""
     rid = f"{Path(rec.file).name}:{rec.line}"
     try:
         obj = parse_record(rec)
         rid = record_id(obj, rec)
         fmt, content = to_messages(obj)
         if fmt == "text":
-            ids, mask = tokenize_with_mask(_TOK, content, None)
-        else:
-            try:
-                text, spans = assistant_spans(_TOK, content, cfg.last_turn_only)
-            except RecordError:
-                raise
-            except Exception as exc:  # the template itself raised (e.g. it rejects a role order)
-                raise RecordError(f"chat template failed: {exc}", "template") from exc
-            ids, mask = tokenize_with_mask(_TOK, text, spans)
-        n = len(ids)
-        truncated = False
-        if cfg.max_length is not None and n > cfg.max_length:
-            if cfg.overlong == "skip":
-                return (
-                    rid,
-                    "overlong",
-                    f"overlong: {n} tokens > --max-length {cfg.max_length} (skipped)",
+            return [_sample(rid, rec, fmt, *tokenize_with_mask(_TOK, content, None), cfg)]
+        tools = record_tools(obj)
+        if not cfg.per_turn_samples:
+            return [
+                _sample(
+                    rid, rec, fmt, *_render_masked(content, cfg.last_turn_only, tools, cfg), cfg
                 )
-            ids, mask, truncated = ids[: cfg.max_length], mask[: cfg.max_length], True
-        if not any(mask):
-            why = " after truncation" if truncated else ""
-            raise RecordError(f"zero trainable tokens{why}", "zero-trainable")
-        return Prepared(rid, rec.file, rec.line, fmt, ids, mask, n, truncated)
+            ]
+        turns = [i for i, m in enumerate(content) if m["role"] == "assistant"]
+        return [_sample(f"{rid}/turn-{i}", rec, fmt, *_render_masked(content[: i + 1], True, tools, cfg), cfg)
+                for i in turns]  # fmt: skip
     except RecordError as exc:
         return rid, exc.code, str(exc)
+
+
+def _render_masked(messages: list[dict], last_only: bool, tools, cfg: PrepareConfig):
+    try:
+        text, spans = assistant_spans(_TOK, messages, last_only, tools, cfg.chat_template_kwargs)
+    except RecordError:
+        raise
+    except Exception as exc:  # the template itself raised (e.g. it rejects a role order)
+        raise RecordError(f"chat template failed: {exc}", "template") from exc
+    return tokenize_with_mask(_TOK, text, spans)
+
+
+def _sample(
+    rid: str, rec: RawRecord, fmt: str, ids: list[int], mask: list[int], cfg: PrepareConfig
+) -> Prepared:
+    """One sample, cut to --max-length (or refused as overlong) and with trainable tokens."""
+    n, truncated = len(ids), False
+    if cfg.max_length is not None and n > cfg.max_length:
+        if cfg.overlong == "skip":
+            raise RecordError(
+                f"overlong: {n} tokens > --max-length {cfg.max_length} (skipped)", "overlong"
+            )
+        ids, mask, truncated = ids[: cfg.max_length], mask[: cfg.max_length], True
+    if not any(mask):
+        why = " after truncation" if truncated else ""
+        raise RecordError(f"zero trainable tokens{why}", "zero-trainable")
+    return Prepared(rid, rec.file, rec.line, fmt, ids, mask, n, truncated)
 
 
 def _prepare_chunk(args: tuple[list[RawRecord], PrepareConfig]) -> list:
@@ -417,7 +505,7 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     reasons: Counter = Counter()
     for raw, res in zip(raws, results, strict=True):
         where = f"{raw.file}:{raw.line}"
-        rid = res[0] if isinstance(res, tuple) else res.id
+        rid = res[0] if isinstance(res, tuple) else res[0].id.split("/turn-")[0] if res else ""
         first = seen.setdefault(rid, where)
         if isinstance(res, tuple):
             _, code, reason = res
@@ -429,7 +517,8 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
         elif first != where:
             code, reason = "duplicate-id", f"duplicate id {rid!r}: line {first} has the same id"
         else:
-            samples.append(res)
+            samples.extend(res)
+            summary.prepared += 1
             continue
         reasons[code] += 1
         errors.append(
@@ -445,7 +534,7 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
 
     summary.failed = sum(reasons.values())
     summary.reasons = dict(reasons.most_common())
-    summary.prepared = len(samples)
+    summary.samples = len(samples)
     summary.truncated = sum(s.truncated for s in samples)
     summary.tokens = sum(len(s.input_ids) for s in samples)
     summary.trainable_tokens = sum(sum(s.loss_mask) for s in samples)
@@ -679,9 +768,11 @@ def prepare_command(config: dict) -> str:
     for key, default in (("overlong", "truncate"), ("draft_vocab_size", 32000)):
         if config.get(key, default) != default:
             cmd += [f"--{key.replace('_', '-')}", str(config[key])]
-    for key in ("last_turn_only", "trust_remote_code"):
+    for key in ("last_turn_only", "trust_remote_code", "per_turn_samples"):
         if config.get(key):
             cmd.append(f"--{key.replace('_', '-')}")
+    if config.get("chat_template_kwargs"):
+        cmd += ["--chat-template-kwargs", json.dumps(config["chat_template_kwargs"])]
     return cd + shlex.join(cmd)
 
 

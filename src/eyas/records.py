@@ -1,6 +1,6 @@
 """Input records as people have them: JSONL or JSON arrays of OpenAI `messages` (string
-or text-part content), ShareGPT `conversations`, or pre-rendered `text`; a UTF-8 byte-order
-mark is fine. A record that cannot be read raises RecordError with a message that says what
+or text-part content, with reasoning, tool calls and tool results, and per-record `tools`),
+ShareGPT `conversations`, or pre-rendered `text`; a UTF-8 byte-order mark is fine. A record that cannot be read raises RecordError with a message that says what
 was wrong and a `code` for the kind of problem (summaries group by it). `prepare`,
 `generate` and `evaluate` all read their inputs through this module.
 """
@@ -41,7 +41,7 @@ REASONS = {
     "no-role": "a turn has no role",
     "unknown-role": "a turn has an unknown role",
     "bad-content": "a turn's content is not text",
-    "empty-assistant": "an assistant turn is empty",
+    "empty-assistant": "an assistant turn is empty (no text, reasoning or tool calls)",
     "no-assistant": "no assistant turn",
     "template": "the chat template failed on the conversation",
     "zero-trainable": "no trainable tokens",
@@ -168,10 +168,49 @@ def to_messages(obj: dict) -> tuple[str, list[dict] | str]:
             role = roles[role.lower()]
         elif role not in ROLES:
             raise RecordError(f"turn {i} has unknown role {role!r}", "unknown-role")
-        content = _text_of(content, i, role)
-        if role == "assistant" and not content.strip():
-            raise RecordError(f"turn {i} is an empty assistant turn", "empty-assistant")
-        messages.append({"role": role, "content": content})
+        content = _text_of(content, i, role) if content is not None or role != "assistant" else ""
+        m = {"role": role, "content": content, **_extras(t, i, role)}
+        if role == "assistant" and not (
+            content.strip() or m.get("reasoning_content") or m.get("tool_calls")
+        ):
+            raise RecordError(f"turn {i} is an empty assistant turn (no text, reasoning or tool calls)",
+                              "empty-assistant")  # fmt: skip
+        messages.append(m)
     if not any(m["role"] == "assistant" for m in messages):
         raise RecordError("no assistant turn", "no-assistant")
     return fmt, messages
+
+
+def _extras(t: dict, i: int, role: str) -> dict:
+    """What a turn carries besides its text, as chat templates read it: the reasoning
+    (`reasoning_content`, or `reasoning` as some servers name it), tool calls, and on a tool
+    result the call it answers and the tool's name."""
+    out = {}
+    reasoning = t.get("reasoning_content", t.get("reasoning"))
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise RecordError(f"turn {i} ({role}) reasoning is not text", "bad-content")
+        if reasoning:
+            out["reasoning_content"] = reasoning
+    calls = t.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise RecordError(
+                f"turn {i} ({role}) tool_calls is not a list of objects", "bad-content"
+            )
+        if calls:
+            out["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        if isinstance(t.get(key), str):
+            out[key] = t[key]
+    return out
+
+
+def record_tools(obj: dict) -> list | None:
+    """The tools a record declares (OpenAI `tools`), for the chat template; None if none."""
+    tools = obj.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(x, dict) for x in tools):
+        raise RecordError("'tools' is not a list of objects", "bad-turns")
+    return tools or None

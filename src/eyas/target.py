@@ -71,6 +71,81 @@ def target_facts(model_dir: str | Path) -> TargetFacts:
         ) from None
 
 
+# Where a wrapper's checkpoint keeps its language model, as the causal LM's own names: the
+# hub layout of Kimi-K2.5 and LLaVA-style wrappers (`language_model.model.*`,
+# `language_model.lm_head`) and transformers' own multimodal layout (`model.language_model.*`).
+TEXT_KEY_MAPPING = {
+    r"^language_model\.model\.": "model.",
+    r"^language_model\.lm_head\.": "lm_head.",
+    r"^model\.language_model\.": "model.",
+}
+
+
+def _quantization(cfg: dict) -> str | None:
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    q = text.get("quantization_config") or cfg.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    return " ".join(str(q[k]) for k in ("quant_method", "format") if q.get(k)) or "quantized"
+
+
+def check_transformers_can_run(model_dir: str | Path, device: str) -> None:
+    """Refuse, before anything is written, a checkpoint transformers cannot run here."""
+    raw = read_json(Path(model_dir) / "config.json")
+    if (q := _quantization(raw)) and not str(device).startswith(("cuda", "multi")):
+        raise ModelDirError(f"{model_dir} is quantized ({q}); transformers cannot run it on this machine. "
+                            "Extract with --backend vllm, which runs such checkpoints")  # fmt: skip
+
+
+def load_causal_lm(
+    model_dir: str | Path, dtype: torch.dtype, trust_remote_code: bool = False, **kw
+):
+    """The target's causal language model, for running text through it. A plain causal LM
+    loads as it is; a wrapper whose language model sits in a `text_config` (Kimi-K2.5 and
+    other `*ForConditionalGeneration` families) loads its language model only, from the
+    checkpoint's own names, never the vision tower's weights; its states equal the
+    wrapper's own language-model forward. Anything else is a ModelDirError in one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    raw = read_json(Path(model_dir) / "config.json")
+    arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
+    check_transformers_can_run(model_dir, "cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        cfg = AutoConfig.from_pretrained(
+            model_dir, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except (ValueError, KeyError) as exc:
+        raise ModelDirError(
+            f"{model_dir}: transformers does not know architecture {arch} ({exc})"
+        ) from None
+    args = dict(dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True, **kw)
+    if type(cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING and not getattr(cfg, "auto_map", None):
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else None
+        if text is None or text is cfg or type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise ModelDirError(f"{model_dir}: eyas cannot run architecture {arch}: it is neither a causal "
+                                "language model nor a wrapper around one (a text_config)")  # fmt: skip
+        args.update(config=text, key_mapping=TEXT_KEY_MAPPING)
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, **args)
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise ModelDirError(
+                f"{model_dir}: eyas cannot run architecture {arch} with transformers"
+            ) from None
+        raise
+
+
+def text_config(model_dir: str | Path, trust_remote_code: bool = False):
+    """The transformers config of the target's language model (a wrapper's text part)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(
+        model_dir, local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
     """[1, n//2-1, n-4] as outputs of 0-based decoder layers (the EAGLE-3 default)."""
     return (1, n_layers // 2 - 1, n_layers - 4)

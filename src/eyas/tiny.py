@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-ARCHES = ("llama", "qwen3", "qwen2", "deepseek_v3")
+ARCHES = ("llama", "qwen3", "qwen2", "deepseek_v3", "kimi_k25")
 
 SPECIAL_TOKENS = [
     "<|begin_of_text|>",
@@ -44,6 +44,51 @@ CHATML_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+
+# Kimi-K2.5's chat format (a tiktoken tokenizer's special tokens, here in a small BPE): turns
+# as <|im_ROLE|>ROLE<|im_middle|>...<|im_end|>; a default system prompt; an assistant turn is
+# <think>reasoning</think>content, then its tool calls; turns before the last user turn keep
+# an empty <think></think>; tools are declared per conversation; `thinking=False` opens the
+# generation prompt with an empty <think></think>.
+KIMI_SPECIAL_TOKENS = [
+    "[BOS]", "[EOS]", "[PAD]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+    "<|im_middle|>", "<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|media_start|>",
+    "<|media_content|>", "<|media_end|>", "<|media_pad|>",
+]  # fmt: skip
+KIMI_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif -%}"
+    "{%- if not messages or messages[0]['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "<|im_assistant|>assistant<|im_middle|>"
+    "{%- if loop.index0 > ns.last_user -%}<think>{{ m.get('reasoning_content') or '' }}</think>"
+    "{%- else -%}<think></think>{%- endif -%}"
+    "{{ m['content'] or '' }}"
+    "{%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>"
+    "{%- for tc in m['tool_calls'] -%}<|tool_call_begin|>{{ tc['id'] }}<|tool_call_argument_begin|>"
+    "{%- if tc['function']['arguments'] is string -%}{{ tc['function']['arguments'] }}"
+    "{%- else -%}{{ tc['function']['arguments'] | tojson }}{%- endif -%}<|tool_call_end|>"
+    "{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}"
+    "<|im_end|>"
+    "{%- elif m['role'] == 'tool' -%}"
+    "<|im_system|>tool<|im_middle|>## Return of {{ m.get('tool_call_id', '') }}\n{{ m['content'] }}<|im_end|>"
+    "{%- else -%}"
+    "<|im_{{ 'user' if m['role'] == 'user' else 'system' }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and not thinking -%}<think></think>{%- endif -%}{%- endif -%}"
+)
+
+# The hub's weight names of a wrapped target, where transformers' own save differs.
+_HUB_NAMES = {"kimi_k25": [("language_model.model.blocks.", "language_model.model.layers.")]}
+_HUB_ARCHITECTURES = {"kimi_k25": ["KimiK25ForConditionalGeneration"]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,16 +138,18 @@ def offline_corpus(extra: list[str] | None = None, max_chars: int = 400_000) -> 
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = 2048, template: str = LLAMA3_TEMPLATE):
-    """A byte-level BPE trained on `texts`, wrapped as a transformers fast tokenizer."""
+    """A byte-level BPE trained on `texts`, wrapped as a transformers fast tokenizer; with
+    Kimi's template, Kimi's special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    kimi = template == KIMI_TEMPLATE
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=KIMI_SPECIAL_TOKENS if kimi else SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -110,9 +157,9 @@ def train_tokenizer(texts: list[str], vocab_size: int = 2048, template: str = LL
     chatml = template == CHATML_TEMPLATE
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<|begin_of_text|>",
-        eos_token="<|im_end|>" if chatml else "<|eot_id|>",
-        pad_token="<|end_of_text|>",
+        bos_token="[BOS]" if kimi else "<|begin_of_text|>",
+        eos_token="<|im_end|>" if chatml or kimi else "<|eot_id|>",
+        pad_token="[PAD]" if kimi else "<|end_of_text|>",
     )
     fast.chat_template = template
     return fast
@@ -176,7 +223,31 @@ def _arch_config(arch: str, vocab_size: int, sizes: TinySizes, tokenizer):
             },
             **common,
         )
+    if arch == "kimi_k25":
+        text = _arch_config("deepseek_v3", vocab_size, sizes, tokenizer)
+        return _wrapper_config("kimi_k25", text, tokenizer)
     raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
+
+
+def _wrapper_config(model_type: str, text, tokenizer, top: dict | None = None):
+    """A wrapper config (Kimi-K2.5's): the language model `text`, a tiny vision tower."""
+    from transformers import AutoConfig
+
+    top = dict(top or {})
+    for k in ("model_type", "text_config", "vision_config", "architectures", "auto_map", "quantization_config",
+              "transformers_version", "dtype", "torch_dtype"):  # fmt: skip
+        top.pop(k, None)
+    media = (
+        tokenizer.convert_tokens_to_ids("<|media_pad|>")
+        if hasattr(tokenizer, "convert_tokens_to_ids")
+        else None
+    )
+    if isinstance(media, int) and media >= 0:
+        top.update(image_token_id=media, video_token_id=media)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  pos_emb_height=8, pos_emb_width=8, pos_emb_time=2)  # fmt: skip
+    return AutoConfig.for_model(model_type, **{"tie_word_embeddings": False, **top, "text_config": text.to_dict(),
+                                                "vision_config": vision, "projection_hidden_size": 32})  # fmt: skip
 
 
 # Keys that set a model's size; scaled down by `_like_config`. Everything else is kept.
@@ -190,16 +261,31 @@ _SIZE_KEYS = {
 }  # fmt: skip
 
 
-def _like_config(like: Path, sizes: TinySizes, vocab_size: int):
+def _like_config(like: Path, sizes: TinySizes, vocab_size: int, tokenizer=None):
     from transformers import AutoConfig
 
+    from .fsutil import read_json
+
+    raw = read_json(like / "config.json")
+    if isinstance(raw.get("text_config"), dict) and "vision_config" in raw:  # a wrapper (Kimi-K2.5)
+        text = _like_text(dict(raw["text_config"]), sizes, vocab_size)
+        return _wrapper_config(raw["model_type"], text, tokenizer, raw)
     src = AutoConfig.from_pretrained(like, local_files_only=True)
-    d = {k: v for k, v in src.to_dict().items() if k not in _SIZE_KEYS}
+    return _like_text(src.to_dict(), sizes, vocab_size)
+
+
+def _like_text(src_dict: dict, sizes: TinySizes, vocab_size: int):
+    """A causal LM config of `src_dict`'s family, its sizes scaled down, the rest kept."""
+    from transformers import AutoConfig
+
+    if src_dict.get("model_type") == "kimi_k2":  # Kimi-K2's text model is DeepSeek-V3's
+        src_dict["model_type"] = "deepseek_v3"
+    d = {k: v for k, v in src_dict.items() if k not in _SIZE_KEYS}
     d.pop("quantization_config", None)
     d.pop("auto_map", None)
     d.pop("architectures", None)
-    d["vocab_size"] = max(vocab_size, int(getattr(src, "vocab_size", 0) or 0))
-    arch = src.model_type
+    d["vocab_size"] = max(vocab_size, int(src_dict.get("vocab_size") or 0))
+    arch = d.pop("model_type")
     try:
         tiny = _arch_config(arch, d["vocab_size"], sizes, _TokIds(d))
     except ValueError:
@@ -273,18 +359,76 @@ def build_tiny_target(
         tokenizer = load_tokenizer(str(like), trust_remote_code)
         if not tokenizer.chat_template:
             raise ValueError(f"--like {like}: the tokenizer has no chat template")
-        config = _like_config(like, sizes, len(tokenizer))
+        config = _like_config(like, sizes, len(tokenizer), tokenizer)
+        if _quantization_of(like):
+            print(f"note: the twin leaves out {like}'s quantization config ({_quantization_of(like)}): "
+                  "its weights are float32", flush=True)  # fmt: skip
     else:
         if arch not in ARCHES:
             raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
         if tokenizer is None:
-            template = CHATML_TEMPLATE if arch.startswith("qwen") else LLAMA3_TEMPLATE
+            template = {
+                "qwen3": CHATML_TEMPLATE,
+                "qwen2": CHATML_TEMPLATE,
+                "kimi_k25": KIMI_TEMPLATE,
+            }.get(arch, LLAMA3_TEMPLATE)
             tokenizer = train_tokenizer(offline_corpus(), template=template)
         config = _arch_config(arch, len(tokenizer), sizes, tokenizer)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    wrapped = hasattr(config, "text_config") and hasattr(config, "vision_config")
+    if wrapped:
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if wrapped:
+        _as_on_the_hub(out, config.model_type, like)
     return out
+
+
+def _quantization_of(like: Path) -> str | None:
+    from .fsutil import read_json
+    from .target import _quantization
+
+    return _quantization(read_json(like / "config.json"))
+
+
+def _as_on_the_hub(out: Path, model_type: str, like: Path | None) -> None:
+    """Give a saved wrapper the real checkpoint's weight names and architectures (transformers'
+    own save names some tensors otherwise), so every tool reads it as it reads the real one."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from .fsutil import read_json
+
+    renames = _HUB_NAMES.get(model_type, [])
+    for shard in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        renamed = {}
+        for k, v in tensors.items():
+            for a, b in renames:
+                k = k.replace(a, b)
+            renamed[k] = v
+        save_file(renamed, str(shard), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        idx = read_json(index)
+        wm = {}
+        for k, v in idx["weight_map"].items():
+            for a, b in renames:
+                k = k.replace(a, b)
+            wm[k] = v
+        idx["weight_map"] = wm
+        index.write_text(json.dumps(idx, indent=2))
+    cfg = read_json(out / "config.json")
+    src = read_json(like / "config.json") if like is not None else {}
+    cfg["architectures"] = src.get("architectures") or _HUB_ARCHITECTURES.get(
+        model_type, cfg["architectures"]
+    )
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -91,12 +91,15 @@ class TrainConfig:
     """Train on a run whose extraction is not finished (only the samples committed so far)."""
     head_init: str = "target"
     """The drafter's output head at the start: `target` (the target's own lm_head rows for
-    the draft vocabulary, and its final norm's weight; still trained) or `random`."""
+    the draft vocabulary, and its final norm's weight; still trained), `target-frozen` (the
+    same, the head never trained) or `random`."""
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.head_init not in ("target", "random"):
-            raise ValueError(f"--head-init must be target or random, got {self.head_init!r}")
+        if self.head_init not in ("target", "target-frozen", "random"):
+            raise ValueError(
+                f"--head-init must be target, target-frozen or random, got {self.head_init!r}"
+            )
         if self.ttt_steps < 1 or self.epochs < 1 or self.grad_accum < 1:
             raise ValueError("--ttt-steps, --epochs and --grad-accum must be at least 1")
         if not 0 <= self.val_fraction < 1:
@@ -235,17 +238,15 @@ def _dist() -> tuple[int, int]:
 def build_drafter(cfg: TrainConfig, meta: dict) -> tuple[Drafter, torch.Tensor | None]:
     """Drafter sized from the target, with the target's frozen embeddings; returns the
     target's lm_head too (None when the run stores the target's top-K: not needed)."""
-    from transformers import AutoConfig
-
     from .prepare import PreparedDataset
-    from .target import check_model_dir, model_fingerprint
+    from .target import check_model_dir, model_fingerprint, text_config
 
     model_dir = cfg.model or meta["model_path"]
     check_model_dir(model_dir, weights=True)
     if (fp := model_fingerprint(model_dir)) != meta["model_fingerprint"]:
         raise ValueError(f"{model_dir} is not the target {cfg.data} was extracted with (fingerprint {fp}, "
                          f"the run's is {meta['model_fingerprint']}); pass the right --model")  # fmt: skip
-    tcfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    tcfg = text_config(model_dir)  # a wrapper's language model (Kimi-K2.5) sizes the drafter
     ds = PreparedDataset.open(meta["dataset_path"], check=False)
     draft_ids = ds.draft_vocab(draft_vocab_for(cfg.draft_vocab_size, meta))
     over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
@@ -255,12 +256,14 @@ def build_drafter(cfg: TrainConfig, meta: dict) -> tuple[Drafter, torch.Tensor |
     drafter.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
     drafter.set_draft_vocab(draft_ids)
     topk = "topk" in str(meta.get("layout", ""))
-    head = lm_head_weight(model_dir).float() if cfg.head_init == "target" or not topk else None
-    if cfg.head_init == "target":
+    from_target = cfg.head_init.startswith("target")
+    head = lm_head_weight(model_dir).float() if from_target or not topk else None
+    if from_target:
         # The drafter's last state stands in for the target's pre-norm state, so the target's
         # final norm and head rows are where the drafter's norm and head should start.
         drafter.lm_head.weight.data.copy_(head[draft_ids])  # (D, H)
         drafter.norm.weight.data.copy_(final_norm_weight(model_dir).float())  # (H,)
+        drafter.lm_head.weight.requires_grad_(cfg.head_init != "target-frozen")
     return drafter, None if topk else head
 
 

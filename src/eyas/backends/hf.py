@@ -52,14 +52,13 @@ class Capture:
 
 def load_target(model_dir: str, device: str, dtype: torch.dtype, trust_remote_code: bool = False):
     """(model, input device); `multi` spreads layers over all GPUs."""
-    from transformers import AutoModelForCausalLM
+    from ..target import load_causal_lm
 
-    kw = dict(dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True)
     if device == "multi":
-        model = AutoModelForCausalLM.from_pretrained(model_dir, device_map="auto", **kw)
+        model = load_causal_lm(model_dir, dtype, trust_remote_code, device_map="auto")
         input_device = next(model.parameters()).device
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kw).to(device)
+        model = load_causal_lm(model_dir, dtype, trust_remote_code).to(device)
         input_device = torch.device(device)
     return model.eval(), input_device
 
