@@ -104,12 +104,19 @@ def _rss() -> int:
 
 def train_vs_bare(args) -> float:
     """Ratio of `eyas train`'s tokens/s to a bare loop over the same batches in memory."""
+    from eyas.cpu import configure_threads
     from eyas.demo_data import generate_conversations, write_jsonl
     from eyas.extract import ExtractConfig, extract
     from eyas.prepare import PrepareConfig, prepare
     from eyas.tiny import TinySizes, build_tiny_target
     from eyas.train import TrainConfig, add_targets, build_drafter, train, ttt_loss
-    from eyas.train_data import SampleReader, epoch_batches, split_samples, usable_samples
+    from eyas.train_data import (
+        SampleReader,
+        epoch_batches,
+        split_samples,
+        to_device,
+        usable_samples,
+    )
 
     work = Path(tempfile.mkdtemp(prefix="eyas-trainbench-", dir=args.workdir))
     try:
@@ -156,7 +163,9 @@ def train_vs_bare(args) -> float:
             batches = [
                 reader.batch(b) for ep in range(2) for b in epoch_batches(lengths, idx, 2048, 0, ep)
             ]
-            batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+            batches = [to_device(b, device) for b in batches]
+            if device.type == "cpu":
+                configure_threads()  # the thread count `eyas train` runs with: like for like
             opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-4)
             tokens, t0 = 0, time.perf_counter()
             for b in batches:

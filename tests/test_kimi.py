@@ -296,3 +296,32 @@ def test_quantized_untied_and_unknown_targets_are_one_line(kimi, tmp_path, conve
         r.stderr
     )
     assert len(r.stderr.strip().splitlines()) <= 4
+
+
+def test_vllm_states_of_wrong_shape_fail_the_sample(kimi):
+    """The vLLM backend checks, per sample, that the engine returned exactly the layers and
+    width asked for (some vLLM versions drop the last layer of DeepSeek/Kimi backbones): such
+    a sample fails with the cause named. vLLM itself is not needed to check the check."""
+    import numpy as np
+
+    from eyas.backends import BackendSpec, StateShaper
+    from eyas.backends.vllm import VLLMBackend
+    from eyas.store import Layout
+    from eyas.target import target_facts
+    from eyas.weights import final_norm_weight
+
+    b = VLLMBackend.__new__(VLLMBackend)  # the engine is not started: only the check runs
+    b.facts = target_facts(kimi)
+    n, aux = b.facts.num_hidden_layers, (1, 3, 4)
+    wanted = [i + 1 for i in aux] + [n]
+    b.layer_ids = sorted(set(wanted))
+    b.columns = [b.layer_ids.index(k) for k in wanted]
+    b.spec = BackendSpec(model=str(kimi), aux_layers=aux, device="cpu", dtype=torch.float32,
+                         store_dtype=torch.float32, layout=Layout())  # fmt: skip
+    b.norm_weight = final_norm_weight(kimi).float()
+    b.shape = StateShaper(b.spec)
+    ids = np.arange(5)
+    hs = torch.randn(5, len(b.layer_ids), b.facts.hidden_size)
+    assert isinstance(b.states_of(ids, torch.tensor(ids), hs), dict)
+    why = b.states_of(ids, torch.tensor(ids), hs[:, :-1])  # the final layer dropped
+    assert isinstance(why, str) and "46973" in why and "(5, 3, 64)" in why

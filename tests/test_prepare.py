@@ -30,7 +30,9 @@ def _prep(tmp_path, model, records, name="in.jsonl", **kw):
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "ds"
     s = prepare(
-        PrepareConfig(model=str(model), data=(str(src),), out=str(out), progress=False, **kw)
+        PrepareConfig(
+            model=str(model), data=(str(src),), out=str(out), progress=False, force=True, **kw
+        )
     )
     return s, PreparedDataset.open(out)
 
@@ -194,6 +196,7 @@ def test_bad_input_file(tmp_path, targets):
         "48",
         "--max-error-rate",
         "1",
+        "--force",
     )
     assert p.returncode == 0, p.stderr
 
@@ -220,7 +223,7 @@ def test_usage_errors_exit_2(tmp_path, targets, conversations):
         "--out",
         tmp_path / "x",
     )
-    assert p.returncode == 1 and "nope.jsonl" in p.stderr
+    assert p.returncode == 2 and "nope.jsonl" in p.stderr  # a missing input is a usage error
 
 
 def test_workers_match_single_process(tmp_path, targets, conversations):

@@ -60,6 +60,15 @@ def vtargets(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 50000.0}
     (plain / "config.json").write_text(json.dumps(cfg))
     out["deepseek_v3-plain-rope"] = (plain, out["deepseek_v3"][1])
+    # Kimi-K2.5's shape: transformers' wrapper class, the hub's weight names, a vision tower
+    # vLLM builds (and never runs for text), and the media processor settings it reads.
+    kimi = build_tiny_target(base / "kimi_k25", "kimi_k25")
+    prepare(
+        PrepareConfig(
+            model=str(kimi), data=(str(conv),), out=str(base / "kimi_k25-ds"), progress=False
+        )
+    )
+    out["kimi_k25"] = (kimi, base / "kimi_k25-ds")
     return out
 
 
@@ -95,7 +104,9 @@ def _assert_close_to(run: Path, ref: Path, n: int) -> None:
             torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v3", "deepseek_v3-plain-rope"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3", "deepseek_v3", "deepseek_v3-plain-rope", "kimi_k25"]
+)
 def test_vllm_store_equals_hf(vtargets, hf_runs, tmp_path, arch):
     model, ds = vtargets[arch]
     run = tmp_path / "run"

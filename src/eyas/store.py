@@ -26,6 +26,7 @@ hidden state, or as its top-K log-probabilities over the draft vocabulary plus i
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import time
@@ -50,6 +51,9 @@ _DTYPE_NAMES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
     torch.int16: "I16", torch.uint8: "U8", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3",
 }  # fmt: skip
+
+
+_TORCH_DTYPES = {name: dt for dt, name in _DTYPE_NAMES.items()}
 
 
 class StoreError(ValueError):
@@ -373,9 +377,10 @@ def check_sample_bytes(
                 raise StoreError(f"{path}: holds sample {meta['sample_index']}, journal says {entry['index']}")  # fmt: skip
         if checksums:
             sums = json.loads(meta["checksums"])
+            view = memoryview(data)  # slices of a view hash in place; slices of bytes copy
             for name in want:
                 a, b = header[name]["data_offsets"]
-                if xxhash.xxh3_128_hexdigest(data[base + a : base + b]) != sums.get(name):
+                if xxhash.xxh3_128_hexdigest(view[base + a : base + b]) != sums.get(name):
                     raise StoreError(f"{path}: checksum mismatch in {name} (data corrupted)")
         return Check(path, True, header=header, nbytes=len(data))
     except StoreError as exc:
@@ -407,9 +412,13 @@ class _Sized:
 def read_head(path: Path) -> bytes:
     """The header bytes (length prefix included) of a sample file."""
     with open(path, "rb") as f:
-        prefix = f.read(8)
-        n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
-        return prefix + f.read(min(n, 100_000_000))
+        return _read_head_from(f)
+
+
+def _read_head_from(f) -> bytes:
+    prefix = f.read(8)
+    n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+    return prefix + f.read(min(n, 100_000_000))
 
 
 def check_sample_file(
@@ -443,15 +452,98 @@ def read_sample(run: Path, entry: dict, *, checksums: bool = False) -> dict[str,
     """Decoded tensors of one committed sample, after checking the file against its journal
     entry (size, header hash, index; every tensor checksum with `checksums`). Raises
     StoreError naming the file if anything disagrees: nothing damaged is ever returned."""
+    return decode(read_stored(run, entry, checksums=checksums))
+
+
+def read_stored(run: Path, entry: dict, *, checksums: bool = False) -> dict[str, torch.Tensor]:
+    """The stored tensors of one committed sample, in their stored dtypes, checked as
+    `read_sample` checks them. The file is read once into one buffer; the checksums hash it
+    in place and the tensors are views of it: the bytes are touched once."""
     path = Path(run) / sample_relpath(entry["index"])
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = bytearray(size)
+            got = f.readinto(data)
     except OSError as exc:
         raise StoreError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if got != size:
+        raise StoreError(f"{path}: read {got} of {size} bytes (the file changed while read)")
     c = check_sample_bytes(data, path, checksums=checksums, entry=entry)
     if not c.ok:
         raise StoreError(c.problem)
-    return decode(st_load(data))
+    base = len(data) - max(
+        info["data_offsets"][1] for k, info in c.header.items() if k != "__metadata__"
+    )
+    out = {}
+    for name, info in c.header.items():
+        if name == "__metadata__":
+            continue
+        a, b = info["data_offsets"]
+        dtype = _TORCH_DTYPES[info["dtype"]]
+        if b == a:
+            out[name] = torch.empty(info["shape"], dtype=dtype)
+        else:  # a view of the buffer (tensors need no alignment on the CPU)
+            n = (b - a) // _ST_DTYPES[info["dtype"]]
+            out[name] = torch.frombuffer(data, dtype=dtype, count=n, offset=base + a).view(
+                info["shape"]
+            )
+    return out
+
+
+def stored_layout(run: Path, entry: dict) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Each stored tensor's dtype and per-token shape, from one committed sample's header."""
+    path = Path(run) / sample_relpath(entry["index"])
+    c = check_sample_file(path, checksums=False, entry=entry)
+    if not c.ok:
+        raise StoreError(c.problem)
+    return {
+        k: (_TORCH_DTYPES[v["dtype"]], tuple(v["shape"][1:]))
+        for k, v in c.header.items()
+        if k != "__metadata__"
+    }
+
+
+def read_into(
+    run: Path, entry: dict, dest: dict[str, torch.Tensor], *, checksums: bool = False
+) -> None:
+    """Read one committed sample's tensors straight into `dest` (contiguous CPU tensors of the
+    stored dtypes and shapes, e.g. rows of a batch): the header is checked against the journal
+    entry first, each tensor's bytes land in place with one read, and with `checksums` they
+    are hashed there. Raises StoreError naming the file; `dest` is then undefined."""
+    path = Path(run) / sample_relpath(entry["index"])
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = _read_head_from(f)
+            c = check_sample_bytes(_Sized(head, size), path, checksums=False, entry=entry)
+            if not c.ok:
+                raise StoreError(c.problem)
+            sums = json.loads(c.header["__metadata__"]["checksums"]) if checksums else {}
+            for name, info in c.header.items():
+                if name == "__metadata__":
+                    continue
+                t = dest[name]
+                a, b = info["data_offsets"]
+                if (
+                    t.dtype != _TORCH_DTYPES[info["dtype"]]
+                    or t.numel() * t.element_size() != b - a
+                    or not t.is_contiguous()
+                ):
+                    raise StoreError(
+                        f"{path}: {name} is {info['dtype']} {info['shape']}, not what the batch holds"
+                    )
+                buf = (
+                    memoryview(t.view(torch.uint8).reshape(-1).numpy())
+                    if b > a
+                    else memoryview(b"")
+                )
+                if os.preadv(f.fileno(), [buf], len(head) + a) != b - a:
+                    raise StoreError(f"{path}: short read of {name} (the file changed while read)")
+                if checksums and xxhash.xxh3_128_hexdigest(buf) != sums.get(name):
+                    raise StoreError(f"{path}: checksum mismatch in {name} (data corrupted)")
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
 def load_sample(run: Path, index: int, *, verify: bool = False) -> dict[str, torch.Tensor]:

@@ -87,7 +87,24 @@ KIMI_TEMPLATE = (
 )
 
 # The hub's weight names of a wrapped target, where transformers' own save differs.
-_HUB_NAMES = {"kimi_k25": [("language_model.model.blocks.", "language_model.model.layers.")]}
+_HUB_NAMES = {
+    "kimi_k25": [
+        ("language_model.model.blocks.", "language_model.model.layers."),
+        ("model.mm_projector.", "mm_projector."),
+        ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."),
+    ]
+}
+# What vLLM's Kimi-K2.5 reads beside the weights: its media processor's settings.
+_PREPROCESSOR = {
+    "kimi_k25": {
+        "media_proc_cfg": {
+            "patch_size": 14, "merge_kernel_size": 2, "temporal_merge_kernel_size": 2,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "in_patch_limit": 256,
+            "in_patch_limit_each_frame": 256, "in_patch_limit_video": 256, "patch_limit_on_one_side": 64,
+            "fixed_output_tokens": None,
+        }
+    }
+}  # fmt: skip
 _HUB_ARCHITECTURES = {"kimi_k25": ["KimiK25ForConditionalGeneration"]}
 
 
@@ -426,6 +443,13 @@ def _as_on_the_hub(out: Path, model_type: str, like: Path | None) -> None:
             wm[k] = v
         idx["weight_map"] = wm
         index.write_text(json.dumps(idx, indent=2))
+    pre = like / "preprocessor_config.json" if like is not None else None
+    if pre is not None and pre.exists():
+        (out / pre.name).write_bytes(pre.read_bytes())
+    elif model_type in _PREPROCESSOR:
+        (out / "preprocessor_config.json").write_text(
+            json.dumps(_PREPROCESSOR[model_type], indent=2)
+        )
     cfg = read_json(out / "config.json")
     src = read_json(like / "config.json") if like is not None else {}
     cfg["architectures"] = src.get("architectures") or _HUB_ARCHITECTURES.get(

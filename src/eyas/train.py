@@ -39,7 +39,14 @@ from .fsutil import DiskFullError, atomic_write_bytes, atomic_write_json, is_dis
 from .lock import WriterLock
 from .runmeta import read_run_meta
 from .target import plan_batches
-from .train_data import SampleReader, epoch_batches, prefetch, split_samples, usable_samples
+from .train_data import (
+    SampleReader,
+    epoch_batches,
+    prefetch,
+    split_samples,
+    to_device,
+    usable_samples,
+)
 from .ttt_attention import IMPLEMENTATIONS
 from .ui import Reporter, console
 from .weights import embed_weight, final_norm_weight, lm_head_weight
@@ -451,11 +458,18 @@ def _train(
     def load(idx_all: list[int]) -> dict:
         """This rank's share of a global micro-batch, on the device (the prefetch thread)."""
         mine_idx = idx_all[rank::world]
-        batch = reader.batch(mine_idx or idx_all[:1])
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        host = reader.batch(mine_idx or idx_all[:1])
+        batch = to_device(host, device)
+        if device.type == "cuda":
+            batch["_copied"] = torch.cuda.Event()
+            batch["_copied"].record()
+        batch["_host"] = host  # its buffers go back to the reader after the step (`done`)
         if not mine_idx:  # this rank has no share: contribute zero loss and zero counts
-            batch["valid"].zero_()
+            batch["valid"] = torch.zeros_like(batch["valid"])
         return batch
+
+    def done(batch: dict) -> None:
+        reader.release(batch.pop("_host"), batch.pop("_copied", None))
 
     def micro(batch: dict) -> tuple[torch.Tensor, dict]:
         add_targets(batch, drafter, lm_head)
@@ -475,6 +489,7 @@ def _train(
             with prefetch(plan_batches(lengths, val_idx, cfg.batch_tokens), load) as batches:
                 for _, batch in batches:
                     acc += micro(batch)[1]["stats"]
+                    done(batch)
         if world > 1:
             all_reduce_cpu(acc)
         drafter.train()
@@ -514,10 +529,12 @@ def _train(
                     g["lr"] = lr_at(state["step"])
                 opt.zero_grad(set_to_none=True)
                 for _ in group:
-                    loss, info = micro(next(loaded)[1])
+                    batch = next(loaded)[1]
+                    loss, info = micro(batch)
                     (
                         loss * world / len(group)
                     ).backward()  # all_reduce averages: undo it, so grads are sums
+                    done(batch)
                     window += info["stats"]
                     tokens_seen += info["tokens"]
                 if world > 1:
@@ -555,17 +572,19 @@ def _train(
                 _log(out, rank, {"split": "val", **state, **last_val})
                 if rank == 0 and cfg.progress:
                     _print_summary(epoch, last_val)
+        loop_seconds = time.monotonic() - t0  # the training itself, without the final saves
         if rank == 0:
             save_checkpoint(out, drafter, opt, state, cfg.keep_checkpoints)
             save_final(out, drafter)
             plot_metrics(out)
     finally:
         stack.close()  # prefetch threads stopped and joined
+        reader.close()
         rep.__exit__(None, None, None)
         for sig, h in handlers.items():
             signal.signal(sig, h)
     elapsed = time.monotonic() - t0
-    return {"val": last_val, "steps": state["step"], "tokens_per_s": tokens_seen * world / max(elapsed, 1e-9),
+    return {"val": last_val, "steps": state["step"], "tokens_per_s": tokens_seen * world / max(loop_seconds, 1e-9),
             "seconds": elapsed}  # fmt: skip
 
 

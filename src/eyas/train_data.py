@@ -18,12 +18,13 @@ import math
 import queue
 import threading
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from .journal import committed
-from .store import StoreError, check_sample_file, read_sample, sample_relpath
+from .store import StoreError, check_sample_file, read_into, sample_relpath, stored_layout
 from .target import plan_batches
 
 
@@ -66,79 +67,164 @@ def epoch_batches(
 
 
 class SampleReader:
-    """Reads and pads batches of committed samples, checking each file against its entry."""
+    """Reads batches of committed samples, checking each file against its journal entry.
+
+    The data path's cost is the bytes: each sample's tensors are read with one `preadv`
+    straight into its row of the batch (pinned memory on a GPU), in their stored dtypes
+    (bfloat16, float8 with scales, ...), by a few reader threads; the checksums hash the
+    rows where they landed. Upcasting happens on the device (`to_device`), so the bytes
+    that travel are the stored ones."""
 
     def __init__(self, run: Path, entries: dict[int, dict], checksums: bool, pin: bool = False,
-                 report=None):  # fmt: skip
+                 report=None, threads: int = 4):  # fmt: skip
         self.run, self.entries, self.checksums, self.pin = Path(run), entries, checksums, pin
         self.report = report or (lambda index, problem: None)
         self._summed: set[int] = set()
         self._bad: set[int] = set()
         self._lock = threading.Lock()
+        self._layout: dict | None = None
+        self._free: list[dict[str, torch.Tensor]] = []  # buffers of released batches
+        self._lent: dict[int, dict[str, torch.Tensor]] = {}
+        self._pool = (
+            ThreadPoolExecutor(threads, thread_name_prefix="eyas-read") if threads > 1 else None
+        )
 
-    def _one(self, i: int) -> dict[str, torch.Tensor] | None:
+    def layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The stored tensors' dtypes and per-token shapes (from the first intact sample)."""
+        if self._layout is None:
+            for e in self.entries.values():
+                try:
+                    self._layout = stored_layout(self.run, e)
+                    break
+                except StoreError:
+                    continue
+            else:
+                raise StoreError(
+                    f"{self.run}: every sample is damaged; run `eyas verify --repair {self.run}`"
+                )
+        return self._layout
+
+    def _fill(self, i: int, row: dict[str, torch.Tensor]) -> bool:
+        """Read sample i into `row`; False (reported once) if it is damaged."""
         with self._lock:
             first = i not in self._summed
             if i in self._bad:
-                return None
+                return False
         try:
-            s = read_sample(self.run, self.entries[i], checksums=self.checksums and first)
+            read_into(self.run, self.entries[i], row, checksums=self.checksums and first)
         except StoreError as exc:
             with self._lock:
+                new = i not in self._bad
                 self._bad.add(i)
-            self.report(i, str(exc))
-            return None
+            if new:
+                self.report(i, str(exc))
+            return False
         with self._lock:
             self._summed.add(i)
-        return s
-
-    def _any_sample(self) -> dict[str, torch.Tensor]:
-        """Some intact sample, for tensor widths when a whole batch is damaged."""
-        for i in self.entries:
-            if (s := self._one(i)) is not None:
-                return s
-        raise StoreError(
-            f"{self.run}: every sample is damaged; run `eyas verify --repair {self.run}`"
-        )
+        return True
 
     def batch(self, idx: list[int]) -> dict[str, torch.Tensor]:
-        got = [self._one(i) for i in idx]
-        shapes = next((s for s in got if s is not None), None) or self._any_sample()
-        # A damaged sample keeps its row (zeros, nothing valid): the batch's shape is unchanged.
-        samples = [s if s is not None else {k: torch.zeros((self.entries[i]["tokens"], *v.shape[1:]), dtype=v.dtype)
-                                            for k, v in shapes.items()}
-                   for i, s in zip(idx, got, strict=True)]  # fmt: skip
-        T = max(s["input_ids"].shape[0] for s in samples)
-        B, W = len(samples), samples[0]["aux_hidden_states"].shape[1]
-        b = {
-            "input_ids": torch.zeros(B, T, dtype=torch.long),
-            "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-            "valid": torch.zeros(B, T, dtype=torch.bool),
-            "aux": torch.zeros(B, T, W),
-        }
-        topk = "target_topk_ids" in samples[0]
-        if topk:
-            K = samples[0]["target_topk_ids"].shape[1]
-            b["topk_ids"] = torch.zeros(B, T, K, dtype=torch.long)
-            b["topk_lp"] = torch.full((B, T, K), -1e4)
-            b["tgt_top"] = torch.zeros(B, T, dtype=torch.long)
+        """Host tensors of a batch in stored dtypes: input_ids (B, T) int32, loss_mask and
+        valid (B, T), the stored states (B, T, ...); padding and damaged rows are zero (and
+        not valid), so a damaged sample never changes the batch's shape."""
+        lay = self.layout()
+        lengths = [self.entries[i]["tokens"] for i in idx]
+        B, T = len(idx), max(lengths)
+        need = {k: B * T * math.prod(shape) for k, (_, shape) in lay.items()}
+        slab = self._take(need)
+        buf = {k: slab[k][: need[k]].view(B, T, *shape) for k, (_, shape) in lay.items()}
+        valid = torch.zeros(B, T, dtype=torch.bool)
+
+        def one(r: int) -> None:
+            n = lengths[r]
+            ok = self._fill(idx[r], {k: v[r, :n] for k, v in buf.items()})
+            for v in buf.values():
+                _zero(v[r] if not ok else v[r, n:])  # padding, or all of a damaged row
+            if ok:
+                valid[r, :n] = True
+
+        if self._pool is not None and B > 1:
+            list(self._pool.map(one, range(B)))
         else:
-            b["last"] = torch.zeros(B, T, samples[0]["last_hidden_states"].shape[1])
-        for r, s in enumerate(samples):
-            n = s["input_ids"].shape[0]
-            b["input_ids"][r, :n] = s["input_ids"].long()
-            b["loss_mask"][r, :n] = s["loss_mask"].bool()
-            b["valid"][r, :n] = got[r] is not None
-            b["aux"][r, :n] = s["aux_hidden_states"].float()
-            if topk:
-                b["topk_ids"][r, :n] = s["target_topk_ids"]
-                b["topk_lp"][r, :n] = s["target_topk_logprobs"].float()
-                b["tgt_top"][r, :n] = s["target_argmax"].long()
-            else:
-                b["last"][r, :n] = s["last_hidden_states"].float()
-        if self.pin:
-            b = {k: v.pin_memory() for k, v in b.items()}
-        return b
+            for r in range(B):
+                one(r)
+        out = {
+            "input_ids": buf.pop("input_ids"),
+            "loss_mask": buf.pop("loss_mask"),
+            "valid": valid,
+            **buf,
+        }
+        with self._lock:
+            self._lent[out["input_ids"].data_ptr()] = slab
+        if "target_topk_logprobs" in out:  # padding of log-probabilities is "impossible", not 0
+            lp = out["target_topk_logprobs"]
+            for r, n in enumerate(lengths):
+                lp[r, n:] = -1e4
+                if not valid[r].any():
+                    lp[r] = -1e4
+        return out
+
+    def _take(self, need: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Buffers for a batch: a returned slab big enough, or new ones. Reusing them spares
+        the page faults of fresh memory (large allocations come straight from the kernel)."""
+        with self._lock:
+            for n, slab in enumerate(self._free):
+                if all(slab[k].numel() >= v for k, v in need.items()):
+                    return self._free.pop(n)
+        lay = self.layout()
+        return {
+            k: torch.empty(int(v * 1.25) + 1, dtype=lay[k][0], pin_memory=self.pin)
+            for k, v in need.items()
+        }
+
+    def release(self, batch: dict[str, torch.Tensor], copied=None) -> None:
+        """Give a batch's buffers back once the step that used them is done (optional: a
+        batch never released is simply freed). `copied`: the CUDA event after its copy to
+        the device, waited for first (the copy runs asynchronously from pinned memory)."""
+        if copied is not None:
+            copied.synchronize()
+        with self._lock:
+            slab = self._lent.pop(batch["input_ids"].data_ptr(), None)
+            if slab is not None and len(self._free) < 8:
+                self._free.append(slab)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def _zero(t: torch.Tensor) -> None:
+    """memset in this thread: torch's own fill is parallel and waits on every intra-op
+    thread, which stalls a reader thread for milliseconds on a busy host."""
+    if t.numel():
+        t.view(torch.uint8).numpy().fill(0)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch from `SampleReader.batch` on the device, in what training computes with: the
+    stored bytes travel, the upcast (and float8 dequantisation) happens on the device."""
+    from .store import dequantize_fp8
+
+    t = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    out = {
+        "input_ids": t["input_ids"].long(),
+        "loss_mask": t["loss_mask"].bool(),
+        "valid": t["valid"],
+    }
+    aux = t["aux_hidden_states"]
+    if "aux_scales" in t:
+        B, T, W = aux.shape
+        aux = dequantize_fp8(aux.reshape(B * T, W), t["aux_scales"].reshape(B * T, -1)).view(
+            B, T, W
+        )
+    out["aux"] = aux.float()
+    if "target_topk_ids" in t:
+        out["topk_ids"] = t["target_topk_ids"].long()
+        out["topk_lp"] = t["target_topk_logprobs"].float()
+        out["tgt_top"] = t["target_argmax"].long()
+    else:
+        out["last"] = t["last_hidden_states"].float()
+    return out
 
 
 class prefetch:
@@ -197,6 +283,7 @@ class prefetch:
 
 __all__ = [
     "SampleReader",
+    "to_device",
     "StoreError",
     "epoch_batches",
     "prefetch",
