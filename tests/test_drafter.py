@@ -123,7 +123,7 @@ def test_memory_efficient_attention_has_the_reference_gradients(attention):
         d = _drafter().train()
         d.attention = impl
         old = ttt_attention.chunked.__defaults__
-        ttt_attention.chunked.__defaults__ = (4,)  # blocks of 4 queries over 11 positions
+        ttt_attention.chunked.__defaults__ = (4, None)  # blocks of 4 queries over 11 positions
         try:
             outs = d.forward_ttt(ids, aux, steps=3)
         finally:
@@ -139,3 +139,55 @@ def test_memory_efficient_attention_has_the_reference_gradients(attention):
         torch.testing.assert_close(
             grads[attention][k], grads["reference"][k], atol=1e-10, rtol=1e-8
         )
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("attention", ["reference", "chunked", "flex"])
+def test_packed_rows_equal_padded_rows(attention):
+    """Samples packed one after another in a row (attention within each sample, positions
+    restarting) give, at every position the loss can score, the logits of the same samples
+    padded into rows of their own, and the same gradients (float64; flex: forward only on a
+    CPU, where it has no backward)."""
+    from eyas import ttt_attention
+
+    torch.manual_seed(5)
+    lens, steps = [7, 5, 9], 3
+    seqs = [torch.randint(0, 50, (n,)) for n in lens]
+    auxs = [torch.randn(n, 96, dtype=torch.float64) for n in lens]
+    T = max(lens)
+    pad_ids = torch.stack([torch.cat([x, torch.zeros(T - len(x), dtype=torch.long)]) for x in seqs])
+    pad_aux = torch.stack(
+        [torch.cat([a, torch.zeros(T - len(a), 96, dtype=torch.float64)]) for a in auxs]
+    )
+    pack_ids, pack_aux = torch.cat(seqs)[None], torch.cat(auxs)[None]
+    segments = torch.cat([torch.full((n,), r) for r, n in enumerate(lens)])[None]
+    positions = torch.cat([torch.arange(n) for n in lens])[None]
+    starts = [sum(lens[:r]) for r in range(len(lens))]
+    backward = attention != "flex"
+    results = {}
+    for name, args in (("padded", (pad_ids, pad_aux, steps)),
+                       ("packed", (pack_ids, pack_aux, steps, segments, positions))):  # fmt: skip
+        d = _drafter().train()
+        d.attention = attention
+        old = ttt_attention.chunked.__defaults__
+        ttt_attention.chunked.__defaults__ = (4, None)  # blocks that cross the samples' edges
+        try:
+            with torch.set_grad_enabled(backward):
+                outs = d.forward_ttt(*args)
+        finally:
+            ttt_attention.chunked.__defaults__ = old
+        picked = []  # (step, sample, position) -> logits, where the inputs stay in the sample
+        for i, (lg, _) in enumerate(outs):
+            for r, n in enumerate(lens):
+                for t in range(n - 1 - i):
+                    picked.append(lg[r, t] if name == "padded" else lg[0, starts[r] + t])
+        picked = torch.stack(picked)
+        grads = {}
+        if backward:
+            w = torch.Generator().manual_seed(11)
+            (picked * torch.randn(picked.shape, generator=w, dtype=picked.dtype)).sum().backward()
+            grads = {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+        results[name] = (picked.detach(), grads)
+    torch.testing.assert_close(results["packed"][0], results["padded"][0], atol=1e-10, rtol=1e-8)
+    for k, g in results["padded"][1].items():
+        torch.testing.assert_close(results["packed"][1][k], g, atol=1e-10, rtol=1e-8)

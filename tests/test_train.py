@@ -379,3 +379,30 @@ def test_golden_loss_curve(trained):
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], rel=2e-3), (g["split"], g["step"])
         assert g["acc"] == pytest.approx(w["acc"], abs=0.02), (g["split"], g["step"])
+
+
+def test_packed_batches_score_what_padded_batches_score(demo_run, tmp_path):
+    """The same samples as one packed row and as padded rows: the same positions scored, the
+    same loss and accuracy counts (the loss masks stop at each sample's end)."""
+    from eyas.runmeta import read_run_meta
+    from eyas.train import add_targets, build_drafter, ttt_loss
+    from eyas.train_data import SampleReader, to_device, usable_samples
+
+    meta = read_run_meta(demo_run)
+    cfg = TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), ttt_steps=3, progress=False)
+    d, lm_head = build_drafter(cfg, meta)
+    d.attention = "chunked"
+    entries, _ = usable_samples(demo_run, meta["hidden_size"], lambda m: None)
+    reader = SampleReader(demo_run, entries, True)
+    idx = sorted(entries)[:6]
+    got = {}
+    for packed in (False, True):
+        b = to_device(reader.batch(idx, packed=packed), torch.device("cpu"))
+        assert b["input_ids"].shape[0] == (1 if packed else 6)
+        add_targets(b, d, lm_head)
+        with torch.no_grad():
+            got[packed] = ttt_loss(d, b, 3, 0.8)
+    reader.close()
+    torch.testing.assert_close(got[True][0], got[False][0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[True][1][:, [1, 3, 5]], got[False][1][:, [1, 3, 5]])  # token counts
+    torch.testing.assert_close(got[True][1], got[False][1], atol=1e-2, rtol=1e-5)

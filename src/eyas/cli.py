@@ -606,6 +606,9 @@ def train(
     allow_partial: bool = typer.Option(
         False, "--allow-partial", help="Train on a run whose extraction is not finished."
     ),
+    pack: bool = typer.Option(
+        False, "--pack", help="Pack samples into rows of --batch-tokens instead of padding them."
+    ),
     head_init: str = typer.Option(
         "target",
         "--head-init",
@@ -625,7 +628,7 @@ def train(
         grad_accum=grad_accum, val_fraction=val_fraction, eval_every=eval_every, save_every=save_every,
         keep_checkpoints=keep_checkpoints, draft_vocab_size=draft_vocab_size, dtype=dtype, device=device,
         seed=seed, verify_data=verify_data, intermediate_size=intermediate_size, attention=attention,
-        allow_partial=allow_partial, head_init=head_init,
+        allow_partial=allow_partial, head_init=head_init, pack=pack,
     )  # fmt: skip
     try:
         res = run_train(cfg, resume=resume)
@@ -718,7 +721,12 @@ def evaluate(
     ),
     draft_tokens: int = typer.Option(3, "--draft-tokens", help="Chain length K."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    limit: int = typer.Option(20, "--limit", help="Prompts to use (0: all)."),
+    limit: int = typer.Option(1000, "--limit", help="Prompts to use at most (0: all)."),
+    precision: float = typer.Option(
+        0.05,
+        "--precision",
+        help="Stop once tokens per forward is known to +- this (95% interval; 0: use every prompt).",
+    ),
     engine: str = typer.Option(
         "hf", "--engine", help="hf (eyas's own decoder) or vllm (vLLM as the judge)."
     ),
@@ -743,6 +751,8 @@ def evaluate(
               trust_remote_code=trust_remote_code)  # fmt: skip
     if engine == "vllm":
         kw["tensor_parallel_size"] = tensor_parallel_size
+    else:
+        kw["precision"] = precision or None
     try:
         res = (evaluate_vllm if engine == "vllm" else run_hf)(
             str(model), str(drafter), str(data), **kw

@@ -21,7 +21,7 @@ EVAL_SEED = 99
 
 
 def run_demo(
-    workdir: Path, *, epochs: int = 10, ttt_steps: int = 5, eval_prompts: int = 30
+    workdir: Path, *, epochs: int = 10, ttt_steps: int = 5, eval_prompts: int = 1000
 ) -> dict:
     from .demo_data import generate_conversations, write_jsonl
     from .evaluate import evaluate

@@ -223,19 +223,38 @@ class Drafter(nn.Module):
         return self.lm_head(self.norm(h))  # (B, T, D)
 
     def forward_ttt(
-        self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        steps: int,
+        segments: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Unroll `steps` TTT steps over whole sequences.
 
         input_ids (B, T) and aux (B, T, 3H). Step i at root t consumes x_{t+1+i} (padded with
         0 past the end; such positions are masked by the loss). Returns per step the logits
         (B, T, D) and the output states h_i (B, T, H).
+
+        Packed rows (several samples one after another in a row): `segments` (B, T) says
+        which sample each position is, `positions` (B, T) its position within it. Attention
+        then stays within a sample and rope restarts per sample; what a root reads past its
+        sample's end only reaches positions the loss masks, exactly as padding does.
         """
         B, T = input_ids.shape
         layer, attn = self.midlayer, self.midlayer.self_attn
-        pos0 = torch.arange(T, device=input_ids.device).expand(B, T)
-        causal = (torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
-                  if self.attention == "reference" else None)  # fmt: skip
+        pos0 = (
+            positions
+            if positions is not None
+            else torch.arange(T, device=input_ids.device).expand(B, T)
+        )
+        causal = None
+        if self.attention == "reference":
+            causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()  # (T, T)
+            if segments is not None:
+                causal = causal & (
+                    segments[:, None, :, None] == segments[:, None, None, :]
+                )  # (B, 1, T, T)
         hidden = self.fc(aux)  # (B, T, H)
         prefix_k = prefix_v = None
         chain_k: list[torch.Tensor] = []
@@ -255,7 +274,7 @@ class Drafter(nn.Module):
             else:
                 impl = getattr(ttt_attention, self.attention)
                 a = attn.project(
-                    impl(q, prefix_k, prefix_v, chain_k, chain_v)
+                    impl(q, prefix_k, prefix_v, chain_k, chain_v, segments=segments)
                 )  # never (T, T) at once
             hidden = layer.finish(a, residual)  # (B, T, H)
             out.append((self.logits(hidden), hidden))

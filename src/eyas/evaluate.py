@@ -57,6 +57,10 @@ class EvalResult:
         sequence or the token limit): what speculative decoding saves. The headline."""
         return sum(p[2] for p in self.per_prompt) / self.rounds if self.rounds else 0.0
 
+    def precise_to(self, half_width: float) -> bool:
+        ci = self.intervals(500)["tokens_per_forward"]
+        return ci is not None and (ci[1] - ci[0]) / 2 <= half_width
+
     def intervals(self, n: int = 2000, seed: int = 0) -> dict:
         """95% bootstrap intervals over prompts for both figures (prompts resampled whole:
         the rounds of one prompt are not independent)."""
@@ -228,10 +232,14 @@ def evaluate(
     *,
     k: int = 3,
     max_new_tokens: int = 64,
-    limit: int | None = 20,
+    limit: int | None = 1000,
+    precision: float | None = 0.05,
     trust_remote_code: bool = False,
     progress: bool = True,
 ) -> EvalResult:
+    """Speculative against greedy decoding over the prompts of `data` (at most `limit`),
+    stopping early once the 95% interval of tokens per forward is within +-`precision`
+    (checked every 25 prompts from 50 on; None: every prompt)."""
     from .target import check_model_dir, load_causal_lm
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
@@ -259,7 +267,8 @@ def evaluate(
         if not res.rounds:
             return ""
         speed = res.spec_tokens / res.spec_seconds if res.spec_seconds else 0.0
-        return f"acceptance {res.acceptance_length:.2f}, {speed:.0f} tok/s speculative"
+        return (f"tokens/forward {res.tokens_per_forward:.2f}, acceptance {res.acceptance_length:.2f}, "
+                f"{speed:.0f} tok/s speculative")  # fmt: skip
 
     rep = Reporter("evaluate", len(prompts), unit="prompts", enabled=progress, extra=extra)
     try:
@@ -276,6 +285,9 @@ def evaluate(
             res.spec_tokens += len(spec)
             res.compare(i, spec, base, tok)
             rep.advance()
+            if precision and i + 1 >= 50 and (i + 1) % 25 == 0 and res.precise_to(precision):
+                res.prompts = i + 1  # narrow enough: the rest would not change the figure
+                break
     finally:
         rep.__exit__(None, None, None)
         tap.remove()

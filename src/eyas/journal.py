@@ -177,11 +177,12 @@ def read_all_journals(run: Path) -> dict[int, list[dict]]:
     return {rank: s.entries for rank, s in scan_journals(run).items()}
 
 
-def committed(run: Path) -> dict[int, dict]:
-    """Every committed sample of a run (all ranks): index -> its first journal entry."""
+def committed(run: Path, scans: dict[int, JournalScan] | None = None) -> dict[int, dict]:
+    """Every committed sample of a run (all ranks): index -> its first journal entry
+    (from `scans` of its journals when the caller has them already)."""
     out: dict[int, dict] = {}
-    for _, entries in sorted(read_all_journals(run).items()):
-        for e in entries:
+    for _, scan in sorted((scans if scans is not None else scan_journals(run)).items()):
+        for e in scan.entries:
             out.setdefault(e["index"], e)
     return out
 

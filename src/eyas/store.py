@@ -562,14 +562,26 @@ def sample_index_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def iter_sample_files(run: Path) -> Iterator[Path]:
-    """Files under samples/ (temp files included), never following a symlink out of the run."""
-    base = run / "samples"
+def sample_names(run: Path) -> Iterator[tuple[Path, str]]:
+    """(directory, file name) of every file under samples/ (temp files included), in order,
+    never following a symlink out of the run. One `scandir` per directory: cheap for 100k."""
+    base = Path(run) / "samples"
     if not base.is_dir() or base.is_symlink():
         return
-    for d in sorted(base.iterdir()):
-        if d.is_dir() and not d.is_symlink():
-            yield from sorted(p for p in d.iterdir() if not p.is_symlink())
+    with os.scandir(base) as it:
+        dirs = sorted(d.name for d in it if d.is_dir(follow_symlinks=False))
+    for name in dirs:
+        d = base / name
+        with os.scandir(d) as it:
+            files = sorted(f.name for f in it if not f.is_symlink())
+        for f in files:
+            yield d, f
+
+
+def iter_sample_files(run: Path) -> Iterator[Path]:
+    """Files under samples/ (temp files included), never following a symlink out of the run."""
+    for d, name in sample_names(run):
+        yield d / name
 
 
 def stray_temp_files(run: Path) -> list[Path]:

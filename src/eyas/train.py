@@ -42,6 +42,7 @@ from .target import plan_batches
 from .train_data import (
     SampleReader,
     epoch_batches,
+    pack_batches,
     prefetch,
     split_samples,
     to_device,
@@ -100,6 +101,9 @@ class TrainConfig:
     """The drafter's output head at the start: `target` (the target's own lm_head rows for
     the draft vocabulary, and its final norm's weight; still trained), `target-frozen` (the
     same, the head never trained) or `random`."""
+    pack: bool = False
+    """Pack samples one after another into rows of --batch-tokens (attention and positions
+    per sample) instead of padding each to its batch's longest: no padded compute."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -180,9 +184,12 @@ def loss_masks(batch: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tensor
     """Per step: (scored, loss mask). Scored: the predicted token x_{t+2+i} is trainable;
     the loss additionally needs the target's argmax at t+1+i in the draft vocabulary."""
     m = batch["valid"] & batch["loss_mask"]
+    seg = batch.get("segments")  # packed rows: a prediction never reaches into the next sample
     out = []
     for i in range(steps):
         scored = shift(m, 2 + i, False)
+        if seg is not None:
+            scored = scored & (shift(seg, 2 + i, -1) == seg)
         out.append((scored, scored & shift(batch["in_vocab"], 1 + i, False)))
     return out
 
@@ -197,7 +204,9 @@ def ttt_loss(
     by (global ones under data parallel); default: this batch's.
     """
     dids = drafter.draft_ids
-    outs = drafter.forward_ttt(batch["input_ids"], batch["aux"], steps)
+    outs = drafter.forward_ttt(
+        batch["input_ids"], batch["aux"], steps, batch.get("segments"), batch.get("positions")
+    )
     total = torch.zeros((), device=batch["aux"].device)
     all_right = torch.ones_like(batch["valid"])
     stats = []
@@ -417,7 +426,7 @@ def _train(
     reader = SampleReader(run, entries, cfg.verify_data, pin=device.type == "cuda", report=skipped)
     lengths = {i: e["tokens"] for i, e in entries.items()}
     train_idx, val_idx = split_samples(sorted(entries), cfg.val_fraction)
-    per_epoch = len(epoch_batches(lengths, train_idx, cfg.batch_tokens, cfg.seed, 0))
+    per_epoch = len(epoch_batches(lengths, train_idx, cfg.batch_tokens, cfg.seed, 0, cfg.pack))
     total_steps = max(1, cfg.epochs * per_epoch // cfg.grad_accum)
     warmup = (
         cfg.warmup_steps if cfg.warmup_steps is not None else min(50, max(1, total_steps // 10))
@@ -458,7 +467,7 @@ def _train(
     def load(idx_all: list[int]) -> dict:
         """This rank's share of a global micro-batch, on the device (the prefetch thread)."""
         mine_idx = idx_all[rank::world]
-        host = reader.batch(mine_idx or idx_all[:1])
+        host = reader.batch(mine_idx or idx_all[:1], packed=cfg.pack)
         batch = to_device(host, device)
         if device.type == "cuda":
             batch["_copied"] = torch.cuda.Event()
@@ -486,7 +495,8 @@ def _train(
         drafter.eval()
         acc = torch.zeros(steps, 6, dtype=torch.float64)
         with torch.no_grad():
-            with prefetch(plan_batches(lengths, val_idx, cfg.batch_tokens), load) as batches:
+            plan = pack_batches if cfg.pack else plan_batches
+            with prefetch(plan(lengths, val_idx, cfg.batch_tokens), load) as batches:
                 for _, batch in batches:
                     acc += micro(batch)[1]["stats"]
                     done(batch)
@@ -516,7 +526,7 @@ def _train(
     stack = contextlib.ExitStack()
     try:
         for epoch in range(state["epoch"], cfg.epochs):
-            batches = epoch_batches(lengths, train_idx, cfg.batch_tokens, cfg.seed, epoch)
+            batches = epoch_batches(lengths, train_idx, cfg.batch_tokens, cfg.seed, epoch, cfg.pack)
             start = state["batch"] if epoch == state["epoch"] else 0
             groups = [
                 batches[bi : bi + cfg.grad_accum]

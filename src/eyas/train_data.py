@@ -57,11 +57,28 @@ def split_samples(indices: list[int], val_fraction: float) -> tuple[list[int], l
     return sorted(perm[n_val:]), sorted(perm[:n_val])
 
 
+def pack_batches(lengths, indices: list[int], batch_tokens: int) -> list[list[int]]:
+    """Samples packed one after another into rows of at most `batch_tokens` tokens (no
+    padding between them); a longer sample gets a row of its own. Deterministic."""
+    batches, cur, used = [], [], 0
+    for i in sorted(indices, key=lambda i: (lengths[i], i)):
+        if cur and used + lengths[i] > batch_tokens:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += lengths[i]
+    if cur:
+        batches.append(cur)
+    return batches
+
+
 def epoch_batches(
-    lengths: dict[int, int], indices: list[int], batch_tokens: int, seed: int, epoch: int
-) -> list[list[int]]:
-    """Length-bucketed batches, in an order that depends only on (seed, epoch)."""
-    batches = plan_batches(lengths, sorted(indices), batch_tokens)
+    lengths: dict[int, int], indices: list[int], batch_tokens: int, seed: int, epoch: int,
+    packed: bool = False,
+) -> list[list[int]]:  # fmt: skip
+    """Length-bucketed (or packed) batches, in an order that depends only on (seed, epoch)."""
+    plan = pack_batches if packed else plan_batches
+    batches = plan(lengths, sorted(indices), batch_tokens)
     g = torch.Generator().manual_seed(seed * 1000 + epoch)
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
@@ -123,10 +140,13 @@ class SampleReader:
             self._summed.add(i)
         return True
 
-    def batch(self, idx: list[int]) -> dict[str, torch.Tensor]:
+    def batch(self, idx: list[int], packed: bool = False) -> dict[str, torch.Tensor]:
         """Host tensors of a batch in stored dtypes: input_ids (B, T) int32, loss_mask and
         valid (B, T), the stored states (B, T, ...); padding and damaged rows are zero (and
-        not valid), so a damaged sample never changes the batch's shape."""
+        not valid), so a damaged sample never changes the batch's shape. `packed`: one row
+        holding the samples one after another, with `segments` and `positions` (1, T)."""
+        if packed:
+            return self._packed(idx)
         lay = self.layout()
         lengths = [self.entries[i]["tokens"] for i in idx]
         B, T = len(idx), max(lengths)
@@ -162,6 +182,44 @@ class SampleReader:
                 lp[r, n:] = -1e4
                 if not valid[r].any():
                     lp[r] = -1e4
+        return out
+
+    def _packed(self, idx: list[int]) -> dict[str, torch.Tensor]:
+        lay = self.layout()
+        lengths = [self.entries[i]["tokens"] for i in idx]
+        starts = [sum(lengths[:r]) for r in range(len(idx))]
+        T = sum(lengths)
+        need = {k: T * math.prod(shape) for k, (_, shape) in lay.items()}
+        slab = self._take(need)
+        buf = {k: slab[k][: need[k]].view(1, T, *shape) for k, (_, shape) in lay.items()}
+        valid = torch.zeros(1, T, dtype=torch.bool)
+        segments = torch.empty(1, T, dtype=torch.long)
+        positions = torch.empty(1, T, dtype=torch.long)
+
+        def one(r: int) -> None:
+            a, n = starts[r], lengths[r]
+            if self._fill(idx[r], {k: v[0, a : a + n] for k, v in buf.items()}):
+                valid[0, a : a + n] = True
+            else:
+                for v in buf.values():
+                    _zero(v[0, a : a + n])
+            segments[0, a : a + n] = r
+            positions[0, a : a + n] = torch.arange(n)
+
+        if self._pool is not None and len(idx) > 1:
+            list(self._pool.map(one, range(len(idx))))
+        else:
+            for r in range(len(idx)):
+                one(r)
+        out = {"input_ids": buf.pop("input_ids"), "loss_mask": buf.pop("loss_mask"), "valid": valid,
+               "segments": segments, "positions": positions, **buf}  # fmt: skip
+        if "target_topk_logprobs" in out:
+            lp = out["target_topk_logprobs"]
+            for r, n in enumerate(lengths):
+                if not valid[0, starts[r]]:
+                    lp[0, starts[r] : starts[r] + n] = -1e4
+        with self._lock:
+            self._lent[out["input_ids"].data_ptr()] = slab
         return out
 
     def _take(self, need: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -211,6 +269,9 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
         "loss_mask": t["loss_mask"].bool(),
         "valid": t["valid"],
     }
+    for k in ("segments", "positions"):  # packed rows
+        if k in t:
+            out[k] = t[k]
     aux = t["aux_hidden_states"]
     if "aux_scales" in t:
         B, T, W = aux.shape

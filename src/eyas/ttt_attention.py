@@ -27,7 +27,7 @@ IMPLEMENTATIONS = ("reference", "chunked", "flex")
 
 class _ChunkedTTT(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, pk, pv, block, *chain):
+    def forward(ctx, q, pk, pv, block, seg, *chain):
         n = len(chain) // 2
         ck, cv = chain[:n], chain[n:]
         B, h, T, d = q.shape
@@ -35,23 +35,25 @@ class _ChunkedTTT(torch.autograd.Function):
         acc = _acc(q)
         out = torch.empty(B, h, T, pv.shape[-1], dtype=acc, device=q.device)
         lse = torch.empty(B, h, T, dtype=acc, device=q.device)
+        first = _segment_starts(seg)
         for a in range(0, T, block):
             b = min(a + block, T)
+            lo = _key_start(first, a)  # packed rows: no key before the block's first sample
             qb = q[:, :, a:b].to(acc)  # (B, h, bq, d)
-            s = (qb @ pk[:, :, :b].to(acc).transpose(-1, -2)) * scale  # (B, h, bq, b)
-            s.masked_fill_(_future(a, b, q.device), float("-inf"))
+            s = (qb @ pk[:, :, lo:b].to(acc).transpose(-1, -2)) * scale  # (B, h, bq, b - lo)
+            s.masked_fill_(_hidden(a, b, lo, q.device, seg), float("-inf"))
             diag = [(qb * k[:, :, a:b].to(acc)).sum(-1) * scale for k in ck]  # each (B, h, bq)
             m = torch.stack([s.amax(-1), *diag], -1).amax(-1)  # (B, h, bq)
             p = torch.exp(s - m[..., None])
             pd = [torch.exp(x - m) for x in diag]
             norm = p.sum(-1) + sum(pd)  # (B, h, bq)
-            o = p @ pv[:, :, :b].to(acc)
+            o = p @ pv[:, :, lo:b].to(acc)
             for w, v in zip(pd, cv, strict=True):
                 o += w[..., None] * v[:, :, a:b].to(acc)
             out[:, :, a:b] = o / norm[..., None]
             lse[:, :, a:b] = m + torch.log(norm)
         ctx.save_for_backward(q, pk, pv, out, lse, *chain)
-        ctx.block, ctx.n = block, n
+        ctx.block, ctx.n, ctx.seg = block, n, seg
         return out.to(q.dtype)
 
     @staticmethod
@@ -69,17 +71,19 @@ class _ChunkedTTT(torch.autograd.Function):
         dpv = torch.zeros(pv.shape, dtype=acc, device=q.device)
         dck = [torch.zeros(k.shape, dtype=acc, device=q.device) for k in ck]
         dcv = [torch.zeros(v.shape, dtype=acc, device=q.device) for v in cv]
+        first = _segment_starts(ctx.seg)
         for a in range(0, T, block):
             b = min(a + block, T)
+            lo = _key_start(first, a)
             qb, dob, Db, lb = q[:, :, a:b].to(acc), dout[:, :, a:b], D[:, :, a:b], lse[:, :, a:b]
-            K, V = pk[:, :, :b].to(acc), pv[:, :, :b].to(acc)
+            K, V = pk[:, :, lo:b].to(acc), pv[:, :, lo:b].to(acc)
             s = (qb @ K.transpose(-1, -2)) * scale
-            s.masked_fill_(_future(a, b, q.device), float("-inf"))
-            p = torch.exp(s - lb[..., None])  # (B, h, bq, b)
-            dpv[:, :, :b] += p.transpose(-1, -2) @ dob
-            ds = p * ((dob @ V.transpose(-1, -2)) - Db[..., None])  # (B, h, bq, b)
+            s.masked_fill_(_hidden(a, b, lo, q.device, ctx.seg), float("-inf"))
+            p = torch.exp(s - lb[..., None])  # (B, h, bq, b - lo)
+            dpv[:, :, lo:b] += p.transpose(-1, -2) @ dob
+            ds = p * ((dob @ V.transpose(-1, -2)) - Db[..., None])  # (B, h, bq, b - lo)
             dqb = ds @ K
-            dpk[:, :, :b] += ds.transpose(-1, -2) @ qb
+            dpk[:, :, lo:b] += ds.transpose(-1, -2) @ qb
             for j in range(n):
                 kj, vj = ck[j][:, :, a:b].to(acc), cv[j][:, :, a:b].to(acc)
                 pj = torch.exp((qb * kj).sum(-1) * scale - lb)  # (B, h, bq)
@@ -90,7 +94,7 @@ class _ChunkedTTT(torch.autograd.Function):
             dq[:, :, a:b] = dqb * scale
         dpk *= scale
         cast = lambda g, like: g.to(like.dtype)  # noqa: E731
-        return (cast(dq, q), cast(dpk, pk), cast(dpv, pv), None,
+        return (cast(dq, q), cast(dpk, pk), cast(dpv, pv), None, None,
                 *[cast(g, k) for g, k in zip(dck, ck, strict=True)], *[cast(g, v) for g, v in zip(dcv, cv, strict=True)])  # fmt: skip
 
 
@@ -99,22 +103,52 @@ def _acc(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _future(a: int, b: int, device) -> torch.Tensor:
-    """(b - a, b) mask of keys later than each query of rows a..b-1."""
+def _future(a: int, b: int, device, lo: int = 0) -> torch.Tensor:
+    """(b - a, b - lo) mask of keys lo..b-1 later than each query of rows a..b-1."""
     rows = torch.arange(a, b, device=device)[:, None]
-    return torch.arange(b, device=device)[None, :] > rows
+    return torch.arange(lo, b, device=device)[None, :] > rows
 
 
-def chunked(q, prefix_k, prefix_v, chain_k: list, chain_v: list, block: int = 256) -> torch.Tensor:
-    """(B, h, T, d) attention output of the TTT pattern, without the (T, T) matrix."""
-    return _ChunkedTTT.apply(q, prefix_k, prefix_v, block, *chain_k, *chain_v)
+def _hidden(a: int, b: int, lo: int, device, seg: torch.Tensor | None) -> torch.Tensor:
+    """Keys lo..b-1 that query rows a..b-1 may not see: later ones, and (packed rows, `seg`
+    (B, T)) those of another sample. (bq, b - lo), or (B, 1, bq, b - lo) with segments."""
+    future = _future(a, b, device, lo)
+    if seg is None:
+        return future
+    return future | (seg[:, None, a:b, None] != seg[:, None, None, lo:b])
+
+
+def _segment_starts(seg: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, T) index where each position's sample begins (packed rows), or None."""
+    if seg is None:
+        return None
+    idx = torch.arange(seg.shape[1], device=seg.device).expand_as(seg)
+    new = torch.ones_like(seg, dtype=torch.bool)
+    new[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    return torch.where(new, idx, torch.zeros_like(idx)).cummax(1).values
+
+
+def _key_start(first: torch.Tensor | None, a: int) -> int:
+    """The first key any query of a block starting at row a can see: the start of the
+    sample its first query belongs to (packed rows; samples are contiguous), else 0. This
+    is what makes a packed row cost the sum of its samples' squares, not its length's."""
+    return 0 if first is None else int(first[:, a].min())
+
+
+def chunked(
+    q, prefix_k, prefix_v, chain_k: list, chain_v: list, block: int = 256, segments=None
+) -> torch.Tensor:
+    """(B, h, T, d) attention output of the TTT pattern, without the (T, T) matrix; with
+    `segments` (B, T), packed rows: the causal prefix is restricted to the query's sample."""
+    return _ChunkedTTT.apply(q, prefix_k, prefix_v, block, segments, *chain_k, *chain_v)
 
 
 _compiled_flex = None
 
 
-def flex(q, prefix_k, prefix_v, chain_k: list, chain_v: list) -> torch.Tensor:
-    """The TTT pattern as a flex-attention block mask over [prefix ; chain_1 ; ... ; chain_i]."""
+def flex(q, prefix_k, prefix_v, chain_k: list, chain_v: list, segments=None) -> torch.Tensor:
+    """The TTT pattern as a flex-attention block mask over [prefix ; chain_1 ; ... ; chain_i];
+    with `segments` (B, T), the prefix keys of the query's own sample only."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -125,7 +159,13 @@ def flex(q, prefix_k, prefix_v, chain_k: list, chain_v: list) -> torch.Tensor:
     def pattern(b, h, qi, kv):
         return ((kv < T) & (kv <= qi)) | ((kv >= T) & ((kv - T) % T == qi))
 
-    mask = create_block_mask(pattern, None, None, T, keys.shape[2], device=q.device)
+    def packed(b, h, qi, kv):  # the chain keys (kv >= T) are the query's own root: same sample
+        return pattern(b, h, qi, kv) & ((kv >= T) | (segments[b, qi] == segments[b, kv % T]))
+
+    B = q.shape[0] if segments is not None else None
+    mask = create_block_mask(
+        pattern if segments is None else packed, B, None, T, keys.shape[2], device=q.device
+    )
     fn = flex_attention
     if q.is_cuda:
         _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=True)
