@@ -249,6 +249,17 @@ def main() -> None:
         json.loads(p.stdout) if p.returncode == 0 else {"error": p.stderr[-500:]}
     )
 
+    step("training input: plain read against eyas's reader")
+    p = sh([sys.executable, "bench/reader.py", "--json", "--rounds", "2",
+            *(["--samples", "60", "--hidden", "256"] if args.small else ["--samples", "200", "--hidden", "4096"])])  # fmt: skip
+    summary["reader"] = (
+        json.loads(p.stdout.strip().splitlines()[-1])
+        if p.returncode == 0
+        else {"error": p.stderr[-500:]}
+    )
+    if "chunked" in summary["train"] and summary["train"]["chunked"].get("tokens_per_s"):
+        summary["reader"]["train_tokens_per_s_beside"] = summary["train"]["chunked"]["tokens_per_s"]
+
     step("torchrun, one process")
     p = sh([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "eyas.cli",
             "train", "--data", reference, "--out", out / "train-torchrun", "--epochs", "1", "--ttt-steps", "2",

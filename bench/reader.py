@@ -7,7 +7,10 @@ run stores them) and compact (float8 aux with scales, top-64 target). For each, 
 (a) a plain sequential read of every file, (b) `SampleReader.batch` over one epoch's batches
 without checksums, (c) the same with every tensor checksum (a fresh reader: first reads).
 Prints MB/s, the ratio (c)/(a), and how many GPUs training at 12k tokens/s each the rate
-(c) would feed at H=7168. Run from the repo root:
+(c) would feed at H=7168. On a GPU the path ends on the device in the compute dtype (the
+stored bytes copied, then upcast there); on a CPU it ends at the host batch a GPU would
+receive (stored dtypes, checked), and the CPU's own upcast is timed apart. Run from the repo
+root:
 
     python bench/reader.py [--samples 300] [--hidden 1024] [--rounds 3] [--threads 4] [--json]
 """
@@ -71,14 +74,18 @@ def plain(files: list[Path]) -> int:
     return n
 
 
-def through_reader(run: Path, entries: dict, batches: list, checksums: bool, threads: int) -> None:
+def through_reader(
+    run: Path, entries: dict, batches: list, checksums: bool, threads: int, device
+) -> None:
     from eyas.train_data import SampleReader, to_device
 
-    reader = SampleReader(run, entries, checksums, threads=threads)
+    reader = SampleReader(run, entries, checksums, threads=threads, pin=device.type == "cuda")
     try:
         for b in batches:
             host = reader.batch(b)
-            to_device(host, torch.device("cpu"))  # what the step gets
+            if device.type == "cuda":  # on the device, upcast there: what the step gets
+                to_device(host, device)
+                torch.cuda.synchronize()
             reader.release(host)  # the step is done with it
     finally:
         reader.close()
@@ -89,11 +96,12 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=300)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     from eyas.journal import committed
     from eyas.store import sample_relpath
@@ -122,11 +130,21 @@ def main() -> None:
                         plain(files)
                     else:
                         through_reader(
-                            run, entries, batches, what == "eyas_checksums", args.threads
+                            run, entries, batches, what == "eyas_checksums", args.threads, device
                         )
                     rows[what].append(total / 1e6 / (time.perf_counter() - t0))
             med = {k: statistics.median(v) for k, v in rows.items()}
             results[name] = med
+            if device.type == "cpu":  # what a CPU step adds on the host: the upcast
+                from eyas.train_data import SampleReader, to_device
+
+                reader = SampleReader(run, entries, False, threads=args.threads)
+                hosts = [reader.batch(b) for b in batches]
+                t0 = time.perf_counter()
+                for h in hosts:
+                    to_device(h, device)
+                med["cpu_upcast"] = total / 1e6 / (time.perf_counter() - t0)
+                reader.close()
             bpt = total / tokens
             gpus = med["eyas_checksums"] * 1e6 / BYTES_PER_TOKEN_7168[name] / GPU_TOKENS_PER_S
             print(f"{name:8s} {args.samples} samples, H={args.hidden}, {total / 1e6:,.0f} MB, {bpt:,.0f} B/token; "
@@ -135,6 +153,9 @@ def main() -> None:
                 print(
                     f"  {k:15s} {med[k]:8,.0f} MB/s   rounds: {', '.join(f'{x:,.0f}' for x in v)}"
                 )
+            if "cpu_upcast" in med:
+                print(f"  (the CPU's upcast of those batches to float32, a GPU's work on a GPU host: "
+                      f"{med['cpu_upcast']:,.0f} MB/s)")  # fmt: skip
             print(f"  ratio eyas (checksums) / plain read: {med['eyas_checksums'] / med['plain']:.2f}; "
                   f"without checksums {med['eyas'] / med['plain']:.2f}")  # fmt: skip
             print(f"  at H=7168 ({BYTES_PER_TOKEN_7168[name]:,} B/token) that rate feeds {gpus:.1f} GPUs "

@@ -757,7 +757,7 @@ def evaluate(
         res = (evaluate_vllm if engine == "vllm" else run_hf)(
             str(model), str(drafter), str(data), **kw
         )
-    except ModelDirError as exc:
+    except (ModelDirError, FileNotFoundError) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     except (ExportError, ValueError, OSError) as exc:
         raise fail(str(exc)) from None

@@ -15,6 +15,7 @@ memory on a GPU) while the current step computes.
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -93,7 +94,7 @@ class SampleReader:
     that travel are the stored ones."""
 
     def __init__(self, run: Path, entries: dict[int, dict], checksums: bool, pin: bool = False,
-                 report=None, threads: int = 4):  # fmt: skip
+                 report=None, threads: int | None = None):  # fmt: skip
         self.run, self.entries, self.checksums, self.pin = Path(run), entries, checksums, pin
         self.report = report or (lambda index, problem: None)
         self._summed: set[int] = set()
@@ -102,6 +103,9 @@ class SampleReader:
         self._layout: dict | None = None
         self._free: list[dict[str, torch.Tensor]] = []  # buffers of released batches
         self._lent: dict[int, dict[str, torch.Tensor]] = {}
+        # Reader threads beside the prefetch thread: a few on a many-core training host; none
+        # on a small one, where they would only compete with the step for the same cores.
+        threads = threads if threads is not None else min(4, (os.cpu_count() or 2) // 4)
         self._pool = (
             ThreadPoolExecutor(threads, thread_name_prefix="eyas-read") if threads > 1 else None
         )
