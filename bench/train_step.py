@@ -109,10 +109,6 @@ def _rss() -> int:
 def train_vs_bare(args) -> float:
     """Ratio of `eyas train`'s tokens/s to a bare loop over the same batches in memory."""
     from eyas.cpu import configure_threads
-    from eyas.demo_data import generate_conversations, write_jsonl
-    from eyas.extract import ExtractConfig, extract
-    from eyas.prepare import PrepareConfig, prepare
-    from eyas.tiny import TinySizes, build_tiny_target
     from eyas.train import TrainConfig, add_targets, build_drafter, train, ttt_loss
     from eyas.train_data import (
         SampleReader,
@@ -124,27 +120,7 @@ def train_vs_bare(args) -> float:
 
     work = Path(tempfile.mkdtemp(prefix="eyas-trainbench-", dir=args.workdir))
     try:
-        sizes = TinySizes(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
-                          intermediate_size=2 * args.hidden)  # fmt: skip
-        model = build_tiny_target(work / "t", "llama", sizes=sizes)
-        write_jsonl(work / "c.jsonl", generate_conversations(200, seed=2))
-        prepare(
-            PrepareConfig(
-                model=str(model),
-                data=(str(work / "c.jsonl"),),
-                out=str(work / "ds"),
-                progress=False,
-            )
-        )
-        extract(
-            ExtractConfig(
-                model=str(model),
-                data=str(work / "ds"),
-                out=str(work / "run"),
-                progress=False,
-                min_free="0",
-            )
-        )
+        _small_run(work, args)
         cfg = TrainConfig(data=str(work / "run"), out=str(work / "out"), epochs=2, ttt_steps=args.ttt_steps,
                           batch_tokens=2048, val_fraction=0.0, save_every=10**9, device=args.device, progress=False)  # fmt: skip
         ratios = []

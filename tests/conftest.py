@@ -67,6 +67,18 @@ def mounted_tmpfs(base: Path, size: str):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real 2 MiB tmpfs (see `mounted_tmpfs`); `grow` resizes it."""
+    with mounted_tmpfs(tmp_path, "2m") as mnt:
+        yield mnt
+
+
+def grow(mnt: Path, size: str) -> None:
+    """Resize a mounted tmpfs (more space after a full disk)."""
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(mnt)], check=True)
+
+
 def eyas(*args, check: bool = False, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     """Run the real CLI in a child process."""
     p = subprocess.run([sys.executable, "-m", "eyas.cli", *map(str, args)], capture_output=True, text=True,

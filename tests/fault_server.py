@@ -127,15 +127,7 @@ def make_handler(seed: int, stall: float, delay: float = 0.0):
                 pass
 
         def _send(self, code: int, obj: dict) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            try:
-                self.wfile.write(data)
-            except OSError:
-                pass
+            self._raw(code, json.dumps(obj).encode())
 
     return Handler
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import eyas, mounted_tmpfs
+from conftest import eyas, grow
 
 from eyas.extract import ExtractConfig, extract
 from eyas.journal import read_all_journals
@@ -126,16 +126,6 @@ def test_sigterm_finishes_commit_and_exits_75(tmp_path, targets, llama_dataset, 
     _assert_identical(run, reference)
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    with mounted_tmpfs(tmp_path, "2m") as mnt:
-        yield mnt
-
-
-def _grow(mnt: Path, size: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,size={size}", str(mnt)], check=True)
-
-
 def test_disk_full_real_enospc(tmpfs, targets, llama_dataset, reference):
     """A real ENOSPC mid-write: temp file removed, nothing half-committed, exit 75, resume completes."""
     run = tmpfs / "run"
@@ -147,7 +137,7 @@ def test_disk_full_real_enospc(tmpfs, targets, llama_dataset, reference):
     rep = verify(run)
     done = rep.checked
     assert rep.clean and 0 < done < 120
-    _grow(tmpfs, "16m")
+    grow(tmpfs, "16m")
     p = eyas("extract", "--resume", run, "--min-free", "0")
     assert p.returncode == 0, p.stderr
     _assert_identical(run, reference)
@@ -165,7 +155,7 @@ def test_disk_full_watchdog_and_refusal(tmpfs, targets, llama_dataset, reference
     assert "fell below the --min-free floor" in p.stderr and "samples are committed" in p.stderr
     rep = verify(run)
     assert rep.clean and 0 < rep.checked < 120
-    _grow(tmpfs, "16m")
+    grow(tmpfs, "16m")
     # A plain resume remembers --min-free and --allow-partial (2% of 16 MiB would be 5%: 0.8 MiB).
     p = eyas("extract", "--resume", run)
     assert p.returncode == 0, p.stderr

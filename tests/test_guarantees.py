@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import eyas, mounted_tmpfs
+from conftest import eyas, grow
 from safetensors.torch import load_file
 
 from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
@@ -426,16 +426,6 @@ def test_status_ignores_journal_entries_outside_the_dataset(tmp_path, targets, l
 # ---------------------------------------------------------------------------- a full disk
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    with mounted_tmpfs(tmp_path, "2m") as mnt:
-        yield mnt
-
-
-def _grow(mnt: Path, size: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,size={size}", str(mnt)], check=True)
-
-
 def test_disk_full_in_train_export_prepare(tmpfs, small_run, finished, tmp_path, conversations):
     """ENOSPC in each stage: exit 75, one line, nothing half-written left to be trusted."""
     # train: the checkpoints of the tiny drafter outgrow 2 MiB.
@@ -446,11 +436,11 @@ def test_disk_full_in_train_export_prepare(tmpfs, small_run, finished, tmp_path,
     assert r.returncode == 75 and "disk full" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "eyas train --resume" in r.stderr
     assert not list((out / "checkpoints").glob("*.tmp"))
-    _grow(tmpfs, "64m")
+    grow(tmpfs, "64m")
     r = eyas(*args, "--resume")
     assert r.returncode == 0, r.stderr
     shutil.rmtree(out)
-    _grow(tmpfs, "1m")
+    grow(tmpfs, "1m")
     # export
     r = eyas("export", finished, "--format", "vllm", "--out", tmpfs / "x")
     assert r.returncode == 75 and "disk full" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -121,12 +121,16 @@ def read_json(path: Path) -> Any:
         return json.load(f)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
+def hash_file(path: Path, h, chunk: int = 1 << 22) -> str:
+    """The hex digest of `path` by the hash object `h` (hashlib's or xxhash's), read in chunks."""
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    return hash_file(path, hashlib.sha256())
 
 
 @dataclass(frozen=True)

@@ -15,19 +15,15 @@ from pathlib import Path
 
 import xxhash
 
-from .fsutil import atomic_write_json
+from .fsutil import atomic_write_json, hash_file
 
 
 class ManifestError(ValueError):
     """A directory that does not match its manifest; the message names the file and why."""
 
 
-def file_digest(path: Path, chunk: int = 1 << 22) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+def file_digest(path: Path) -> str:
+    return hash_file(path, xxhash.xxh3_128())
 
 
 def fsync_file(path: Path) -> None:

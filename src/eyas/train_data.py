@@ -227,17 +227,21 @@ class SampleReader:
         return out
 
     def _take(self, need: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Buffers for a batch: a returned slab big enough, or new ones. Reusing them spares
-        the page faults of fresh memory (large allocations come straight from the kernel)."""
+        """Buffers for a batch: the smallest returned slab big enough, or new ones (sized to a
+        power of two, so that slabs fit later batches too). Reusing them spares the page
+        faults of fresh memory (large allocations come straight from the kernel)."""
         with self._lock:
-            for n, slab in enumerate(self._free):
-                if all(slab[k].numel() >= v for k, v in need.items()):
-                    return self._free.pop(n)
+            fits = [
+                n
+                for n, slab in enumerate(self._free)
+                if all(slab[k].numel() >= v for k, v in need.items())
+            ]
+            if fits:
+                best = min(fits, key=lambda n: sum(t.numel() for t in self._free[n].values()))
+                return self._free.pop(best)
         lay = self.layout()
-        return {
-            k: torch.empty(int(v * 1.25) + 1, dtype=lay[k][0], pin_memory=self.pin)
-            for k, v in need.items()
-        }
+        return {k: torch.empty(1 << max(v - 1, 0).bit_length(), dtype=lay[k][0], pin_memory=self.pin)
+                for k, v in need.items()}  # fmt: skip
 
     def release(self, batch: dict[str, torch.Tensor], copied=None) -> None:
         """Give a batch's buffers back once the step that used them is done (optional: a
