@@ -129,6 +129,10 @@ _RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "
               "data", "out", "model", "attention", "allow_partial"}  # fmt: skip
 
 
+# What a training directory made before these options existed was trained with.
+_BEFORE = {"head_init": "random", "pack": False}
+
+
 class TrainStopped(Exception):
     pass
 
@@ -353,7 +357,7 @@ def _train(
                 f"{saved}: this training directory was made from other data ({prev['data'].get('run')})"
             )
         mine = {k: v for k, v in asdict(cfg).items() if k not in _RESUMABLE}
-        theirs = {k: v for k, v in prev["config"].items() if k not in _RESUMABLE}
+        theirs = {**_BEFORE, **{k: v for k, v in prev["config"].items() if k not in _RESUMABLE}}
         if mine != theirs:
             diff = sorted(k for k in mine if mine[k] != theirs.get(k))
             raise ValueError(
