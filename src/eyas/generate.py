@@ -231,6 +231,8 @@ def _send(cfg: GenerateConfig, data: bytes, headers: dict) -> tuple[int, bytes]:
         r = conn.getresponse()
         body = bytearray()
         while chunk := r.read1(1 << 16):
+            if expired.is_set():  # the deadline passed while the connection was still opening
+                raise TimeoutError("no complete answer within --timeout")
             body += chunk
             if len(body) > cfg.max_response_bytes:
                 raise RequestFailed(
