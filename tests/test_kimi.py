@@ -223,6 +223,12 @@ def test_61_layer_kimi_config_like_and_export_ids(kimi, tmp_path):
     for f in kimi.iterdir():
         if not f.name.startswith("model"):
             shutil.copy(f, real / f.name)
+    from eyas.weights import weight_map as names_of
+
+    # The real checkpoint's index (names only; 61 layers' worth of the twin's names).
+    real_names = {n.replace("layers.0.", f"layers.{k}."): "model-00001-of-00064.safetensors"
+                  for n in names_of(kimi) for k in range(61)}  # fmt: skip
+    (real / "model.safetensors.index.json").write_text(json.dumps({"weight_map": real_names}))
     cfg = json.loads((real / "config.json").read_text())
     cfg["text_config"].update(num_hidden_layers=61, hidden_size=7168, vocab_size=163840, tie_word_embeddings=False,
                               routed_scaling_factor=2.827, quantization_config={
@@ -242,6 +248,7 @@ def test_61_layer_kimi_config_like_and_export_ids(kimi, tmp_path):
     r = eyas("tiny-target", "--like", real, "--out", tmp_path / "twin")
     assert r.returncode == 0, r.stderr
     assert "leaves out" in r.stdout + r.stderr and "compressed-tensors" in r.stdout + r.stderr
+    assert "weight names are all in" in r.stdout, r.stdout  # checked against the real index
     twin = json.loads((tmp_path / "twin" / "config.json").read_text())
     assert twin["model_type"] == "kimi_k25" and twin["architectures"] == cfg["architectures"]
     assert (

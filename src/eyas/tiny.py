@@ -415,6 +415,23 @@ def _quantization_of(like: Path) -> str | None:
     return _quantization(read_json(like / "config.json"))
 
 
+def _compare_names(out: Path, like: Path) -> None:
+    """Say which of the twin's weight names the real checkpoint's index does not have (layer
+    numbers aside): quantized experts, say, are named otherwise in the real one."""
+    import re
+
+    from .weights import weight_map
+
+    shape = lambda names: {re.sub(r"\.\d+\.", ".N.", n) for n in names}  # noqa: E731
+    ours, real = shape(weight_map(out)), shape(weight_map(like))
+    extra = sorted(ours - real)
+    if extra:
+        print(f"note: {len(extra)} of the twin's weight names are not in {like}'s index "
+              f"(e.g. {', '.join(extra[:3])})", flush=True)  # fmt: skip
+    else:
+        print(f"the twin's weight names are all in {like}'s index", flush=True)
+
+
 def _as_on_the_hub(out: Path, model_type: str, like: Path | None) -> None:
     """Give a saved wrapper the real checkpoint's weight names and architectures (transformers'
     own save names some tensors otherwise), so every tool reads it as it reads the real one."""
@@ -450,6 +467,8 @@ def _as_on_the_hub(out: Path, model_type: str, like: Path | None) -> None:
         (out / "preprocessor_config.json").write_text(
             json.dumps(_PREPROCESSOR[model_type], indent=2)
         )
+    if like is not None and (like / "model.safetensors.index.json").is_file():
+        _compare_names(out, like)
     cfg = read_json(out / "config.json")
     src = read_json(like / "config.json") if like is not None else {}
     cfg["architectures"] = src.get("architectures") or _HUB_ARCHITECTURES.get(
