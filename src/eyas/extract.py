@@ -609,7 +609,8 @@ def _run_loop(cfg, run, meta, ds, backend, mine, done, journal) -> ExtractSummar
         return max(tokens_left - stats["tokens"], 0) / rate if rate else None
 
     try:
-        with Reporter("extract", total, enabled=cfg.progress, extra=extra, eta=eta) as rep:
+        with Reporter("extract", total, enabled=cfg.progress, extra=extra, eta=eta,
+                      rate=lambda: recent_rate(commits, time.time())[0]) as rep:  # fmt: skip
             rep.skip(done_before)
             seen = 0
             for batch in todo:

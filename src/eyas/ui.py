@@ -29,10 +29,12 @@ class Reporter:
         enabled: bool = True,
         extra: Callable[[], str] | None = None,
         eta: Callable[[], float | None] | None = None,
+        rate: Callable[[], float | None] | None = None,
         log_every: float = 30.0,
     ):
         self.label, self.total, self.unit = label, total, unit
         self.eta = eta  # seconds left, when the caller knows better than units/s (tokens/s)
+        self.recent = rate  # units/s as `status` measures them, when the caller has that
         log_every = float(os.environ.get("EYAS_LOG_EVERY", log_every))  # seconds between log lines
         self.enabled, self.extra, self.log_every = enabled, extra or (lambda: ""), log_every
         self.done = 0
@@ -98,8 +100,9 @@ class Reporter:
     def _log(self) -> None:
         self._last_log = time.monotonic()
         self._logged = self.done
+        rate = self.recent() if self.recent is not None else self.rate()
         console.print(
-            f"{self.label}: {self.done}/{self.total} {self.unit} ({self.rate():.1f}/s) "
+            f"{self.label}: {self.done}/{self.total} {self.unit} ({rate or 0:.1f}/s) "
             f"{self.extra()} ETA {self._eta_text()}",
             markup=False,
             highlight=False,
