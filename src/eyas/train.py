@@ -309,9 +309,9 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     rank, world = _dist()
     out, run = Path(cfg.out), Path(cfg.data)
     meta = read_run_meta(run)
-    _check_complete(run, meta, cfg.allow_partial)
+    done = _check_complete(run, meta, cfg.allow_partial)
     if rank != 0:
-        return _train(cfg, resume, rank, world, run, out, meta)
+        return _train(cfg, resume, rank, world, run, out, meta, done)
     out.mkdir(parents=True, exist_ok=True)
     lock = WriterLock(out, 0, 1, what="train").acquire()
     try:
@@ -320,7 +320,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
             console.print(
                 f"removed {p}, left by a killed checkpoint save", markup=False, highlight=False
             )
-        return _train(cfg, resume, rank, world, run, out, meta)
+        return _train(cfg, resume, rank, world, run, out, meta, done)
     except OSError as exc:
         if is_disk_full(exc) and not isinstance(exc, DiskFullError):
             raise DiskFullError(exc.errno, f"no space left writing to {out} ({exc})") from exc
@@ -329,7 +329,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
         lock.release()
 
 
-def _check_complete(run: Path, meta: dict, allow_partial: bool) -> None:
+def _check_complete(run: Path, meta: dict, allow_partial: bool) -> dict[int, dict]:
     """Refuse a run whose extraction is unfinished unless asked: hours spent on part of
     the data should be a choice, never a surprise."""
     from .journal import committed, read_errors
@@ -343,11 +343,13 @@ def _check_complete(run: Path, meta: dict, allow_partial: bool) -> None:
             f"done or failed, {left} remaining). Finish it first: eyas extract --resume {run} "
             "(or pass --allow-partial to train on what is committed)"
         )
+    return done  # the committed samples: training reads the journals once
 
 
 def _train(
-    cfg: TrainConfig, resume: bool, rank: int, world: int, run: Path, out: Path, meta: dict
-) -> dict:
+    cfg: TrainConfig, resume: bool, rank: int, world: int, run: Path, out: Path, meta: dict,
+    done: dict[int, dict],
+) -> dict:  # fmt: skip
     ident = _identity(meta)
     saved = out / "train.json"
     if saved.exists():
@@ -407,7 +409,7 @@ def _train(
         if rank == 0
         else (lambda m: None)
     )
-    entries, rejected = usable_samples(run, meta["hidden_size"], log)
+    entries, rejected = usable_samples(run, meta["hidden_size"], log, done)
     if not entries:
         raise ValueError(f"{run}: no committed samples to train on")
     listed = _skipped_indices(out / "skipped_samples.jsonl") if rank == 0 else set()

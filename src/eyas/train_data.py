@@ -29,10 +29,12 @@ from .store import StoreError, check_sample_file, read_into, sample_relpath, sto
 from .target import plan_batches
 
 
-def usable_samples(run: Path, hidden_size: int, log) -> tuple[dict[int, dict], dict[int, str]]:
-    """Committed samples whose files match their journal entries (index -> entry), and
-    those left out (index -> the problem)."""
-    entries = committed(run)
+def usable_samples(
+    run: Path, hidden_size: int, log, entries: dict[int, dict] | None = None
+) -> tuple[dict[int, dict], dict[int, str]]:
+    """Committed samples (`entries`, or the journals' when not given) whose files match
+    their journal entries (index -> entry), and those left out (index -> the problem)."""
+    entries = committed(run) if entries is None else entries
     good, bad = {}, {}
     for i, e in sorted(entries.items()):
         c = check_sample_file(
