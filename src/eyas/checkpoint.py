@@ -61,11 +61,24 @@ def _ckpt_dirs(out: Path) -> list[Path]:
 
 
 def remove_stale_temp(out: Path) -> list[Path]:
-    """Remove step-N.tmp directories left by a killed save (only the lock holder may)."""
+    """Clean up after a killed save (only the lock holder may): a step-N.tmp directory is
+    removed, or put in place when it is complete and its step-N is missing (the kill came
+    while it replaced an older save of the same step, set aside as step-N.old)."""
     d = Path(out) / "checkpoints"
-    stale = sorted(d.glob("step-*.tmp")) if d.is_dir() else []
-    for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
+    stale = []
+    for tmp in sorted(d.glob("step-*.tmp")) if d.is_dir() else []:
+        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+        if (tmp / MARKER).is_file() and not final.exists():
+            os.replace(tmp, final)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            stale.append(tmp)
+    for old in sorted(d.glob("step-*.old")) if d.is_dir() else []:
+        final = old.with_name(old.name.removesuffix(".old"))
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, final)
     return stale
 
 
@@ -74,7 +87,13 @@ def save_checkpoint(
 ) -> Path:
     final = out / "checkpoints" / f"step-{state['step']:08d}"
     if (final / MARKER).is_file():
-        return final
+        try:
+            if read_json(final / "state.json") == state:
+                return final
+        except (OSError, ValueError):
+            pass
+    # else a new save, or a new state at the same step (a followed pass ended after the save
+    # made before waiting): replaced below, the old one set aside until the new one is in place
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -91,8 +110,13 @@ def save_checkpoint(
         atomic_write_json(tmp / "state.json", state)
         write_manifest(tmp, ["drafter.safetensors", "optimizer.safetensors", "state.json"], MARKER,
                        step=state["step"])  # fmt: skip
+        old = final.with_name(final.name + ".old")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
         fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
         if is_disk_full(exc):

@@ -376,6 +376,16 @@ def extract(
         "--staging-dir",
         help="vllm: scratch directory for states in flight (default: system temp).",
     ),
+    max_store: str | None = typer.Option(
+        None,
+        "--max-store",
+        help="Keep sample bytes under this size; consumed samples of `train --follow` are deleted.",
+    ),
+    passes: int | None = typer.Option(
+        None,
+        "--passes",
+        help="Run the dataset N times, one trainer epoch each (needs --max-store).",
+    ),
 ) -> None:
     """Run the target over a prepared dataset; store aux and final hidden states, crash-safe."""
     from .extract import ExtractConfig, ExtractStopped
@@ -401,6 +411,7 @@ def extract(
         ignore_busy_gpus=ignore_busy_gpus or None, trust_remote_code=trust_remote_code or None,
         tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
         max_model_len=max_model_len, staging_dir=str(staging_dir) if staging_dir else None,
+        max_store=max_store, passes=passes,
     )  # fmt: skip
     opts = {k: v for k, v in opts.items() if v is not None}
     try:
@@ -609,6 +620,11 @@ def train(
     pack: bool = typer.Option(
         False, "--pack", help="Pack samples into rows of --batch-tokens instead of padding them."
     ),
+    follow: bool = typer.Option(
+        False,
+        "--follow",
+        help="Train while the run is extracted: samples as they are committed, once per pass.",
+    ),
     head_init: str = typer.Option(
         "target",
         "--head-init",
@@ -628,7 +644,7 @@ def train(
         grad_accum=grad_accum, val_fraction=val_fraction, eval_every=eval_every, save_every=save_every,
         keep_checkpoints=keep_checkpoints, draft_vocab_size=draft_vocab_size, dtype=dtype, device=device,
         seed=seed, verify_data=verify_data, intermediate_size=intermediate_size, attention=attention,
-        allow_partial=allow_partial, head_init=head_init, pack=pack,
+        allow_partial=allow_partial, head_init=head_init, pack=pack, follow=follow,
     )  # fmt: skip
     try:
         res = run_train(cfg, resume=resume)
@@ -639,7 +655,9 @@ def train(
     except LockHeldError as exc:
         raise fail(str(exc)) from None
     except (StoreError, ValueError, OSError, KeyError) as exc:
-        _disk_full(exc, f"eyas train --resume --data {data} --out {out}")
+        _disk_full(
+            exc, f"eyas train --resume{' --follow' if follow else ''} --data {data} --out {out}"
+        )
         raise fail(str(exc)) from None
     v = res["val"]
     tail = (

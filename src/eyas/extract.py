@@ -15,6 +15,10 @@ How:
   plain `--resume` (world 1) finishes every share that no live writer holds.
 - The run stops cleanly (exit 75, resumable) on SIGINT/SIGTERM, when free space falls
   below `min_free`, or on a real ENOSPC; the in-flight commit finishes or leaves nothing.
+- `--max-store` keeps the sample bytes under a budget for a trainer that follows the run
+  (`train --follow`): consumed samples are retired and deleted (see `stream`), and the
+  writer waits while the store is full. `--passes N` runs the dataset N times, each pass in
+  its own order, for N epochs of training with a disk smaller than the data.
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ from .fsutil import DiskFullError, filesystem_info, free_bytes, human_bytes, is_
 from .gpu import gpu_preflight
 from .journal import (
     Journal,
+    Ledger,
     append_error,
-    committed,
     journal_files,
     journal_path,
+    ledger,
+    pass_of,
+    read_errors,
     read_journal,
     rewrite_journal,
     scan_journal,
@@ -64,6 +71,7 @@ from .store import (
     sample_names,
     sample_relpath,
 )
+from .stream import Retirer
 from .target import (
     DTYPES,
     check_model_dir,
@@ -125,6 +133,12 @@ class ExtractConfig:
     """vllm backend: context length (default: the longest sample + 1)."""
     staging_dir: str | None = None
     """vllm backend: scratch directory for states in flight (default: the system temp dir)."""
+    max_store: str | None = None
+    """Keep the run's sample bytes under this (K/M/G suffix): consumed samples are deleted
+    once every trainer following the run (`train --follow`) has checkpointed past them."""
+    passes: int = 1
+    """Run the dataset this many times, each pass in its own order (needs --max-store): a
+    trainer that follows the run trains one epoch per pass."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -151,6 +165,16 @@ class ExtractConfig:
             )
         Layout(self.storage, self.target)  # raises for unknown modes
         parse_size(self.min_free, 1)
+        if self.passes < 1:
+            raise ValueError(f"--passes must be at least 1, got {self.passes}")
+        if self.max_store is not None and (
+            self.max_store.strip().endswith("%") or parse_size(self.max_store, 1) <= 0
+        ):
+            raise ValueError(f"--max-store needs a size such as 200G, got {self.max_store!r}")
+        if self.passes > 1 and self.max_store is None:
+            raise ValueError("--passes runs the target over the data again for each epoch: it is for a disk "
+                             "smaller than the data, with --max-store; with room for the whole run, extract "
+                             "once and train --epochs N")  # fmt: skip
         parse_size(self.max_foreign_gpu_mem, 1)
 
     @property
@@ -167,7 +191,7 @@ PER_INVOCATION = {"rank", "world", "trust_remote_code", "progress", "queue_depth
 # resumes). A changed batch_tokens regroups the remaining samples: still correct, but
 # their files are then no longer bit-identical to an uninterrupted run's.
 OVERRIDABLE = {"batch_tokens", "device", "min_free", "allow_partial", "tensor_parallel_size",
-               "gpu_memory_utilization", "max_model_len"}  # fmt: skip
+               "gpu_memory_utilization", "max_model_len", "max_store"}  # fmt: skip
 
 
 def parse_size(spec: str, total: int) -> int:
@@ -338,14 +362,19 @@ def new_run_meta(cfg: ExtractConfig, ds: PreparedDataset) -> dict:
     }
 
 
-def recover(run: Path, journal: Journal, mine: set[int], done: dict, layout: Layout, H: int) -> int:
+def recover(
+    run: Path, journal: Journal, mine: set[int], led: Ledger, layout: Layout, H: int
+) -> int:
     """Bring the store in line with the journal after a crash; returns samples adopted.
 
     Only this writer's samples are touched (other ranks may be writing theirs right now).
     Their temp files are removed. A sample file without a journal entry (the crash came
     between rename and journal append, or its line was damaged) is adopted only if every
-    checksum holds; else it is removed. `verify` checks journaled files deeper.
+    checksum holds; else it is removed. A file whose sample is retired is deleted (the kill
+    came between retirement and deletion). `verify` checks journaled files deeper.
     """
+    done = led.present
+    retired = set().union(*led.retired) if led.retired else set()
     adopted = 0
     for d, name in list(sample_names(run)):
         stem = name.split(".tmp-")[0]
@@ -357,11 +386,14 @@ def recover(run: Path, journal: Journal, mine: set[int], done: dict, layout: Lay
         if idx is None or idx not in mine or idx in done:
             continue  # the common case, decided from the name alone
         p = d / name
+        if idx in retired:
+            p.unlink(missing_ok=True)
+            continue
         c = check_sample_file(p, checksums=True, hidden_size=H, layout=layout)
         if c.ok and int(c.header["__metadata__"]["sample_index"]) == idx:
             e = journal_entry(idx, c.header["__metadata__"]["sample_id"], read_head(p), c.nbytes)
             journal.append(e)
-            done[idx] = e
+            led.add(e)
             adopted += 1
         else:
             p.unlink(missing_ok=True)
@@ -396,14 +428,19 @@ def _check_journaled_files(
             shutil.move(p, q)
             fsync_dir(p.parent)
     if lost:
+        dropped = {
+            (i, pass_of(done[i])) for i in lost
+        }  # the present entry; other passes' lines stay
         for r, path in journal_files(run).items():
             if whole or r == rank:
                 entries = read_journal(path)
-                keep = [e for e in entries if e["index"] not in lost]
+                keep = [
+                    e
+                    for e in entries
+                    if e.get("retired") or (e["index"], pass_of(e)) not in dropped
+                ]
                 if len(keep) != len(entries):
                     rewrite_journal(path, keep)
-        for i in lost:
-            done.pop(i, None)
     return list(lost.values())
 
 
@@ -428,7 +465,9 @@ def extract(
     mine = [i for i in range(len(ds)) if i % cfg.world == cfg.rank]
     if not meta:  # a new run: checked before anything is written (a resume checks under its lock)
         try:
-            _check_disk(run, cfg, sum(lengths[i] for i in mine) * bpt + 4096 * len(mine))
+            _check_disk(
+                run, cfg, _store_need(cfg, sum(lengths[i] for i in mine) * bpt + 4096 * len(mine))
+            )
         except DiskFullError:
             if new_dir:
                 shutil.rmtree(run, ignore_errors=True)  # a refusal leaves nothing behind
@@ -460,33 +499,59 @@ def extract(
             for n, why in scan.damaged:
                 say(f"{scan.path}:{n}: damaged journal line ({why}) set aside (copy in {q}); "
                     "its sample is re-checked by its checksums")  # fmt: skip
-        done = committed(run, scans)
+        led = ledger(run, scans)
         # Before the journal opens for appends: dropping entries rewrites it.
-        if lost := _check_journaled_files(run, done, set(mine), cfg.rank, cfg.world == 1):
+        if lost := _check_journaled_files(run, led.present, set(mine), cfg.rank, cfg.world == 1):
             say(f"{len(lost)} journaled sample(s) have no intact file (missing or of another size; "
                 f"e.g. {lost[0]}): their entries are dropped and they are extracted again")  # fmt: skip
+            led = ledger(run)
         if fresh is None:
-            todo = [i for i in mine if i not in done]
-            _check_disk(run, cfg, sum(lengths[i] for i in todo) * bpt + 4096 * len(todo))
+            todo = [i for p in range(cfg.passes) for i in mine if i not in led.pass_commits(p)]
+            _check_disk(
+                run, cfg, _store_need(cfg, sum(lengths[i] for i in todo) * bpt + 4096 * len(todo))
+            )
         journal = Journal(journal_path(run, cfg.rank))
         try:
             layout = Layout.parse(meta.get("layout"))
-            if adopted := recover(run, journal, set(mine), done, layout, meta["hidden_size"]):
+            if adopted := recover(run, journal, set(mine), led, layout, meta["hidden_size"]):
                 say(f"adopted {adopted} complete sample(s) whose journal entry was lost")
-            if all(i in done for i in mine):  # nothing left: no need to load the target
-                return ExtractSummary(str(run), len(mine), len(mine), 0, 0, 0, 0.0, 0)
+            budget = parse_size(cfg.max_store, 1) // cfg.world if cfg.max_store else None
+            retirer = Retirer(run, journal, led, set(mine), budget) if budget else None
+            total = len(mine) * cfg.passes
+            if all(i in led.pass_commits(p) for p in range(cfg.passes) for i in mine):
+                # nothing left to extract: no need to load the target
+                if retirer is not None:
+                    _retire_at_end(retirer, run)
+                return ExtractSummary(str(run), total, total, 0, 0, 0, 0.0, 0)
             lock.set_phase("loading the model")
             say(f"loading the target ({cfg.backend} backend) from {cfg.model} ...")
             backend = open_backend(cfg.backend, _spec(cfg, meta, ds, device, lengths), say)
             lock.set_phase("extracting")
             try:
-                return _run_loop(cfg, run, meta, ds, backend, mine, done, journal)
+                summary = _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock)
             finally:
                 backend.close()
+            if retirer is not None:
+                _retire_at_end(retirer, run)
+            return summary
         finally:
             journal.close()
     finally:
         lock.release()
+
+
+def _store_need(cfg: ExtractConfig, need: int) -> int:
+    """Bytes the run will hold at most: all of it, or its --max-store budget."""
+    return min(need, parse_size(cfg.max_store, 1)) if cfg.max_store else need
+
+
+def _retire_at_end(retirer: Retirer, run: Path) -> None:
+    """The extraction is done: retire what the followers have passed, and say what stays."""
+    retirer.retire()
+    left = [i for i in retirer.led.present if i in retirer.mine]
+    if left:
+        say(f"{len(left)} sample(s) ({human_bytes(retirer.bytes)}) stay until the trainer has consumed them; "
+            f"`eyas extract --resume {run}` deletes them afterwards (it does not load the target)")  # fmt: skip
 
 
 def _spec(cfg: ExtractConfig, meta: dict, ds: PreparedDataset, device: str, lengths) -> BackendSpec:
@@ -524,11 +589,45 @@ def _check_disk(run: Path, cfg: ExtractConfig, need: int) -> None:
         )
 
 
-def _run_loop(cfg, run, meta, ds, backend, mine, done, journal) -> ExtractSummary:
+def pass_order(batches: list[list[int]], p: int) -> list[list[int]]:
+    """The batches of pass p in the pass's own order (a pure function of p): a trainer that
+    follows the run sees every length from the start, and each pass in another order."""
+    g = torch.Generator().manual_seed(7919 + p)
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def _plan_passes(cfg, run, batches, mine, led: Ledger) -> list[tuple[int, list[int]]]:
+    """(pass, batch) still to extract. A sample that failed in a pass that a later one has
+    started is not retried in it (its trainer has moved on)."""
+    failed: dict[int, set[int]] = {}
+    for e in read_errors(run):
+        failed.setdefault(pass_of(e), set()).add(e["index"])
+    plan = []
+    for p in range(cfg.passes):
+        done = led.pass_commits(p)
+        final = failed.get(p, set()) if led.pass_commits(p + 1) else set()
+        plan += [
+            (p, b)
+            for b in pass_order(batches, p)
+            if any(i not in done and i not in final for i in b)
+        ]
+    return plan
+
+
+def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) -> ExtractSummary:
     lengths = ds.lengths().tolist()
-    batches = plan_batches(lengths, mine, cfg.batch_tokens)
-    todo = [b for b in batches if any(i not in done for i in b)]
-    total, done_before = len(mine), sum(i in done for i in mine)
+    todo = _plan_passes(cfg, run, plan_batches(lengths, mine, cfg.batch_tokens), mine, led)
+    total = len(mine) * cfg.passes
+    done_before = sum(i in led.pass_commits(p) for p in range(cfg.passes) for i in mine)
+    waiting: list[str | None] = [None]
+
+    def show_wait(msg: str | None) -> None:
+        if msg is not None and waiting[0] is None:
+            lock.set_phase("waiting for followers")
+        elif msg is None and waiting[0] is not None:
+            lock.set_phase("extracting")
+        waiting[0] = msg
+
     stop = threading.Event()
     stop_reason: list[str] = []
     q: queue.Queue = queue.Queue(maxsize=cfg.queue_depth)
@@ -536,16 +635,22 @@ def _run_loop(cfg, run, meta, ds, backend, mine, done, journal) -> ExtractSummar
     writer_error: list[BaseException] = []
     floor = parse_size(cfg.min_free, filesystem_info(run).total_bytes)
 
-    def write_batch(batch: list[int], pending) -> None:
+    def write_batch(p: int, batch: list[int], pending) -> None:
         results = pending.result()
         samples = []
+        done = led.pass_commits(p)
+        if retirer is not None and not retirer.make_room(
+            [i for i in batch if i not in done], stop, show_wait
+        ):
+            pending.release()
+            return  # stopped while waiting for room: the batch is extracted again on resume
         for i, res in zip(batch, results, strict=True):
             if i in done:
                 continue
             rec = ds.records[i]
             if isinstance(res, str):
-                append_error(run, cfg.rank, {"index": i, "id": rec["id"], "file": rec["file"],
-                                             "line": rec["line"], "reason": res})  # fmt: skip
+                append_error(run, cfg.rank, {"index": i, "id": rec["id"], "file": rec["file"], "line": rec["line"],
+                                             "reason": res, **({"pass": p} if p else {})})  # fmt: skip
                 stats["failed"] += 1
                 continue
             x, m = ds.sample(i)
@@ -557,7 +662,12 @@ def _run_loop(cfg, run, meta, ds, backend, mine, done, journal) -> ExtractSummar
         pending.release()
         stats["files"] += len(entries)
         for entry in entries:
+            if p:
+                entry["pass"] = p
             journal.append(entry)
+            led.add(entry)
+            if retirer is not None:
+                retirer.committed(entry)
         journal.flush()
         for entry in entries:
             stats["committed"] += 1
@@ -597,14 +707,21 @@ def _run_loop(cfg, run, meta, ds, backend, mine, done, journal) -> ExtractSummar
     wt.start()
     t0 = time.monotonic()
 
-    tokens_left = sum(lengths[i] for i in mine if i not in done)
     commits: list[tuple[float, int]] = []  # (time, tokens) per commit: the rate `status` shows
 
-    def extra() -> str:
-        rate = recent_rate(commits, time.time())[1]
-        return f"{rate or 0:,.0f} tok/s, {human_bytes(free_bytes(run))} free"
+    tokens_left = sum(
+        lengths[i] for p in range(cfg.passes) for i in mine if i not in led.pass_commits(p)
+    )
 
-    def eta() -> float | None:  # in tokens, as `status` computes it: batches run short ones first
+    def extra() -> str:
+        if waiting[0] is not None:
+            return waiting[0]
+        rate = recent_rate(commits, time.time())[1]
+        store = (f", store {human_bytes(retirer.bytes)}/{human_bytes(retirer.budget)}"
+                 if retirer is not None else "")  # fmt: skip
+        return f"{rate or 0:,.0f} tok/s, {human_bytes(free_bytes(run))} free{store}"
+
+    def eta() -> float | None:  # in tokens, as `status` computes it
         rate = recent_rate(commits, time.time())[1]
         return max(tokens_left - stats["tokens"], 0) / rate if rate else None
 
@@ -613,14 +730,14 @@ def _run_loop(cfg, run, meta, ds, backend, mine, done, journal) -> ExtractSummar
                       rate=lambda: recent_rate(commits, time.time())[0]) as rep:  # fmt: skip
             rep.skip(done_before)
             seen = 0
-            for batch in todo:
+            for p, batch in todo:
                 if stop.is_set():
                     break
                 if free_bytes(run) < floor:
                     stop_reason.append(f"free space on {run} fell below the --min-free floor of "
                                        f"{human_bytes(floor)} (lower it with --min-free)")  # fmt: skip
                     break
-                q.put((batch, backend.run([ds.sample(i)[0] for i in batch])))
+                q.put((p, batch, backend.run([ds.sample(i)[0] for i in batch])))
                 rep.advance(stats["committed"] + stats["failed"] - seen)
                 seen = stats["committed"] + stats["failed"]
             q.put(None)

@@ -4,7 +4,13 @@ One append-only JSONL journal per writer rank (`journal/rank-NNNNN.jsonl`): a li
 committed sample, written only after the sample file is published (see `store`). Every
 line is checked when read: a line that is not a valid entry is damage, reported with its
 number and set aside by repairs; a final line without its newline is a torn append and is
-cut. `committed(run)` is the one answer to "which samples are done".
+cut. `committed(run)` is the one answer to "which sample files should exist".
+
+A run streamed to a trainer (`extract --max-store`, `--passes`) has two more kinds of line:
+an entry with `"pass": p` (p > 0) is the sample extracted again for pass p, and a copy of
+an entry with `"retired": true` says its file was deleted after every follower had a
+durable checkpoint past it. `ledger(run)` folds them: per pass, which samples were
+committed and which retired; a retired sample is done, never missing.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import json
 import os
 import re
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,7 +126,16 @@ def entry_problem(e: object) -> str | None:
         return "negative index, size or token count"
     if not _HEX32.fullmatch(e["header_xxh3"]):
         return "header_xxh3 is not a 128-bit hex digest"
+    p = e.get("pass", 0)
+    if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+        return "field 'pass' is not a non-negative integer"
+    if e.get("retired", True) is not True:
+        return "field 'retired' is not true"
     return None
+
+
+def pass_of(e: dict) -> int:
+    return e.get("pass", 0)
 
 
 @dataclass
@@ -177,14 +193,65 @@ def read_all_journals(run: Path) -> dict[int, list[dict]]:
     return {rank: s.entries for rank, s in scan_journals(run).items()}
 
 
+@dataclass
+class Ledger:
+    """The journals folded: per pass, the committed samples (index -> first entry) and
+    the retired ones; `present`: the samples whose files should exist (index -> the entry
+    of the newest pass that committed it and has not retired it)."""
+
+    commits: list[dict[int, dict]]
+    retired: list[set[int]]
+    present: dict[int, dict]
+
+    def passes_seen(self) -> int:
+        return len(self.commits)
+
+    def pass_commits(self, p: int) -> dict[int, dict]:
+        return self.commits[p] if p < len(self.commits) else {}
+
+    def pass_retired(self, p: int) -> set[int]:
+        return self.retired[p] if p < len(self.retired) else set()
+
+    def add(self, e: dict) -> None:
+        """Fold one more line in (a writer keeps its ledger current as it appends)."""
+        p, i = pass_of(e), e["index"]
+        while len(self.commits) <= p:
+            self.commits.append({})
+            self.retired.append(set())
+        if e.get("retired"):
+            self.retired[p].add(i)
+            if i in self.present and pass_of(self.present[i]) == p:
+                del self.present[i]
+        elif i not in self.commits[p]:
+            self.commits[p][i] = e
+            cur = self.present.get(i)
+            if (cur is None and i not in self.retired[p]) or (cur is not None and pass_of(cur) < p):
+                self.present[i] = e
+
+
+def ledger(run: Path, scans: dict[int, JournalScan] | None = None) -> Ledger:
+    """The ledger of a run's journals (from `scans` when the caller has them already).
+    Lines are folded pass by pass, so the order of the rank journals does not matter."""
+    lines = [
+        e
+        for _, scan in sorted((scans if scans is not None else scan_journals(run)).items())
+        for e in scan.entries
+    ]
+    led = Ledger([], [], {})
+    by_pass: dict[int, list[dict]] = defaultdict(list)
+    for e in lines:
+        by_pass[pass_of(e)].append(e)
+    for p in sorted(by_pass):
+        for e in sorted(by_pass[p], key=lambda e: bool(e.get("retired"))):  # commits first
+            led.add(e)
+    return led
+
+
 def committed(run: Path, scans: dict[int, JournalScan] | None = None) -> dict[int, dict]:
-    """Every committed sample of a run (all ranks): index -> its first journal entry
-    (from `scans` of its journals when the caller has them already)."""
-    out: dict[int, dict] = {}
-    for _, scan in sorted((scans if scans is not None else scan_journals(run)).items()):
-        for e in scan.entries:
-            out.setdefault(e["index"], e)
-    return out
+    """Every sample of a run (all ranks) whose file should exist: index -> its journal
+    entry (the first one; the newest pass's for a run with passes). Retired samples are
+    not in it: their files are deleted on purpose."""
+    return ledger(run, scans).present
 
 
 def rewrite_journal(path: Path, entries: list[dict]) -> None:

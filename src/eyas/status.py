@@ -4,6 +4,10 @@ Counts come from the journals (what is committed), the error logs (what failed i
 and run.json (what the run is for); nothing is inferred from files merely existing.
 Throughput and ETA are shown only while a writer is live, measured from the commits of
 the last minutes up to now (a stalled writer shows a falling rate, not its last burst).
+
+A streamed run (`--max-store`, `--passes`, `train --follow`) shows both sides: the store
+against its budget, each follower's pass and consumption rate, who waits on whom, and each
+side's resume command. Retired samples (consumed and deleted) count as done.
 """
 
 from __future__ import annotations
@@ -13,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .fsutil import filesystem_info
-from .journal import read_all_journals, read_errors
-from .lock import all_locks
+from .journal import ledger, pass_of, read_errors
+from .lock import all_locks, live_locks
 from .runmeta import load_run_meta
 from .store import stray_temp_files
 
@@ -47,6 +51,12 @@ class RunStatus:
     meta_warning: str = ""
     model_loaded: bool = False  # False: no writer has finished loading the model yet
     ignored_entries: list[str] = field(default_factory=list)  # journal entries outside the dataset
+    passes: int = 1
+    current_pass: int = 0  # the first pass not complete (0-based)
+    store_bytes: int = 0  # sample files that should exist now
+    budget: int | None = None  # --max-store
+    retired: int = 0
+    followers: list[dict] = field(default_factory=list)
 
     @property
     def live_writer(self) -> bool:
@@ -60,20 +70,25 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
     run = Path(run)
     mr = load_run_meta(run)
     meta = mr.meta
-    journals = read_all_journals(run)
-    total = meta["samples"]
-    entries, ignored = {}, []
-    for rank, es in sorted(journals.items()):
-        for e in es:
-            if e["index"] < total:
-                entries.setdefault(e["index"], e)
-            else:
-                ignored.append(f"journal/rank-{rank:05d}.jsonl names sample {e['index']}, "
-                               f"but the dataset has {total}")  # fmt: skip
-    failed = {e["index"] for e in read_errors(run) if e["index"] < total} - set(entries)
+    from .journal import scan_journals
+    from .stream import read_followers
+
+    scans = scan_journals(run)
+    n = meta["samples"]
+    ignored = [f"journal/rank-{rank:05d}.jsonl names sample {e['index']}, but the dataset has {n}"
+               for rank, sc in sorted(scans.items()) for e in sc.entries if e["index"] >= n]  # fmt: skip
+    led = ledger(run, scans)
+    conf = meta.get("config", {})
+    passes = int(conf.get("passes") or 1)
+    entries = {(p, i): e for p in range(passes) for i, e in led.pass_commits(p).items() if i < n}
+    failed = {(pass_of(e), e["index"]) for e in read_errors(run) if e["index"] < n} - set(entries)
+    total = n * passes
+    current = next(
+        (p for p in range(passes) if len([k for k in entries if k[0] == p]) < n), passes - 1
+    )
     tokens_done = sum(e["tokens"] for e in entries.values())
     bytes_done = sum(e["size"] for e in entries.values())
-    tokens_total = meta["tokens"]
+    tokens_total = meta["tokens"] * passes
     per_token = bytes_done / tokens_done if tokens_done else meta["bytes_per_token"]
     projected = int(per_token * tokens_total)
     fs = filesystem_info(run)
@@ -90,16 +105,28 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
         rs, rt = recent_rate(commits, time.time() if now is None else now, window)
         eta = max(tokens_total - tokens_done, 0) / rt if rt else None
     phases = [lk["phase"] for lk in locks]
-    loaded = bool(entries or failed) or any(p == "extracting" for p in phases)
+    loaded = bool(entries or failed) or any(
+        p in ("extracting", "waiting for followers") for p in phases
+    )
+    followers = []
+    for f in read_followers(run):
+        followers.append({"describe": f.describe(), "out": f.out, "pass": f.pass_, "finished": f.finished,
+                          "waiting": f.waiting, "rate": f.rate(), "updated": f.updated, "command": f.command,
+                          "live": bool(f.out) and bool(live_locks(Path(f.out))), "problem": f.problem})  # fmt: skip
+    from .extract import parse_size
+
+    budget = parse_size(conf["max_store"], 1) if conf.get("max_store") else None
     return RunStatus(
         run=str(run), total=total, done=len(entries), failed=len(failed),
         remaining=total - len(entries) - len(failed), tokens_total=tokens_total, tokens_done=tokens_done,
         bytes_done=bytes_done, bytes_projected=projected, bytes_needed=max(projected - bytes_done, 0),
         free_bytes=fs.free_bytes, fs_type=fs.fs_type, mount_point=fs.mount_point, fs_warning=fs.warning(),
         last_commit=last, recent_samples_per_s=rs, recent_tokens_per_s=rt, eta_seconds=eta,
-        locks=locks, temp_files=len(stray_temp_files(run)), ranks=sorted(journals),
+        locks=locks, temp_files=len(stray_temp_files(run)), ranks=sorted(scans),
         meta_warning=mr.damage or (f"run.backup.json is {mr.backup_damage}" if mr.backup_damage else ""),
-        model_loaded=loaded, ignored_entries=ignored,
+        model_loaded=loaded, ignored_entries=ignored, passes=passes, current_pass=current,
+        store_bytes=sum(e["size"] for e in led.present.values()), budget=budget,
+        retired=sum(len(r) for r in led.retired), followers=followers,
     )  # fmt: skip
 
 
@@ -144,6 +171,7 @@ def format_status(st: RunStatus) -> str:
         f"throughput {speed}",
         f"ETA        {eta}",
     ]
+    lines += _stream_lines(st)
     if not st.model_loaded and not st.live_writer and any(lk["phase"] for lk in st.locks):
         lines.append("model      never loaded: the last writer stopped while starting or loading the target; "
                      f"`eyas extract --resume {st.run}` starts again from loading")  # fmt: skip
@@ -159,10 +187,57 @@ def format_status(st: RunStatus) -> str:
     for w in st.ignored_entries[:5]:
         lines.append(f"warning    ignored: {w}")
     if not st.live_writer:
-        if st.remaining > 0:
+        if st.remaining > 0 or (st.budget and st.store_bytes and not st.followers):
             lines.append(
                 f"next       eyas extract --resume {st.run}   (after a crash, `eyas doctor {st.run}` first)"
             )
-        else:
+        elif not st.followers:
             lines.append(f"next       eyas train --data {st.run} --out TRAIN_DIR")
+    for f in st.followers:
+        if not f["finished"] and not f["live"] and f["command"]:
+            lines.append(
+                f"next       {f['command']}   (the trainer following this run is not running)"
+            )
+    if st.budget and not st.followers and st.remaining > 0:
+        lines.append(f"next       eyas train --follow --data {st.run} --out TRAIN_DIR   (with --max-store, "
+                     "nothing is deleted until a trainer follows the run)")  # fmt: skip
     return "\n".join(lines)
+
+
+def bottleneck(st: RunStatus) -> str | None:
+    """Which side of a streamed run holds the other up, from the writer's phase and the
+    followers' own word; None for a run nobody follows."""
+    if not st.followers or (st.remaining == 0 and all(f["finished"] for f in st.followers)):
+        return None
+    extract_waits = any(lk["live"] and lk["phase"] == "waiting for followers" for lk in st.locks)
+    train_waits = any(f["waiting"] and f["live"] and not f["finished"] for f in st.followers)
+    if extract_waits:
+        return "training: the store is at its budget and extraction waits for the trainer to consume samples"
+    if train_waits:
+        return "extraction: the trainer has consumed every committed sample and waits for more"
+    if st.live_writer and any(f["live"] for f in st.followers):
+        return "neither: both sides are working"
+    return "- (one side is not running)"
+
+
+def _stream_lines(st: RunStatus) -> list[str]:
+    from .fsutil import human_bytes
+
+    out = []
+    if st.passes > 1:
+        out.append(
+            f"passes     pass {st.current_pass + 1} of {st.passes} (each pass runs the dataset once)"
+        )
+    if st.budget or st.retired:
+        budget = f" of its {human_bytes(st.budget)} budget (--max-store)" if st.budget else ""
+        out.append(f"store      {human_bytes(st.store_bytes)} of samples on disk{budget}; {st.retired} retired "
+                   "(consumed by training and deleted: done, not missing)")  # fmt: skip
+    rate = (
+        f"; extraction {st.recent_samples_per_s:.2f} samples/s" if st.recent_samples_per_s else ""
+    )
+    for f in st.followers:
+        state = "running" if f["live"] else ("finished" if f["finished"] else "not running")
+        out.append(f"follower   {f['describe']} ({state}{rate})")
+    if (b := bottleneck(st)) is not None:
+        out.append(f"bottleneck {b}")
+    return out

@@ -9,22 +9,28 @@ Guarantees:
 - Data parallel under torchrun (gloo on CPU, nccl on GPU): each rank takes its share of
   every global batch; losses are normalised by global token counts and gradients summed,
   so the update equals a single-process step on the same global batch.
+- `--follow` trains on a run while it is extracted (`follow`): every sample once per pass,
+  across kills of either side; which samples were consumed is part of every checkpoint.
+
+The parts: a data source says which samples make each optimizer step (`StoreSource` for a
+finished run, `FollowSource` for a followed one); the `Trainer` owns the drafter, the
+optimizer and the schedule, and does a step, an evaluation or a checkpoint when told;
+`_loop` ties them together with metrics and signals. The loss lives in `loss`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .checkpoint import (
     latest_checkpoint,
@@ -37,12 +43,12 @@ from .cpu import choose_threads, configure_threads
 from .drafter import Drafter, DrafterConfig
 from .fsutil import DiskFullError, atomic_write_bytes, atomic_write_json, is_disk_full, read_json
 from .lock import WriterLock
+from .loss import add_targets, loss_masks, summarize, target_view, ttt_loss
 from .runmeta import read_run_meta
-from .target import plan_batches
 from .train_data import (
     SampleReader,
-    epoch_batches,
-    pack_batches,
+    StopRequested,
+    StoreSource,
     prefetch,
     split_samples,
     to_device,
@@ -104,6 +110,9 @@ class TrainConfig:
     pack: bool = False
     """Pack samples one after another into rows of --batch-tokens (attention and positions
     per sample) instead of padding each to its batch's longest: no padded compute."""
+    follow: bool = False
+    """Train while the run is extracted: committed samples as they appear, each once per
+    extraction pass; the extractor's --max-store deletes what every follower has passed."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -130,117 +139,23 @@ _RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "
 
 
 # What a training directory made before these options existed was trained with.
-_BEFORE = {"head_init": "random", "pack": False}
+_BEFORE = {"head_init": "random", "pack": False, "follow": False}
 
 
 class TrainStopped(Exception):
     pass
 
 
-# ---------------------------------------------------------------------------- loss and metrics
-
-
-def target_view(
-    last: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, chunk: int = 2048
-):
-    """Target logits restricted to the draft vocab (B, T, D) and the full-vocab argmax (B, T),
-    computed in row chunks so the (B*T, V) logits never exist at once."""
-    B, T, H = last.shape
-    flat = last.reshape(-1, H)
-    sel, top = [], []
-    for a in range(0, flat.shape[0], chunk):
-        logits = flat[a : a + chunk] @ lm_head.T  # (c, V)
-        sel.append(logits[:, draft_ids])
-        top.append(logits.argmax(-1))
-    return torch.cat(sel).view(B, T, -1), torch.cat(top).view(B, T)
-
-
-def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """x[:, t + n] at position t, `fill` past the end; x (B, T, ...)."""
-    pad = x.new_full((x.shape[0], n, *x.shape[2:]), fill)
-    return torch.cat([x[:, n:], pad], 1)
-
-
-def add_targets(batch: dict, drafter: Drafter, lm_head: torch.Tensor | None) -> None:
-    """Add the target's soft labels over the draft vocabulary, its full-vocabulary argmax
-    and whether that argmax is in the draft vocabulary. From a stored final state the
-    logits are recomputed; top-K storage brings its log-probabilities and argmax."""
-    if "last" in batch:
-        batch["tgt_logits"], batch["tgt_top"] = target_view(
-            batch["last"], lm_head, drafter.draft_ids
-        )
-    batch["in_vocab"] = drafter.t2d[batch["tgt_top"]]  # (B, T)
-
-
-def soft_ce(batch: dict, logits: torch.Tensor, n: int) -> torch.Tensor:
-    """Cross-entropy (B, T) of the drafter's logits (B, T, D) against the target's
-    distribution at position t+n: the full draft-vocabulary softmax, or the renormalised
-    top-K (whose ids index the draft vocabulary)."""
-    logp = F.log_softmax(logits.float(), -1)  # (B, T, D)
-    if "tgt_logits" in batch:
-        p = torch.softmax(shift(batch["tgt_logits"], n).float(), -1)  # (B, T, D)
-        return -(p * logp).sum(-1)
-    p = torch.softmax(shift(batch["topk_lp"], n, -1e4), -1)  # (B, T, K)
-    return -(p * logp.gather(-1, shift(batch["topk_ids"], n))).sum(-1)
-
-
-def loss_masks(batch: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per step: (scored, loss mask). Scored: the predicted token x_{t+2+i} is trainable;
-    the loss additionally needs the target's argmax at t+1+i in the draft vocabulary."""
-    m = batch["valid"] & batch["loss_mask"]
-    seg = batch.get("segments")  # packed rows: a prediction never reaches into the next sample
-    out = []
-    for i in range(steps):
-        scored = shift(m, 2 + i, False)
-        if seg is not None:
-            scored = scored & (shift(seg, 2 + i, -1) == seg)
-        out.append((scored, scored & shift(batch["in_vocab"], 1 + i, False)))
-    return out
-
-
-def ttt_loss(
-    drafter: Drafter, batch: dict, steps: int, decay: float, norm: list[float] | None = None
-):
-    """Weighted TTT loss and per-step sums (steps, 6) for metrics.
-
-    Step i at root t predicts the target's distribution at position t+1+i (soft
-    cross-entropy over the draft vocabulary). `norm` gives per-step token counts to divide
-    by (global ones under data parallel); default: this batch's.
-    """
-    dids = drafter.draft_ids
-    outs = drafter.forward_ttt(
-        batch["input_ids"], batch["aux"], steps, batch.get("segments"), batch.get("positions")
-    )
-    total = torch.zeros((), device=batch["aux"].device)
-    all_right = torch.ones_like(batch["valid"])
-    stats = []
-    for i, ((logits, _), (scored, lmask)) in enumerate(
-        zip(outs, loss_masks(batch, steps), strict=True)
-    ):
-        ce = soft_ce(batch, logits, 1 + i)  # (B, T)
-        loss_sum = (ce * lmask).sum()
-        n = norm[i] if norm is not None else float(lmask.sum())
-        total = total + decay**i * loss_sum / max(n, 1.0)
-        right = dids[logits.argmax(-1)] == shift(batch["tgt_top"], 1 + i, -1)  # (B, T)
-        cond = scored & all_right
-        all_right = all_right & right
-        stats.append([float(loss_sum.detach()), float(lmask.sum()), float((right & scored).sum()), float(scored.sum()),
-                      float((right & cond).sum()), float(cond.sum())])  # fmt: skip
-    return total, torch.tensor(stats, dtype=torch.float64)
-
-
-def summarize(stats: torch.Tensor) -> dict:
-    """Per-step loss, accuracy, conditional accuracy and estimated acceptance lengths."""
-    s = stats.double()
-    loss = (s[:, 0] / s[:, 1].clamp(min=1)).tolist()
-    acc = (s[:, 2] / s[:, 3].clamp(min=1)).tolist()
-    cond = (s[:, 4] / s[:, 5].clamp(min=1)).tolist()
-    accept, run, prod = [], 1.0, 1.0
-    for c in cond:
-        prod *= c
-        run += prod
-        accept.append(run)
-    return {"loss": loss, "acc": acc, "cond_acc": cond, "accept_len": accept}
+__all__ = [
+    "TrainConfig",
+    "TrainStopped",
+    "train",
+    "add_targets",
+    "ttt_loss",
+    "loss_masks",
+    "summarize",
+    "target_view",
+]
 
 
 # ---------------------------------------------------------------------------- the run
@@ -309,7 +224,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     rank, world = _dist()
     out, run = Path(cfg.out), Path(cfg.data)
     meta = read_run_meta(run)
-    done = _check_complete(run, meta, cfg.allow_partial)
+    done = None if cfg.follow else _check_complete(run, meta, cfg.allow_partial)
     if rank != 0:
         return _train(cfg, resume, rank, world, run, out, meta, done)
     out.mkdir(parents=True, exist_ok=True)
@@ -332,24 +247,28 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
 def _check_complete(run: Path, meta: dict, allow_partial: bool) -> dict[int, dict]:
     """Refuse a run whose extraction is unfinished unless asked: hours spent on part of
     the data should be a choice, never a surprise."""
-    from .journal import committed, read_errors
+    from .journal import ledger, read_errors
 
-    done = committed(run)
+    led = ledger(run)
+    if led.passes_seen() > 1 or any(led.retired):
+        raise ValueError(
+            f"{run} is streamed (--max-store or --passes): its consumed samples are deleted as "
+            f"training goes. Train it while it is extracted: eyas train --follow --data {run} --out DIR"
+        )
+    done = led.present
     failed = {e["index"] for e in read_errors(run)} - set(done)
     left = meta["samples"] - len([i for i in done if i < meta["samples"]]) - len(failed)
     if left > 0 and not allow_partial:
         raise ValueError(
             f"{run}: extraction is not finished ({meta['samples'] - left}/{meta['samples']} samples "
             f"done or failed, {left} remaining). Finish it first: eyas extract --resume {run} "
-            "(or pass --allow-partial to train on what is committed)"
+            "(or pass --allow-partial to train on what is committed; --follow trains as it is extracted)"
         )
     return done  # the committed samples: training reads the journals once
 
 
-def _train(
-    cfg: TrainConfig, resume: bool, rank: int, world: int, run: Path, out: Path, meta: dict,
-    done: dict[int, dict],
-) -> dict:  # fmt: skip
+def _record_config(cfg: TrainConfig, resume: bool, rank: int, world: int, run: Path, out: Path, meta: dict) -> None:  # fmt: skip
+    """Write train.json for a new training directory; check a resumed one's against it."""
     ident = _identity(meta)
     saved = out / "train.json"
     if saved.exists():
@@ -377,41 +296,149 @@ def _train(
                                   "world": world, "threads": choose_threads()
                                   if not torch.cuda.is_available() else None})  # fmt: skip
 
+
+class Trainer:
+    """The model side of training: the drafter and its optimizer, the learning-rate
+    schedule, one optimizer step over a group of micro-batches, evaluation and checkpoints.
+    Which samples make the batches is the data source's business (`StoreSource`,
+    `FollowSource`); the trainer only loads the batches it is given."""
+
+    def __init__(self, cfg: TrainConfig, meta: dict, rank: int, world: int, device: torch.device,
+                 out: Path, reader: SampleReader):  # fmt: skip
+        self.cfg, self.rank, self.world, self.device, self.out = cfg, rank, world, device, out
+        self.reader = reader
+        self.drafter, lm_head = build_drafter(cfg, meta)
+        self.drafter.attention = (
+            cfg.attention
+            if cfg.attention != "auto"
+            else ("flex" if device.type == "cuda" else "chunked")
+        )
+        if self.drafter.attention == "flex" and device.type != "cuda":
+            raise ValueError(
+                "--attention flex trains on a GPU only (no backward pass on a CPU); use chunked"
+            )
+        self.drafter.to(device)
+        self.lm_head = lm_head.to(device) if lm_head is not None else None
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
+        self.autocast = torch.autocast(
+            device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"
+        )
+        self.total_steps = self.warmup = 1
+
+    def schedule(self, total_steps: int) -> None:
+        self.total_steps = max(1, total_steps)
+        w = self.cfg.warmup_steps
+        self.warmup = w if w is not None else min(50, max(1, self.total_steps // 10))
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup, then cosine down to lr * min_lr_ratio at the last step."""
+        lr, floor = self.cfg.lr, self.cfg.min_lr_ratio
+        if step < self.warmup:
+            return lr * (step + 1) / self.warmup
+        frac = min(1.0, (step - self.warmup) / max(1, self.total_steps - self.warmup))
+        return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    def load(self, idx_all: list[int]) -> dict:
+        """This rank's share of a global micro-batch, on the device (the prefetch thread)."""
+        mine_idx = idx_all[self.rank :: self.world]
+        host = self.reader.batch(mine_idx or idx_all[:1], packed=self.cfg.pack)
+        batch = to_device(host, self.device)
+        if self.device.type == "cuda":
+            batch["_copied"] = torch.cuda.Event()
+            batch["_copied"].record()
+        batch["_host"] = host  # its buffers go back to the reader after the step (`_done`)
+        if not mine_idx:  # this rank has no share: contribute zero loss and zero counts
+            batch["valid"] = torch.zeros_like(batch["valid"])
+        return batch
+
+    def _done(self, batch: dict) -> None:
+        self.reader.release(batch.pop("_host"), batch.pop("_copied", None))
+
+    def _micro(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Loss (normalised by the global token counts per step), stats and tokens."""
+        add_targets(batch, self.drafter, self.lm_head)
+        steps = self.cfg.ttt_steps
+        counts = torch.tensor(
+            [float(lm.sum()) for _, lm in loss_masks(batch, steps)], dtype=torch.float64
+        )
+        if self.world > 1:
+            all_reduce_cpu(counts)
+        with self.autocast:
+            loss, st = ttt_loss(
+                self.drafter, batch, steps, self.cfg.step_decay, norm=counts.tolist()
+            )
+        return loss, st, int(batch["valid"].sum())
+
+    def step(self, loaded, n: int, lr: float) -> tuple[torch.Tensor, int]:
+        """One optimizer step over the next `n` loaded micro-batches; (stats, tokens)."""
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.zero_grad(set_to_none=True)
+        stats, tokens = torch.zeros(self.cfg.ttt_steps, 6, dtype=torch.float64), 0
+        for _ in range(n):
+            batch = next(loaded)[1]
+            loss, st, tok = self._micro(batch)
+            (loss * self.world / n).backward()  # all_reduce averages: undo it, so grads are sums
+            self._done(batch)
+            stats += st
+            tokens += tok
+        if self.world > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad /= self.world
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.opt.step()
+        return stats, tokens
+
+    def evaluate(self, batches: list[list[int]]) -> dict:
+        """Validation summary over `batches` (every rank takes its share of each)."""
+        self.drafter.eval()
+        acc = torch.zeros(self.cfg.ttt_steps, 6, dtype=torch.float64)
+        with torch.no_grad(), prefetch(batches, self.load) as loaded:
+            for _, batch in loaded:
+                acc += self._micro(batch)[1]
+                self._done(batch)
+        if self.world > 1:
+            all_reduce_cpu(acc)
+        self.drafter.train()
+        return summarize(acc)
+
+    def save(self, state: dict) -> None:
+        if self.rank == 0:
+            save_checkpoint(self.out, self.drafter, self.opt, state, self.cfg.keep_checkpoints)
+
+    def resume(self, log) -> dict | None:
+        found = resume_checkpoint(self.out, self.drafter, self.opt, log)
+        if found is None:
+            return None
+        state, ckpt = found
+        log(f"resuming from {ckpt} (epoch {state['epoch']}, batch {state['batch']})")
+        return state
+
+
+def _train(
+    cfg: TrainConfig, resume: bool, rank: int, world: int, run: Path, out: Path, meta: dict,
+    done: dict[int, dict] | None,
+) -> dict:  # fmt: skip
+    _record_config(cfg, resume, rank, world, run, out, meta)
+    saved = out / "train.json"
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if cfg.device == "auto" else cfg.device))  # fmt: skip
     # Training batches are thousands of tokens: wide enough to use every CPU, unlike decoding.
     threads = configure_threads() if device.type == "cpu" else None
-    if (
-        saved.exists()
-        and (was := read_json(saved).get("threads")) != threads
-        and rank == 0
-        and threads
-    ):
+    if rank == 0 and threads and (was := read_json(saved).get("threads")) != threads:
         console.print(f"note: {threads} CPU thread(s) now, {was} before: float sums change order, so the "
                       "weights will differ from an uninterrupted run in the last bits", markup=False, highlight=False)  # fmt: skip
-    drafter, lm_head = build_drafter(cfg, meta)
-    drafter.attention = (
-        cfg.attention
-        if cfg.attention != "auto"
-        else ("flex" if device.type == "cuda" else "chunked")
-    )
-    if drafter.attention == "flex" and device.type != "cuda":
-        raise ValueError(
-            "--attention flex trains on a GPU only (no backward pass on a CPU); use chunked"
-        )
-    drafter.to(device)
-    lm_head = lm_head.to(device) if lm_head is not None else None
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-
     log = (
         (lambda m: console.print(m, markup=False, highlight=False))
         if rank == 0
         else (lambda m: None)
     )
-    entries, rejected = usable_samples(run, meta["hidden_size"], log, done)
-    if not entries:
-        raise ValueError(f"{run}: no committed samples to train on")
     listed = _skipped_indices(out / "skipped_samples.jsonl") if rank == 0 else set()
 
     def skipped(index: int, problem: str, when: str = "while training") -> None:
@@ -426,96 +453,82 @@ def _train(
             f.flush()
             os.fsync(f.fileno())
 
-    for index, problem in rejected.items():
-        skipped(index, problem, "at start-up (file against its journal entry)")
+    if cfg.follow:
+        from .follow import FollowSource
 
-    reader = SampleReader(run, entries, cfg.verify_data, pin=device.type == "cuda", report=skipped)
-    lengths = {i: e["tokens"] for i, e in entries.items()}
-    train_idx, val_idx = split_samples(sorted(entries), cfg.val_fraction)
-    per_epoch = len(epoch_batches(lengths, train_idx, cfg.batch_tokens, cfg.seed, 0, cfg.pack))
-    total_steps = max(1, cfg.epochs * per_epoch // cfg.grad_accum)
-    warmup = (
-        cfg.warmup_steps if cfg.warmup_steps is not None else min(50, max(1, total_steps // 10))
-    )
-    log(f"training on {len(train_idx)} samples ({len(val_idx)} held out): {total_steps} optimizer steps, "
-        f"warmup {warmup}, {cfg.ttt_steps} TTT steps")  # fmt: skip
+        reader = SampleReader(run, {}, cfg.verify_data, pin=device.type == "cuda", report=skipped)
+        source = FollowSource(cfg, run, out, meta, rank, world, reader, log)
+    else:
+        assert done is not None
+        entries, rejected = usable_samples(run, meta["hidden_size"], log, done)
+        if not entries:
+            raise ValueError(f"{run}: no committed samples to train on")
+        for index, problem in rejected.items():
+            skipped(index, problem, "at start-up (file against its journal entry)")
+        reader = SampleReader(
+            run, entries, cfg.verify_data, pin=device.type == "cuda", report=skipped
+        )
+        source = StoreSource(cfg, entries, *split_samples(sorted(entries), cfg.val_fraction))
+    try:
+        trainer = Trainer(cfg, meta, rank, world, device, out, reader)
+        return _loop(cfg, trainer, source, resume, rank, world, run, out, log)
+    finally:
+        reader.close()
+
+
+def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, world: int,
+          run: Path, out: Path, log) -> dict:  # fmt: skip
+    """Epochs of windows of optimizer steps, from `source`; metrics, evaluation, checkpoints,
+    and a clean stop on SIGTERM/SIGINT."""
+    trainer.schedule(cfg.epochs * source.steps_per_epoch() // cfg.grad_accum)
+    total_steps, warmup = trainer.total_steps, trainer.warmup
+    log(f"training on {source.describe()}: {total_steps} optimizer steps, warmup {warmup}, "
+        f"{cfg.ttt_steps} TTT steps")  # fmt: skip
     if rank == 0 and cfg.progress and warmup >= total_steps:
         log(f"warning: --warmup-steps {warmup} >= the run's {total_steps} optimizer steps: the learning "
             "rate never reaches --lr; train longer (--epochs) or lower --warmup-steps")  # fmt: skip
     if rank == 0 and cfg.progress and total_steps < 20:
-        log(f"warning: only {total_steps} optimizer steps ({len(train_idx)} training samples, "
+        log(f"warning: only {total_steps} optimizer steps ({source.describe()}, "
             f"--batch-tokens {cfg.batch_tokens}): the drafter will learn little; add data or epochs")  # fmt: skip
 
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return cfg.lr * (step + 1) / warmup
-        frac = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return cfg.lr * (
-            cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-        )
-
     state = {"step": 0, "epoch": 0, "batch": 0}
-    if resume and (found := resume_checkpoint(out, drafter, opt, log)) is not None:
-        state, ckpt = found
-        log(f"resuming from {ckpt} (epoch {state['epoch']}, batch {state['batch']})")
-    if rank == 0:  # metrics logged after the state we start from are recomputed
+    if resume and (found := trainer.resume(log)) is not None:
+        state = found
+    source.restore(state)
+    if rank == 0:  # metrics and consumption logged after the state we start from are redone
         _truncate_metrics(out / "metrics.jsonl", state["step"])
+        _truncate_metrics(out / "consumed.jsonl", state["step"])
 
     stop: list[str] = []
     handlers = {}
     if rank == 0 or world > 1:
         for sig in (signal.SIGTERM, signal.SIGINT):
             handlers[sig] = signal.signal(sig, lambda s, _f: stop.append(signal.Signals(s).name))
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
-    steps, decay = cfg.ttt_steps, cfg.step_decay
+    saved_step = [state["step"]]
+
+    def checkpoint(st: dict) -> None:
+        trainer.save(source.stamp(st))
+        saved_step[0] = st["step"]
+        source.saved(st)
+
+    def stopped(st: dict) -> TrainStopped:
+        checkpoint(st)
+        follow = " --follow" if cfg.follow else ""
+        return TrainStopped(f"stopped by {stop[0] if stop else 'another rank'} at step {st['step']}; checkpoint "
+                            f"saved. Resume with: eyas train --resume{follow} --data {run} --out {out}")  # fmt: skip
+
+    hooks = _Hooks(
+        before_wait=lambda: checkpoint(state) if state["step"] > saved_step[0] else None,
+        stopping=lambda: bool(stop),
+    )
     last_val: dict = {}
-
-    def load(idx_all: list[int]) -> dict:
-        """This rank's share of a global micro-batch, on the device (the prefetch thread)."""
-        mine_idx = idx_all[rank::world]
-        host = reader.batch(mine_idx or idx_all[:1], packed=cfg.pack)
-        batch = to_device(host, device)
-        if device.type == "cuda":
-            batch["_copied"] = torch.cuda.Event()
-            batch["_copied"].record()
-        batch["_host"] = host  # its buffers go back to the reader after the step (`done`)
-        if not mine_idx:  # this rank has no share: contribute zero loss and zero counts
-            batch["valid"] = torch.zeros_like(batch["valid"])
-        return batch
-
-    def done(batch: dict) -> None:
-        reader.release(batch.pop("_host"), batch.pop("_copied", None))
-
-    def micro(batch: dict) -> tuple[torch.Tensor, dict]:
-        add_targets(batch, drafter, lm_head)
-        counts = torch.tensor(
-            [float(lm.sum()) for _, lm in loss_masks(batch, steps)], dtype=torch.float64
-        )
-        if world > 1:
-            all_reduce_cpu(counts)
-        with autocast:
-            loss, st = ttt_loss(drafter, batch, steps, decay, norm=counts.tolist())
-        return loss, {"stats": st, "tokens": int(batch["valid"].sum())}
-
-    def evaluate() -> dict:
-        drafter.eval()
-        acc = torch.zeros(steps, 6, dtype=torch.float64)
-        with torch.no_grad():
-            plan = pack_batches if cfg.pack else plan_batches
-            with prefetch(plan(lengths, val_idx, cfg.batch_tokens), load) as batches:
-                for _, batch in batches:
-                    acc += micro(batch)[1]["stats"]
-                    done(batch)
-        if world > 1:
-            all_reduce_cpu(acc)
-        drafter.train()
-        return summarize(acc)
-
     t0, tokens_seen = time.monotonic(), 0
-    window = torch.zeros(steps, 6, dtype=torch.float64)
+    window = torch.zeros(cfg.ttt_steps, 6, dtype=torch.float64)
     shown: dict = {}
 
     def extra() -> str:
+        if (w := source.waiting()) is not None:
+            return w
         speed = (
             f"{tokens_seen * world / max(time.monotonic() - t0, 1e-9):,.0f} tok/s"
             if tokens_seen
@@ -529,79 +542,79 @@ def _train(
     )
     rep.__enter__()
     rep.skip(state["step"])
-    stack = contextlib.ExitStack()
     try:
         for epoch in range(state["epoch"], cfg.epochs):
-            batches = epoch_batches(lengths, train_idx, cfg.batch_tokens, cfg.seed, epoch, cfg.pack)
-            start = state["batch"] if epoch == state["epoch"] else 0
-            groups = [
-                batches[bi : bi + cfg.grad_accum]
-                for bi in range(start, len(batches), cfg.grad_accum)
-            ]
-            loaded = prefetch([b for g in groups for b in g], load)
-            stack.callback(loaded.close)
-            for bi, group in zip(range(start, len(batches), cfg.grad_accum), groups, strict=True):
-                for g in opt.param_groups:
-                    g["lr"] = lr_at(state["step"])
-                opt.zero_grad(set_to_none=True)
-                for _ in group:
-                    batch = next(loaded)[1]
-                    loss, info = micro(batch)
-                    (
-                        loss * world / len(group)
-                    ).backward()  # all_reduce averages: undo it, so grads are sums
-                    done(batch)
-                    window += info["stats"]
-                    tokens_seen += info["tokens"]
-                if world > 1:
-                    for p in params:
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                        dist.all_reduce(p.grad)
-                        p.grad /= world
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                opt.step()
-                state = {"step": state["step"] + 1, "epoch": epoch, "batch": bi + len(group)}
-                s = summarize(window)
-                shown.update(loss=s["loss"][0], acc=s["acc"][0])
-                rep.advance()
-                if state["step"] % 10 == 0 or state["batch"] >= len(batches):
-                    if world > 1:
-                        all_reduce_cpu(window)
-                    s = summarize(window)
-                    _log(out, rank, {"split": "train", **state, "lr": lr_at(state["step"] - 1),
-                                     "tokens_per_s": tokens_seen * world / max(time.monotonic() - t0, 1e-9), **s})  # fmt: skip
-                    window.zero_()
-                if cfg.eval_every and state["step"] % cfg.eval_every == 0 and val_idx:
-                    last_val = evaluate()
-                    _log(out, rank, {"split": "val", **state, **last_val})
-                if rank == 0 and state["step"] % cfg.save_every == 0:
-                    save_checkpoint(out, drafter, opt, state, cfg.keep_checkpoints)
-                if _should_stop(stop, world):
-                    if rank == 0:
-                        save_checkpoint(out, drafter, opt, state, cfg.keep_checkpoints)
-                    raise TrainStopped(f"stopped by {stop[0] if stop else 'another rank'} at step {state['step']}; "
-                                       f"checkpoint saved. Resume with: eyas train --resume --data {run} --out {out}")  # fmt: skip
-            state = {"step": state["step"], "epoch": epoch + 1, "batch": 0}
-            if val_idx:
-                last_val = evaluate()
-                _log(out, rank, {"split": "val", **state, **last_val})
+            try:
+                for groups in source.windows(epoch, state, hooks):
+                    with prefetch([b for g in groups for b in g], trainer.load) as loaded:
+                        for n, group in enumerate(groups, 1):
+                            stats, tokens = trainer.step(
+                                loaded, len(group), trainer.lr_at(state["step"])
+                            )
+                            state = source.advance(state, epoch, group)
+                            window += stats
+                            tokens_seen += tokens
+                            s = summarize(window)
+                            shown.update(loss=s["loss"][0], acc=s["acc"][0])
+                            rep.advance()
+                            if rank == 0 and cfg.follow:
+                                _log(out, rank, {"step": state["step"], "pass": epoch,
+                                                 "samples": sorted(i for b in group for i in b)}, "consumed.jsonl")  # fmt: skip
+                            if state["step"] % 10 == 0 or n == len(groups):
+                                if world > 1:
+                                    all_reduce_cpu(window)
+                                _log(out, rank, {"split": "train", **_plain(state), "lr": trainer.lr_at(state["step"] - 1),
+                                                 "tokens_per_s": tokens_seen * world / max(time.monotonic() - t0, 1e-9),
+                                                 **summarize(window)})  # fmt: skip
+                                window.zero_()
+                            if (
+                                cfg.eval_every
+                                and state["step"] % cfg.eval_every == 0
+                                and source.has_val(epoch)
+                            ):
+                                last_val = trainer.evaluate(source.val_batches(epoch))
+                                _log(out, rank, {"split": "val", **_plain(state), **last_val})
+                            if state["step"] % cfg.save_every == 0:
+                                checkpoint(state)
+                            if _should_stop(stop, world):
+                                raise stopped(state)
+            except StopRequested:
+                raise stopped(state) from None
+            has_val = source.has_val(epoch)
+            val_batches = source.val_batches(epoch) if has_val else []
+            state = source.end_epoch(state, epoch)
+            if has_val:
+                last_val = trainer.evaluate(val_batches)
+                _log(out, rank, {"split": "val", **_plain(state), **last_val})
                 if rank == 0 and cfg.progress:
                     _print_summary(epoch, last_val)
+            if source.saves_each_epoch:
+                checkpoint(state)  # the extractor may delete this pass once it is durable
         loop_seconds = time.monotonic() - t0  # the training itself, without the final saves
+        checkpoint(state)
         if rank == 0:
-            save_checkpoint(out, drafter, opt, state, cfg.keep_checkpoints)
-            save_final(out, drafter)
+            save_final(out, trainer.drafter)
             plot_metrics(out)
+        source.finished(state)
     finally:
-        stack.close()  # prefetch threads stopped and joined
-        reader.close()
         rep.__exit__(None, None, None)
         for sig, h in handlers.items():
             signal.signal(sig, h)
     elapsed = time.monotonic() - t0
     return {"val": last_val, "steps": state["step"], "tokens_per_s": tokens_seen * world / max(loop_seconds, 1e-9),
             "seconds": elapsed}  # fmt: skip
+
+
+def _plain(state: dict) -> dict:
+    return {k: state[k] for k in ("step", "epoch", "batch")}
+
+
+@dataclass
+class _Hooks:
+    """What a data source may ask of the loop while it waits for samples."""
+
+    before_wait: Callable[[], None]
+    stopping: Callable[[], bool]
 
 
 def all_reduce_cpu(t: torch.Tensor) -> None:
@@ -622,10 +635,10 @@ def _should_stop(stop: list, world: int) -> bool:
     return bool(flag.item())
 
 
-def _log(out: Path, rank: int, rec: dict) -> None:
+def _log(out: Path, rank: int, rec: dict, name: str = "metrics.jsonl") -> None:
     if rank != 0:
         return
-    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+    with open(out / name, "a", encoding="utf-8") as f:
         f.write(json.dumps(rec) + "\n")
 
 

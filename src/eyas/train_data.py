@@ -86,6 +86,67 @@ def epoch_batches(
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
+class StopRequested(Exception):
+    """A data source saw a stop signal while it waited for samples."""
+
+
+class StoreSource:
+    """The samples of a finished run (or the committed part of one): every epoch trains the
+    same samples, in length-bucketed (or packed) batches whose order is a pure function of
+    (seed, epoch), so a resume at (epoch, batch) continues exactly where the run stopped."""
+
+    saves_each_epoch = False
+
+    def __init__(self, cfg, entries: dict[int, dict], train_idx: list[int], val_idx: list[int]):
+        self.cfg = cfg
+        self.lengths = {i: e["tokens"] for i, e in entries.items()}
+        self.train_idx, self.val_idx = train_idx, val_idx
+
+    def describe(self) -> str:
+        return f"{len(self.train_idx)} samples ({len(self.val_idx)} held out)"
+
+    def steps_per_epoch(self) -> int:
+        return len(self._batches(0))
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        c = self.cfg
+        return epoch_batches(self.lengths, self.train_idx, c.batch_tokens, c.seed, epoch, c.pack)
+
+    def restore(self, state: dict) -> None:
+        pass
+
+    def windows(self, epoch: int, state: dict, hooks):
+        """The epoch's optimizer steps (groups of --grad-accum batches), from the resume point."""
+        batches, accum = self._batches(epoch), self.cfg.grad_accum
+        start = state["batch"] if epoch == state["epoch"] else 0
+        yield [batches[b : b + accum] for b in range(start, len(batches), accum)]
+
+    def advance(self, state: dict, epoch: int, group: list[list[int]]) -> dict:
+        return {"step": state["step"] + 1, "epoch": epoch, "batch": state["batch"] + len(group)}
+
+    def end_epoch(self, state: dict, epoch: int) -> dict:
+        return {"step": state["step"], "epoch": epoch + 1, "batch": 0}
+
+    def has_val(self, epoch: int) -> bool:
+        return bool(self.val_idx)
+
+    def val_batches(self, epoch: int) -> list[list[int]]:
+        plan = pack_batches if self.cfg.pack else plan_batches
+        return plan(self.lengths, self.val_idx, self.cfg.batch_tokens)
+
+    def stamp(self, state: dict) -> dict:
+        return state
+
+    def saved(self, state: dict) -> None:
+        pass
+
+    def finished(self, state: dict) -> None:
+        pass
+
+    def waiting(self) -> str | None:
+        return None
+
+
 class SampleReader:
     """Reads batches of committed samples, checking each file against its journal entry.
 
@@ -111,6 +172,16 @@ class SampleReader:
         self._pool = (
             ThreadPoolExecutor(threads, thread_name_prefix="eyas-read") if threads > 1 else None
         )
+
+    def update(self, entries: dict[int, dict]) -> None:
+        """Take newer journal entries (a followed run commits samples, or a later pass
+        rewrites one): a changed entry is checked afresh, checksums included."""
+        with self._lock:
+            for i, e in entries.items():
+                if self.entries.get(i) != e:
+                    self.entries[i] = e
+                    self._summed.discard(i)
+                    self._bad.discard(i)
 
     def layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """The stored tensors' dtypes and per-token shapes (from the first intact sample)."""
@@ -354,6 +425,8 @@ class prefetch:
 
 __all__ = [
     "SampleReader",
+    "StoreSource",
+    "StopRequested",
     "to_device",
     "StoreError",
     "epoch_batches",

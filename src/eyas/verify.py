@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .fsutil import fsync_dir, is_temp_file
-from .journal import journal_files, rewrite_journal, scan_journals, set_aside_damaged_lines
+from .journal import (
+    journal_files,
+    ledger,
+    pass_of,
+    rewrite_journal,
+    scan_journals,
+    set_aside_damaged_lines,
+)
 from .lock import LockHeld, WriterLock
 from .runmeta import load_run_meta, restore_run_meta
 from .store import (
@@ -58,6 +65,7 @@ class VerifyReport:
     ok: int = 0
     problems: list[Problem] = field(default_factory=list)
     unjournaled: list[str] = field(default_factory=list)  # intact files that resume adopts
+    retired: int = 0  # consumed by a following trainer and deleted: done, not missing
     bytes_read: int = 0
     seconds: float = 0.0
     quick: bool = False
@@ -79,7 +87,7 @@ class VerifyReport:
         return {
             "run": self.run, "clean": self.clean, "checked": self.checked, "ok": self.ok,
             "quick": self.quick, "repaired": self.repaired, "repairs": self.repairs,
-            "counts": {k: self.count(k) for k in KINDS}, "unjournaled": len(self.unjournaled),
+            "counts": {k: self.count(k) for k in KINDS}, "unjournaled": len(self.unjournaled), "retired": self.retired,
             "bytes_read": self.bytes_read, "seconds": round(self.seconds, 3), "mb_per_s": round(self.mb_per_s, 1),
             "problems": [p.__dict__ for p in self.problems],
         }  # fmt: skip
@@ -116,7 +124,9 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
     H, layout, total = meta["hidden_size"], Layout.parse(meta.get("layout")), meta["samples"]
 
     scans = scan_journals(run)
-    by_index: dict[int, list[tuple[int, dict]]] = defaultdict(list)
+    led = ledger(run, scans)
+    rep.retired = sum(len(r) for r in led.retired)
+    refs: dict[tuple[int, int], list[tuple[int, dict]]] = defaultdict(list)  # (pass, index)
     for rank, scan in scans.items():
         for n, why in scan.damaged:
             rep.problems.append(Problem("journal", f"{scan.path}:{n}", f"{scan.path}:{n}: damaged journal line ({why})"))  # fmt: skip
@@ -125,7 +135,11 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
                 rep.problems.append(Problem("journal", str(scan.path), f"{scan.path}: entry for sample {e['index']}, "
                                             f"but the run has {total} samples", e["index"]))  # fmt: skip
                 continue
-            by_index[e["index"]].append((rank, e))
+            if not e.get("retired"):
+                refs[(pass_of(e), e["index"])].append((rank, e))
+    # The samples whose files should exist: each with its pass's journal lines.
+    by_index = {i: refs[(pass_of(e), i)] for i, e in led.present.items() if i < total}
+    retired_files = {i for r in led.retired for i in r} - set(led.present)
 
     t0 = time.monotonic()
 
@@ -159,6 +173,10 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
             idx is not None and idx in by_index and p == run / sample_relpath(idx)
         ):
             continue
+        if idx in retired_files and p == run / sample_relpath(idx):
+            rep.problems.append(Problem("temp", str(p), f"{p}: file of a retired sample (a kill came between its "
+                                        "retirement and its deletion); deleted by a repair or a resume", idx))  # fmt: skip
+            continue
         c = check_sample_file(p, checksums=not quick, hidden_size=H, layout=layout)
         if idx is not None and idx < total and p == run / sample_relpath(idx) and c.ok \
                 and int(c.header["__metadata__"]["sample_index"]) == idx:  # fmt: skip
@@ -169,12 +187,12 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
         rep.problems.append(Problem("temp", str(p), f"{p}: temp file left by an interrupted write"))
 
     if repair and rep.problems:
-        _repair(run, rep, scans, bad, total)
+        _repair(run, rep, scans, led, bad, total)
         rep.repaired = True
     return rep
 
 
-def _repair(run: Path, rep: VerifyReport, scans, bad: set[int], total: int) -> None:
+def _repair(run: Path, rep: VerifyReport, scans, led, bad: set[int], total: int) -> None:
     if (done := restore_run_meta(run)) is not None:
         rep.repairs.append(done)
     qdir = run / "quarantine" / time.strftime("%Y%m%d-%H%M%S")
@@ -191,7 +209,7 @@ def _repair(run: Path, rep: VerifyReport, scans, bad: set[int], total: int) -> N
         shutil.move(src, dst)
         fsync_dir(src.parent)
         rep.repairs.append(f"moved {src} to {dst}")
-    seen: set[int] = set()
+    seen: set[tuple[int, int, bool]] = set()
     paths = journal_files(run)
     for rank, scan in sorted(scans.items()):
         if (q := set_aside_damaged_lines(run, scan)) is not None:
@@ -200,9 +218,12 @@ def _repair(run: Path, rep: VerifyReport, scans, bad: set[int], total: int) -> N
             )
         keep = []
         for e in scan.entries:
-            if e["index"] in bad or e["index"] in seen or e["index"] >= total:
+            key = (pass_of(e), e["index"], bool(e.get("retired")))
+            present = led.present.get(e["index"])
+            dropped = e["index"] in bad and present is not None and pass_of(present) == key[0]
+            if key in seen or e["index"] >= total or (dropped and not key[2]):
                 continue
-            seen.add(e["index"])
+            seen.add(key)
             keep.append(e)
         if len(keep) != len(scan.entries):
             rewrite_journal(paths[rank], keep)
@@ -219,6 +240,9 @@ def render(rep: VerifyReport, out) -> None:
     )
     out.print(f"checked {rep.checked} samples ({what}): {rep.ok} ok in {rep.seconds:.2f}s{hashed}",
               markup=False, highlight=False)  # fmt: skip
+    if rep.retired:
+        out.print(f"  {rep.retired} retired sample(s): consumed by training and deleted (done, not missing)",
+                  markup=False, highlight=False)  # fmt: skip
     for p in rep.problems:
         out.print(f"  [red]{p.kind:9s}[/] {escape(p.detail)}", highlight=False)
     if rep.unjournaled:
