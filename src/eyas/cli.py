@@ -443,7 +443,8 @@ def extract(
         ) from None
     console.print(
         f"extracted {s.committed} samples ({s.tokens} tokens, {s.bytes_written / max(s.tokens, 1):.0f} B/token) "
-        f"in {s.seconds:.1f}s; {s.done_before + s.committed}/{s.total} done, {s.failed} failed -> {s.run}",
+        f"in {s.seconds:.1f}s; {s.done_before + s.committed}/{s.total} done, {s.failed} failed -> {s.run}"
+        + (f"; waited {s.waited_s:.1f}s for the trainer" if s.waited_s else ""),
         markup=False,
         highlight=False,
     )
@@ -666,7 +667,8 @@ def train(
         else ""
     )
     console.print(
-        f"trained {res['steps']} steps at {res['tokens_per_s']:.0f} tokens/s{tail} -> {out}",
+        f"trained {res['steps']} steps at {res['tokens_per_s']:.0f} tokens/s{tail} -> {out}"
+        + (f"; waited {res['waited_s']:.1f}s for samples" if res.get("waited_s") else ""),
         markup=False,
         highlight=False,
     )

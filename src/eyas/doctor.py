@@ -219,6 +219,8 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
             f"lock: {lk['describe']}" + ("" if lk["live"] else "; it is taken over on resume"),
         )
 
+    _check_stream(run, st, rep, actions)
+
     # Integrity.
     v = verify(run, quick=not deep)
     kinds = {
@@ -271,6 +273,40 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
             )
         )
     return rep
+
+
+def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
+    """A streamed run: the store against its budget, each follower, who waits on whom, and
+    the command that resumes each side."""
+    from .status import bottleneck
+
+    if st.budget or st.retired:
+        budget = f" of its {human_bytes(st.budget)} budget" if st.budget else ""
+        rep.add("ok", f"store: {human_bytes(st.store_bytes)} of samples on disk{budget}; {st.retired} retired "
+                "(consumed by training and deleted: done, not missing)")  # fmt: skip
+    for f in st.followers:
+        if f["problem"]:
+            rep.add("error", f"follower: {f['describe']}")
+            actions.append(Action(f"resume the trainer that follows {run} (it rewrites its file), or remove "
+                                  "the file if that training was abandoned", f["command"] or None))  # fmt: skip
+        elif f["finished"] or f["live"]:
+            rep.add(
+                "ok", f"follower: {f['describe']} ({'finished' if f['finished'] else 'running'})"
+            )
+        else:
+            rep.add("warn", f"follower: {f['describe']} (not running: the extractor deletes nothing it has not "
+                    "consumed, and waits for it when the store is full)")  # fmt: skip
+            actions.append(Action("resume the trainer that follows the run (it continues from its newest "
+                                  "checkpoint: every sample once per pass)", f["command"], blocking=False))  # fmt: skip
+            actions.append(Action(f"or, if the training in {f['out']} was abandoned, stop the run waiting for it",
+                                  f"rm {f['path']}", blocking=False))  # fmt: skip
+    if st.budget and not st.followers and st.remaining > 0:
+        rep.add("warn", "store: the run has a --max-store budget but no trainer follows it: nothing is deleted, "
+                "and the extractor waits once the store is full")  # fmt: skip
+        actions.append(Action(f"start the trainer that consumes {run}", f"eyas train --follow --data {run} "
+                              "--out TRAIN_DIR", blocking=False))  # fmt: skip
+    if (b := bottleneck(st)) is not None:
+        rep.add("ok", f"bottleneck: {b}")
 
 
 def _verify_cost(run: Path, total_bytes: int) -> str:

@@ -231,6 +231,7 @@ class ExtractSummary:
     tokens: int
     seconds: float
     bytes_written: int
+    waited_s: float = 0.0  # time spent waiting for a following trainer (--max-store)
 
 
 def stored_config(cfg: ExtractConfig) -> dict:
@@ -758,7 +759,7 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
     if stop_reason:
         raise ExtractStopped(stop_reason[0], done_before + stats["committed"], total, run)
     return ExtractSummary(str(run), total, done_before, stats["committed"], stats["failed"], stats["tokens"],
-                          time.monotonic() - t0, stats["bytes"])  # fmt: skip
+                          time.monotonic() - t0, stats["bytes"], retirer.waited if retirer else 0.0)  # fmt: skip
 
 
 __all__ = ["ExtractConfig", "ExtractStopped", "ExtractSummary", "extract", "LockHeld", "StoreError"]

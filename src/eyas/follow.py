@@ -79,6 +79,8 @@ class FollowSource:
         self._windows = 0
         self._store: StoreSource | None = None
         self._live_checked = (0.0, True)
+        self.waited = 0.0  # seconds spent waiting for samples
+        self._waited = False
 
     # ------------------------------------------------------------------ what the loop asks
 
@@ -153,7 +155,16 @@ class FollowSource:
     def _decide(self, epoch: int, hooks) -> tuple:
         """The next window of pass `epoch` (waiting for samples as long as needed), the end
         of the pass, or a stop."""
+        t0 = time.monotonic()
+        try:
+            return self._wait_for_window(epoch, hooks)
+        finally:
+            if self._waited:
+                self.waited += time.monotonic() - t0
+
+    def _wait_for_window(self, epoch: int, hooks) -> tuple:
         p, waited, beat = epoch, False, time.monotonic()
+        self._waited = False
         while True:
             led = self._ledger()
             commits = led.pass_commits(p)
@@ -174,7 +185,7 @@ class FollowSource:
             if not waited:
                 hooks.before_wait()  # checkpoint what was trained: the extractor may need the room
                 self._publish(*self._published, waiting=True)
-                waited = True
+                waited = self._waited = True
             self._wait = (f"waiting for extraction: pass {p + 1}/{self.passes}, {len(commits)}/{self.n} "
                           f"committed, {len(self.consumed)} trained" + self._extractor_note())  # fmt: skip
             if self.world > 1 and time.monotonic() - beat > HEARTBEAT:

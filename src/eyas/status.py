@@ -112,20 +112,25 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
     for f in read_followers(run):
         followers.append({"describe": f.describe(), "out": f.out, "pass": f.pass_, "finished": f.finished,
                           "waiting": f.waiting, "rate": f.rate(), "updated": f.updated, "command": f.command,
-                          "live": bool(f.out) and bool(live_locks(Path(f.out))), "problem": f.problem})  # fmt: skip
+                          "live": bool(f.out) and bool(live_locks(Path(f.out))), "problem": f.problem,
+                          "path": str(f.path)})  # fmt: skip
     from .extract import parse_size
 
     budget = parse_size(conf["max_store"], 1) if conf.get("max_store") else None
+    store = sum(e["size"] for e in led.present.values())
+    needed = max(projected - bytes_done, 0)
+    if budget:  # the run never holds more than its budget
+        needed = min(needed, max(budget - store, 0))
     return RunStatus(
         run=str(run), total=total, done=len(entries), failed=len(failed),
         remaining=total - len(entries) - len(failed), tokens_total=tokens_total, tokens_done=tokens_done,
-        bytes_done=bytes_done, bytes_projected=projected, bytes_needed=max(projected - bytes_done, 0),
+        bytes_done=bytes_done, bytes_projected=projected, bytes_needed=needed,
         free_bytes=fs.free_bytes, fs_type=fs.fs_type, mount_point=fs.mount_point, fs_warning=fs.warning(),
         last_commit=last, recent_samples_per_s=rs, recent_tokens_per_s=rt, eta_seconds=eta,
         locks=locks, temp_files=len(stray_temp_files(run)), ranks=sorted(scans),
         meta_warning=mr.damage or (f"run.backup.json is {mr.backup_damage}" if mr.backup_damage else ""),
         model_loaded=loaded, ignored_entries=ignored, passes=passes, current_pass=current,
-        store_bytes=sum(e["size"] for e in led.present.values()), budget=budget,
+        store_bytes=store, budget=budget,
         retired=sum(len(r) for r in led.retired), followers=followers,
     )  # fmt: skip
 

@@ -169,6 +169,7 @@ class Retirer:
         )
         self.bytes = sum(e["size"] for i, e in led.present.items() if i in mine)
         self.retired = 0
+        self.waited = 0.0  # seconds spent waiting for followers
 
     def committed(self, entry: dict) -> None:
         self.bytes += entry["size"]
@@ -204,13 +205,14 @@ class Retirer:
     def make_room(self, batch: list[int], stop: threading.Event, show) -> bool:
         """Block until this writer's store is under the budget and no sample of `batch` still
         has a file from an earlier pass; False if `stop` was set meanwhile."""
-        waited = False
+        waited, t0 = False, time.monotonic()
         while True:
             self.retire()
             busy = [i for i in batch if i in self.led.present]
             if self.bytes < self.budget and not busy:
                 if waited:
                     show(None)
+                    self.waited += time.monotonic() - t0
                 return True
             if stop.is_set():
                 return False

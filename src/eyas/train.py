@@ -223,6 +223,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     training directory's writer lock throughout: one training per directory."""
     rank, world = _dist()
     out, run = Path(cfg.out), Path(cfg.data)
+    if cfg.follow:
+        _wait_for_run(run)
     meta = read_run_meta(run)
     done = None if cfg.follow else _check_complete(run, meta, cfg.allow_partial)
     if rank != 0:
@@ -242,6 +244,16 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
         raise
     finally:
         lock.release()
+
+
+def _wait_for_run(run: Path) -> None:
+    """A follower may start before its extractor has written the run's intent."""
+    if (run / "run.json").exists() or (run / "run.backup.json").exists():
+        return
+    console.print(f"waiting for {run} to be created by `eyas extract` (Ctrl-C stops; if nothing is "
+                  "extracting there, check the path)", markup=False, highlight=False)  # fmt: skip
+    while not ((run / "run.json").exists() or (run / "run.backup.json").exists()):
+        time.sleep(0.5)
 
 
 def _check_complete(run: Path, meta: dict, allow_partial: bool) -> dict[int, dict]:
@@ -602,7 +614,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
             signal.signal(sig, h)
     elapsed = time.monotonic() - t0
     return {"val": last_val, "steps": state["step"], "tokens_per_s": tokens_seen * world / max(loop_seconds, 1e-9),
-            "seconds": elapsed}  # fmt: skip
+            "seconds": elapsed, "waited_s": getattr(source, "waited", 0.0)}  # fmt: skip
 
 
 def _plain(state: dict) -> dict:

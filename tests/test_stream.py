@@ -1,0 +1,298 @@
+"""Streaming: `extract --max-store` and `train --follow` run side by side, in real processes.
+
+The store's bytes are sampled every 50 ms and never exceed the budget plus one batch;
+the trainer's consumption log shows every sample trained exactly once per pass, across
+SIGKILLs of either side (at random moments, right after a deletion, during checkpoint
+saves), a full disk, and two passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import eyas, mounted_tmpfs
+
+from eyas.journal import ledger, read_journal
+from eyas.train_data import split_samples
+
+BATCH = 1024  # extraction and training token budget per batch
+BUDGET = 2600 << 10  # about a quarter of the llama run's 9.9 MiB
+
+
+def start(*args, torchrun: int = 0) -> subprocess.Popen:
+    """The CLI in a child process; its output goes to a file (a pipe nobody reads while the
+    test waits would fill and stall the child)."""
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
+        if torchrun
+        else []
+    )
+    log = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen([sys.executable, *launcher, "-m", "eyas.cli", *map(str, args)], stdout=log,
+                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    p.log = log  # type: ignore[attr-defined]
+    return p
+
+
+def output(p: subprocess.Popen, timeout: float = 300) -> str:
+    p.wait(timeout=timeout)
+    p.log.seek(0)  # type: ignore[attr-defined]
+    return p.log.read()  # type: ignore[attr-defined]
+
+
+def extract_cmd(targets, ds, run: Path, *extra) -> list:
+    if (run / "run.json").exists():
+        return ["extract", "--resume", run]
+    return ["extract", "--model", targets["llama"], "--data", ds, "--out", run,
+            "--batch-tokens", BATCH, "--max-store", f"{BUDGET >> 10}K", *extra]  # fmt: skip
+
+
+def train_cmd(run: Path, out: Path, *extra) -> list:
+    return ["train", "--follow", "--resume", "--data", run, "--out", out, "--batch-tokens", BATCH,
+            "--seed", 1, *extra]  # fmt: skip
+
+
+class StoreSampler:
+    """The bytes under a run's samples/ every 50 ms, from a thread."""
+
+    def __init__(self, run: Path):
+        self.run, self.peak, self.samples = run, 0, 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._work, daemon=True)
+        self._t.start()
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for root, _, files in os.walk(self.run / "samples"):
+                for f in files:
+                    try:
+                        total += os.stat(os.path.join(root, f)).st_size
+                    except FileNotFoundError:
+                        pass
+            self.peak, self.samples = max(self.peak, total), self.samples + 1
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def batch_bytes(run: Path) -> int:
+    """The most bytes one extraction batch can hold (its token budget at the run's rate)."""
+    meta = json.loads((run / "run.json").read_text())
+    return int(BATCH * meta["bytes_per_token"] * 1.1) + (64 << 10)
+
+
+def consumption(out: Path) -> dict[int, list[int]]:
+    """Pass -> samples in the order trained, from the trainer's consumption log."""
+    per: dict[int, list[int]] = {}
+    for line in (out / "consumed.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        per.setdefault(rec["pass"], []).extend(rec["samples"])
+    return per
+
+
+def assert_each_once(out: Path, n: int, passes: int) -> None:
+    train_idx, _ = split_samples(list(range(n)), 0.05)
+    per = consumption(out)
+    assert sorted(per) == list(range(passes))
+    for p in range(passes):
+        assert sorted(per[p]) == sorted(train_idx), f"pass {p}: not every sample exactly once"
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    out = output(proc, timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_follow_under_a_budget_trains_every_sample_once(targets, llama_dataset, tmp_path):
+    run, out = tmp_path / "run", tmp_path / "train"
+    ex = start(*extract_cmd(targets, llama_dataset, run))
+    while not (run / "samples").exists():
+        time.sleep(0.02)
+    sampler = StoreSampler(run)
+    tr = start(*train_cmd(run, out, "--epochs", 1))
+    ex_out = finish(ex)
+    tr_out = finish(tr)
+    sampler.stop()
+    assert sampler.samples > 20
+    assert sampler.peak <= BUDGET + batch_bytes(run), (sampler.peak, BUDGET)
+    assert sampler.peak > BUDGET // 2  # the budget was reached: the extractor had to wait
+    assert "deleted before" not in tr_out
+    assert_each_once(out, 120, 1)
+    # Retired samples are done, not missing: verify, status and a resume agree.
+    r = eyas("extract", "--resume", run, check=True)  # deletes what the trainer consumed last
+    assert "extracted 0 samples" in r.stdout + r.stderr, ex_out
+    assert not list((run / "samples").rglob("*.safetensors"))
+    v = eyas("verify", run, "--json", check=True)
+    rep = json.loads(v.stdout)
+    assert rep["clean"] and rep["retired"] == 120
+    st = eyas("status", run, check=True).stdout
+    assert "120/120 done" in st and "120 retired" in st and "finished" in st
+    # An offline training of a streamed run is refused with the command that fits it.
+    r = eyas("train", "--data", run, "--out", tmp_path / "offline")
+    assert r.returncode == 1 and "train --follow" in r.stderr
+
+
+def test_without_followers_nothing_is_deleted_and_the_writer_waits(
+    targets, llama_dataset, tmp_path
+):
+    run = tmp_path / "run"
+    ex = start(*extract_cmd(targets, llama_dataset, run))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        lock = run / "locks"
+        if lock.exists() and any("waiting for followers" in p.read_text(errors="replace")
+                                 for p in lock.glob("*") if p.is_file()):  # fmt: skip
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the extractor never waited for a follower")
+    st = eyas("status", run, check=True).stdout
+    assert "train --follow" in st
+    ex.send_signal(signal.SIGTERM)
+    out = output(ex, 60)
+    assert ex.returncode == 75, out
+    led = ledger(run)
+    assert not any(led.retired) and len(led.present) > 0
+    assert eyas("verify", run).returncode == 0
+
+
+def _retired_lines(run: Path) -> int:
+    p = run / "journal" / "rank-00000.jsonl"
+    return sum(1 for e in read_journal(p) if e.get("retired")) if p.exists() else 0
+
+
+def test_sigkills_of_both_sides_then_resume(targets, llama_dataset, tmp_path):
+    """At least 10 SIGKILLs, split between the two sides: at random moments, right after a
+    deletion (the extractor), and while a checkpoint is being saved (the trainer)."""
+    run, out = tmp_path / "run", tmp_path / "train"
+    rng = random.Random(5)
+    kinds = ["extract-random", "train-random", "extract-after-retire", "train-during-save"]
+    kills: dict[str, int] = {k: 0 for k in kinds}
+    logs: list[str] = []
+    ex = start(*extract_cmd(targets, llama_dataset, run))
+    tr = start(*train_cmd(run, out, "--epochs", 1, "--save-every", 1))
+    round_ = 0
+    while sum(kills.values()) < 12 and round_ < 60:
+        kind = kinds[round_ % len(kinds)]
+        round_ += 1
+        proc = ex if kind.startswith("extract") else tr
+        if proc.poll() is not None:
+            assert proc.returncode == 0, output(proc)
+            continue
+        deadline = time.monotonic() + rng.uniform(0.5, 3.0)
+        limit = deadline + (20 if kind.endswith(("retire", "save")) else 1)  # watchers wait longer
+        before = _retired_lines(run)
+        hit = False
+        while time.monotonic() < limit and proc.poll() is None:
+            if kind == "extract-after-retire" and _retired_lines(run) > before:
+                hit = True
+                break
+            if kind == "train-during-save" and list((out / "checkpoints").glob("step-*.tmp")):
+                hit = True
+                break
+            if kind.endswith("random") and time.monotonic() >= deadline:
+                hit = True
+                break
+            time.sleep(0.002)
+        if not hit or proc.poll() is not None:
+            continue
+        proc.kill()
+        logs.append(output(proc))
+        kills[kind] += 1
+        if proc is ex:
+            ex = start(*extract_cmd(targets, llama_dataset, run))
+        else:
+            tr = start(*train_cmd(run, out, "--epochs", 1, "--save-every", 1))
+    print("kills:", kills)
+    assert sum(kills.values()) >= 10, kills
+    assert kills["extract-random"] + kills["extract-after-retire"] >= 4, kills
+    assert kills["train-random"] + kills["train-during-save"] >= 4, kills
+    finish(ex)
+    tr_out = finish(tr)
+    assert "deleted before this trainer consumed" not in tr_out + "".join(logs)
+    assert_each_once(out, 120, 1)
+    r = eyas("extract", "--resume", run, check=True)
+    v = json.loads(eyas("verify", run, "--json", check=True).stdout)
+    assert v["clean"] and v["retired"] == 120, (v, r.stdout)
+
+
+def test_two_passes_each_in_its_own_order(targets, llama_dataset, tmp_path):
+    run, out = tmp_path / "run", tmp_path / "train"
+    ex = start(*extract_cmd(targets, llama_dataset, run, "--passes", 2))
+    while not (run / "samples").exists():
+        time.sleep(0.02)
+    sampler = StoreSampler(run)
+    tr = start(*train_cmd(run, out, "--epochs", 2))
+    finish(ex)
+    finish(tr)
+    sampler.stop()
+    assert sampler.peak <= BUDGET + batch_bytes(run)
+    assert_each_once(out, 120, 2)
+    order = [(e.get("pass", 0), e["index"]) for e in read_journal(run / "journal" / "rank-00000.jsonl")
+             if not e.get("retired")]  # fmt: skip
+    first = [i for p, i in order if p == 0]
+    second = [i for p, i in order if p == 1]
+    assert sorted(first) == sorted(second) == list(range(120)) and first != second
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics if m["split"] == "val"] == [1, 2]
+
+
+def test_disk_full_under_a_budget_stops_cleanly_and_resumes(targets, llama_dataset, tmp_path):
+    """The run's disk fills (something else took the room) before the budget does: the
+    extractor stops cleanly (exit 75), the trainer waits, and a resume finishes both."""
+    with mounted_tmpfs(tmp_path, "4m") as mnt:
+        run, out = mnt / "run", tmp_path / "train"
+        filler = mnt / "filler"
+        filler.write_bytes(b"\0" * (1900 << 10))
+        tr = None
+        try:
+            ex = start(
+                *extract_cmd(targets, llama_dataset, run, "--allow-partial", "--min-free", "0")
+            )
+            while not (run / "run.json").exists() and ex.poll() is None:
+                time.sleep(0.02)
+            tr = start(*train_cmd(run, out, "--epochs", 1))
+            text = output(ex)
+            assert ex.returncode == 75, text
+            assert "disk full" in text or "no space" in text.lower()
+            filler.unlink()
+            finish(start(*extract_cmd(targets, llama_dataset, run)))
+            finish(tr)
+            tr = None
+        finally:
+            if tr is not None:
+                tr.kill()
+                tr.wait()
+        assert_each_once(out, 120, 1)
+        eyas("extract", "--resume", run, check=True)
+        v = json.loads(eyas("verify", run, "--json", check=True).stdout)
+        assert v["clean"] and v["retired"] == 120
+
+
+def test_follow_under_torchrun_the_ranks_agree(targets, llama_dataset, tmp_path):
+    """Two ranks follow a budgeted extraction: rank 0 decides every window and sends it to
+    rank 1 (its batches' shares then match), and both wait together for samples."""
+    run, out = tmp_path / "run", tmp_path / "train"
+    ex = start(*extract_cmd(targets, llama_dataset, run))
+    while not (run / "run.json").exists():
+        time.sleep(0.02)
+    tr = start(*train_cmd(run, out, "--epochs", 1), torchrun=2)
+    finish(ex)
+    text = finish(tr)
+    assert json.loads((out / "train.json").read_text())["world"] == 2, text
+    assert_each_once(out, 120, 1)
+    assert (out / "drafter.safetensors").exists()
