@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+BATCH = 2048  # extraction's token budget per batch: the store may exceed --max-store by one batch
+
 
 class Sampler:
     def __init__(self, root: Path):
@@ -84,11 +86,11 @@ def val_acc(train_dir: Path) -> float:
     return [r for r in recs if r["split"] == "val"][-1]["acc"][0]
 
 
-def one(way: str, work: Path, model: Path, ds: Path, epochs: int, budget: str) -> dict:
+def one(way: str, work: Path, model: Path, ds: Path, epochs: int, budget: str, seed: int) -> dict:
     run, out = work / f"run-{way}", work / f"train-{way}"
     train = ["--data", run, "--out", out, "--epochs", epochs, "--batch-tokens", 2048, "--lr", "3e-3",
-             "--warmup-steps", 10, "--val-fraction", 0.1, "--save-every", 1000]  # fmt: skip
-    extract = ["extract", "--model", model, "--data", ds, "--out", run]
+             "--warmup-steps", 10, "--val-fraction", 0.1, "--save-every", 1000, "--seed", seed]  # fmt: skip
+    extract = ["extract", "--model", model, "--data", ds, "--out", run, "--batch-tokens", BATCH]
     (run / "samples").mkdir(parents=True)
     sampler = Sampler(run / "samples")
     t0 = time.monotonic()
@@ -114,7 +116,7 @@ def one(way: str, work: Path, model: Path, ds: Path, epochs: int, budget: str) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="each with its own training seed")
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
 
@@ -133,18 +135,27 @@ def main() -> None:
         )
         for r in range(args.rounds):
             for w in ways if r % 2 == 0 else list(reversed(ways)):
-                row = one(w, work / f"r{r}", DEMO_TARGET, ds, args.epochs, budget or "0")
+                row = one(w, work / f"r{r}", DEMO_TARGET, ds, args.epochs, budget or "0", seed=r)
                 rows[w].append(row)
                 budget = budget or f"{row['peak'] // 4 >> 10}K"
                 shutil.rmtree(work / f"r{r}" / f"run-{w}", ignore_errors=True)
-        print(f"demo target, 300 conversations, {args.epochs} epoch(s), budget {budget} (a quarter of the data), "
-              f"{args.rounds} round(s), {os.cpu_count()} CPU(s) shared by both sides")  # fmt: skip
+        print(f"demo target, 300 conversations, {args.epochs} epoch(s), --max-store {budget} (a quarter of the "
+              f"data; one extraction batch is {BATCH} tokens), {args.rounds} round(s) with seeds 0..{args.rounds - 1}, "
+              f"{os.cpu_count()} CPU(s) shared by both sides; medians over rounds")  # fmt: skip
         base = statistics.median(x["wall"] for x in rows["offline"])
         for w in ways:
             med = {k: statistics.median(x[k] for x in rows[w]) for k in rows[w][0]}
+            accs = [x["acc0"] for x in rows[w]]
             print(f"{w:8s} wall {med['wall']:6.1f}s ({med['wall'] / base:.2f}x offline)  peak store "
                   f"{med['peak'] / 2**20:6.2f} MiB  idle: extractor {med['idle_extract']:5.1f}s, trainer "
-                  f"{med['idle_train']:5.1f}s  val acc0 {med['acc0']:.4f}")  # fmt: skip
+                  f"{med['idle_train']:5.1f}s  val acc0 {statistics.mean(accs):.4f} "
+                  f"(seeds {' '.join(f'{a:.4f}' for a in accs)})")  # fmt: skip
+        if args.rounds > 1:
+            spread = statistics.stdev(x["acc0"] for x in rows["offline"])
+            for w in ("follow", "budget"):
+                d = [b["acc0"] - a["acc0"] for a, b in zip(rows["offline"], rows[w], strict=True)]
+                print(f"{w} - offline, same seed: val acc0 {100 * statistics.mean(d):+.2f} pp "
+                      f"(offline seed-to-seed stdev {100 * spread:.2f} pp)")  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

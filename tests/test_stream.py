@@ -12,6 +12,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -296,3 +297,63 @@ def test_follow_under_torchrun_the_ranks_agree(targets, llama_dataset, tmp_path)
     assert json.loads((out / "train.json").read_text())["world"] == 2, text
     assert_each_once(out, 120, 1)
     assert (out / "drafter.safetensors").exists()
+
+
+def test_streamed_drafter_is_as_good_as_offline(tmp_path):
+    """On the demo target (which has something to learn), a drafter trained under a budget
+    while the data is extracted reaches the validation accuracy of offline training on the
+    same data, within the spread of offline training over two seeds."""
+    from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.prepare import PrepareConfig, prepare
+
+    src = tmp_path / "conv.jsonl"
+    src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:200]))
+    ds = tmp_path / "ds"
+    prepare(PrepareConfig(model=str(DEMO_TARGET), data=(str(src),), out=str(ds), draft_vocab_size=400,
+                          progress=False))  # fmt: skip
+    recipe = ["--epochs", 2, "--batch-tokens", 1024, "--lr", "3e-3", "--warmup-steps", 5, "--ttt-steps", 3,
+              "--val-fraction", 0.1]  # fmt: skip
+
+    def acc0(out: Path) -> float:
+        recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in recs if r["split"] == "val"][-1]["acc"][0]
+
+    full = tmp_path / "full"
+    eyas(
+        "extract",
+        "--model",
+        DEMO_TARGET,
+        "--data",
+        ds,
+        "--out",
+        full,
+        "--batch-tokens",
+        1024,
+        check=True,
+    )
+    offline = []
+    for seed in (0, 1):
+        eyas(
+            "train",
+            "--data",
+            full,
+            "--out",
+            tmp_path / f"off{seed}",
+            *recipe,
+            "--seed",
+            seed,
+            check=True,
+        )
+        offline.append(acc0(tmp_path / f"off{seed}"))
+    store = sum(p.stat().st_size for p in (full / "samples").rglob("*.safetensors"))
+    run, out = tmp_path / "streamed", tmp_path / "follow"
+    ex = start("extract", "--model", DEMO_TARGET, "--data", ds, "--out", run, "--batch-tokens", 1024,
+               "--max-store", f"{store // 4 >> 10}K", "--passes", 2)  # fmt: skip
+    tr = start("train", "--follow", "--data", run, "--out", out, *recipe, "--seed", 0)
+    finish(ex)
+    finish(tr)
+    followed = acc0(out)
+    noise = max(abs(offline[0] - offline[1]), 0.03)
+    print(f"val acc0: offline {offline}, streamed {followed:.4f}")
+    assert min(offline) > 0.2  # the recipe learns: a broken follower could not pass by luck
+    assert abs(followed - statistics.mean(offline)) <= 2 * noise, (followed, offline)
