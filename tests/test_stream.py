@@ -169,6 +169,27 @@ def test_without_followers_nothing_is_deleted_and_the_writer_waits(
     led = ledger(run)
     assert not any(led.retired) and len(led.present) > 0
     assert eyas("verify", run).returncode == 0
+    # A trainer that registered, checkpointed, and is not running now: both sides' commands.
+    from eyas.stream import publish
+
+    gone = tmp_path / "train-gone"
+    first = sorted(led.present)[:3]
+    publish(
+        run,
+        gone,
+        0,
+        set(first),
+        len(first),
+        command=f"eyas train --follow --resume --data {run} --out {gone}",
+    )
+    st = eyas("status", run, check=True).stdout
+    assert (
+        f"follower   {gone.resolve()}: pass 1, 3 sample(s) consumed" in st and "not running" in st
+    ), st
+    assert f"next       eyas train --follow --resume --data {run} --out {gone}" in st, st
+    assert f"next       eyas extract --resume {run}" in st, st
+    doc = eyas("doctor", run).stdout
+    assert f"eyas train --follow --resume --data {run} --out {gone}" in doc and "rm " in doc, doc
 
 
 def _retired_lines(run: Path) -> int:
@@ -231,27 +252,6 @@ def test_sigkills_of_both_sides_then_resume(targets, llama_dataset, tmp_path):
     assert v["clean"] and v["retired"] == 120, (v, r.stdout)
 
 
-def test_two_passes_each_in_its_own_order(targets, llama_dataset, tmp_path):
-    run, out = tmp_path / "run", tmp_path / "train"
-    ex = start(*extract_cmd(targets, llama_dataset, run, "--passes", 2))
-    while not (run / "samples").exists():
-        time.sleep(0.02)
-    sampler = StoreSampler(run)
-    tr = start(*train_cmd(run, out, "--epochs", 2))
-    finish(ex)
-    finish(tr)
-    sampler.stop()
-    assert sampler.peak <= BUDGET + batch_bytes(run)
-    assert_each_once(out, 120, 2)
-    order = [(e.get("pass", 0), e["index"]) for e in read_journal(run / "journal" / "rank-00000.jsonl")
-             if not e.get("retired")]  # fmt: skip
-    first = [i for p, i in order if p == 0]
-    second = [i for p, i in order if p == 1]
-    assert sorted(first) == sorted(second) == list(range(120)) and first != second
-    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["epoch"] for m in metrics if m["split"] == "val"] == [1, 2]
-
-
 def test_disk_full_under_a_budget_stops_cleanly_and_resumes(targets, llama_dataset, tmp_path):
     """The run's disk fills (something else took the room) before the budget does: the
     extractor stops cleanly (exit 75), the trainer waits, and a resume finishes both."""
@@ -284,25 +284,30 @@ def test_disk_full_under_a_budget_stops_cleanly_and_resumes(targets, llama_datas
         assert v["clean"] and v["retired"] == 120
 
 
-def test_follow_under_torchrun_the_ranks_agree(targets, llama_dataset, tmp_path):
-    """Two ranks follow a budgeted extraction: rank 0 decides every window and sends it to
-    rank 1 (its batches' shares then match), and both wait together for samples."""
+def test_follow_without_a_budget_under_torchrun(targets, llama_dataset, tmp_path):
+    """No --max-store, two ranks: epoch 1 follows the extraction (rank 0 decides every window
+    and sends it to rank 1, and both wait together), epoch 2 reads the full store; nothing is
+    deleted. The trainer starts before the run exists and waits for it."""
     run, out = tmp_path / "run", tmp_path / "train"
-    ex = start(*extract_cmd(targets, llama_dataset, run))
-    while not (run / "run.json").exists():
-        time.sleep(0.02)
-    tr = start(*train_cmd(run, out, "--epochs", 1), torchrun=2)
+    tr = start(*train_cmd(run, out, "--epochs", 2), torchrun=2)
+    time.sleep(1)
+    ex = start("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run,
+               "--batch-tokens", BATCH)  # fmt: skip
     finish(ex)
     text = finish(tr)
+    assert "to be created by `eyas extract`" in text
     assert json.loads((out / "train.json").read_text())["world"] == 2, text
-    assert_each_once(out, 120, 1)
+    assert_each_once(out, 120, 2)
+    led = ledger(run)
+    assert not any(led.retired) and len(led.present) == 120
     assert (out / "drafter.safetensors").exists()
 
 
 def test_streamed_drafter_is_as_good_as_offline(tmp_path):
-    """On the demo target (which has something to learn), a drafter trained under a budget
-    while the data is extracted reaches the validation accuracy of offline training on the
-    same data, within the spread of offline training over two seeds."""
+    """On the demo target (which has something to learn), a drafter trained for two epochs
+    under a budget of a quarter of the data, two extraction passes, reaches the validation
+    accuracy of offline training on the same data, within the spread of offline training
+    over two seeds; each pass trains every sample once, each in its own order."""
     from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
     from eyas.prepare import PrepareConfig, prepare
 
@@ -349,9 +354,25 @@ def test_streamed_drafter_is_as_good_as_offline(tmp_path):
     run, out = tmp_path / "streamed", tmp_path / "follow"
     ex = start("extract", "--model", DEMO_TARGET, "--data", ds, "--out", run, "--batch-tokens", 1024,
                "--max-store", f"{store // 4 >> 10}K", "--passes", 2)  # fmt: skip
+    while not (run / "samples").exists():
+        time.sleep(0.02)
+    sampler = StoreSampler(run)
     tr = start("train", "--follow", "--data", run, "--out", out, *recipe, "--seed", 0)
     finish(ex)
     finish(tr)
+    sampler.stop()
+    # Two passes under a quarter of the data: each sample once per pass, each pass in its order.
+    assert sampler.peak <= store // 4 + int(
+        1024 * json.loads((run / "run.json").read_text())["bytes_per_token"] * 1.1
+    ) + (64 << 10)
+    n = json.loads((run / "run.json").read_text())["samples"]
+    train_idx, _ = split_samples(list(range(n)), 0.1)
+    per = consumption(out)
+    assert sorted(per) == [0, 1] and all(sorted(per[p]) == train_idx for p in (0, 1))
+    order = [(e.get("pass", 0), e["index"]) for e in read_journal(run / "journal" / "rank-00000.jsonl")
+             if not e.get("retired")]  # fmt: skip
+    first, second = [i for p, i in order if p == 0], [i for p, i in order if p == 1]
+    assert sorted(first) == sorted(second) == list(range(n)) and first != second
     followed = acc0(out)
     noise = max(abs(offline[0] - offline[1]), 0.03)
     print(f"val acc0: offline {offline}, streamed {followed:.4f}")
