@@ -23,7 +23,6 @@ How:
 
 from __future__ import annotations
 
-import os
 import queue
 import shutil
 import signal
@@ -37,25 +36,30 @@ import torch
 
 from . import __version__
 from .backends import BACKENDS, BackendSpec, open_backend
-from .fsutil import DiskFullError, filesystem_info, free_bytes, human_bytes, is_disk_full
+from .fsutil import (
+    DiskFullError,
+    filesystem_info,
+    free_bytes,
+    human_bytes,
+    is_disk_full,
+    parse_size,
+)
 from .gpu import gpu_preflight
 from .journal import (
     Journal,
     Ledger,
     append_error,
-    journal_files,
     journal_path,
     ledger,
     pass_of,
     read_errors,
-    read_journal,
-    rewrite_journal,
     scan_journal,
     scan_journals,
     set_aside_damaged_lines,
 )
 from .lock import LockHeld, WriterLock
 from .prepare import PreparedDataset
+from .recovery import check_journaled_files, recover
 from .runmeta import load_run_meta, write_run_meta
 from .status import recent_rate
 from .store import (
@@ -63,13 +67,8 @@ from .store import (
     Layout,
     Sample,
     StoreError,
-    check_sample_file,
     commit_samples,
     ensure_inside,
-    journal_entry,
-    read_head,
-    sample_names,
-    sample_relpath,
 )
 from .stream import Retirer
 from .target import (
@@ -192,22 +191,6 @@ PER_INVOCATION = {"rank", "world", "trust_remote_code", "progress", "queue_depth
 # their files are then no longer bit-identical to an uninterrupted run's.
 OVERRIDABLE = {"batch_tokens", "device", "min_free", "allow_partial", "tensor_parallel_size",
                "gpu_memory_utilization", "max_model_len", "max_store"}  # fmt: skip
-
-
-def parse_size(spec: str, total: int) -> int:
-    """'2%' of `total` (at least 1 GiB, or 5% of a small filesystem), or '500M', '2GiB', bytes."""
-    s = str(spec).strip()
-    try:
-        if s.endswith("%"):
-            pct = float(s[:-1])
-            return int(max(total * pct / 100, min(1 << 30, total * 0.05))) if pct > 0 else 0
-        units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-        low = s.lower().removesuffix("ib").removesuffix("b")
-        if low and low[-1] in units:
-            return int(float(low[:-1]) * units[low[-1]])
-        return int(float(low))
-    except ValueError:
-        raise ValueError(f"cannot read size {spec!r}: use bytes, a K/M/G suffix or a percentage") from None  # fmt: skip
 
 
 class ExtractStopped(Exception):
@@ -363,88 +346,6 @@ def new_run_meta(cfg: ExtractConfig, ds: PreparedDataset) -> dict:
     }
 
 
-def recover(
-    run: Path, journal: Journal, mine: set[int], led: Ledger, layout: Layout, H: int
-) -> int:
-    """Bring the store in line with the journal after a crash; returns samples adopted.
-
-    Only this writer's samples are touched (other ranks may be writing theirs right now).
-    Their temp files are removed. A sample file without a journal entry (the crash came
-    between rename and journal append, or its line was damaged) is adopted only if every
-    checksum holds; else it is removed. A file whose sample is retired is deleted (the kill
-    came between retirement and deletion). `verify` checks journaled files deeper.
-    """
-    done = led.present
-    retired = set().union(*led.retired) if led.retired else set()
-    adopted = 0
-    for d, name in list(sample_names(run)):
-        stem = name.split(".tmp-")[0]
-        idx = int(stem[:-12]) if stem.endswith(".safetensors") and stem[:-12].isdigit() else None
-        if ".tmp-" in name:
-            if idx in mine:
-                (d / name).unlink(missing_ok=True)
-            continue
-        if idx is None or idx not in mine or idx in done:
-            continue  # the common case, decided from the name alone
-        p = d / name
-        if idx in retired:
-            p.unlink(missing_ok=True)
-            continue
-        c = check_sample_file(p, checksums=True, hidden_size=H, layout=layout)
-        if c.ok and int(c.header["__metadata__"]["sample_index"]) == idx:
-            e = journal_entry(idx, c.header["__metadata__"]["sample_id"], read_head(p), c.nbytes)
-            journal.append(e)
-            led.add(e)
-            adopted += 1
-        else:
-            p.unlink(missing_ok=True)
-    journal.sync()
-    return adopted
-
-
-def _check_journaled_files(
-    run: Path, done: dict, mine: set[int], rank: int, whole: bool
-) -> list[str]:
-    """What the journal claims, checked at the cost of a `stat` per sample: a file that is
-    missing or not of its journaled size is not done. Its entry is dropped from this rank's
-    journal (from every journal when this writer holds the whole run) and the file, if
-    any, moved to quarantine; the sample is then extracted again. Returns the problems."""
-    from .fsutil import fsync_dir
-
-    lost: dict[int, str] = {}
-    root = str(run)
-    for i, e in done.items():
-        if i not in mine:
-            continue
-        try:
-            size = os.stat(f"{root}/{sample_relpath(i)}").st_size  # strings: 100k stats in ~0.2 s
-        except FileNotFoundError:
-            lost[i] = f"{run / sample_relpath(i)} is missing"
-            continue
-        if size != e["size"]:
-            p = run / sample_relpath(i)
-            lost[i] = f"{p} has {size} bytes, its journal entry {e['size']}"
-            q = run / "quarantine" / time.strftime("%Y%m%d-%H%M%S") / sample_relpath(i)
-            q.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(p, q)
-            fsync_dir(p.parent)
-    if lost:
-        dropped = {
-            (i, pass_of(done[i])) for i in lost
-        }  # the present entry; other passes' lines stay
-        for r, path in journal_files(run).items():
-            if whole or r == rank:
-                entries = read_journal(path)
-                keep = [
-                    e
-                    for e in entries
-                    if e.get("retired") or (e["index"], pass_of(e)) not in dropped
-                ]
-                if len(keep) != len(entries):
-                    rewrite_journal(path, keep)
-    return list(lost.values())
-
-
 def say(msg: str) -> None:
     console.print(msg, markup=False, highlight=False)
 
@@ -502,7 +403,7 @@ def extract(
                     "its sample is re-checked by its checksums")  # fmt: skip
         led = ledger(run, scans)
         # Before the journal opens for appends: dropping entries rewrites it.
-        if lost := _check_journaled_files(run, led.present, set(mine), cfg.rank, cfg.world == 1):
+        if lost := check_journaled_files(run, led.present, set(mine), cfg.rank, cfg.world == 1):
             say(f"{len(lost)} journaled sample(s) have no intact file (missing or of another size; "
                 f"e.g. {lost[0]}): their entries are dropped and they are extracted again")  # fmt: skip
             led = ledger(run)

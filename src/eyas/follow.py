@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .extract import parse_size
-from .fsutil import human_bytes
+from .fsutil import human_bytes, parse_size
 from .journal import Ledger, journal_files, ledger, pass_of, read_errors
 from .lock import live_locks
 from .stream import from_ranges, publish, to_ranges

@@ -209,3 +209,19 @@ def human_duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def parse_size(spec: str, total: int) -> int:
+    """'2%' of `total` (at least 1 GiB, or 5% of a small filesystem), or '500M', '2GiB', bytes."""
+    s = str(spec).strip()
+    try:
+        if s.endswith("%"):
+            pct = float(s[:-1])
+            return int(max(total * pct / 100, min(1 << 30, total * 0.05))) if pct > 0 else 0
+        units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+        low = s.lower().removesuffix("ib").removesuffix("b")
+        if low and low[-1] in units:
+            return int(float(low[:-1]) * units[low[-1]])
+        return int(float(low))
+    except ValueError:
+        raise ValueError(f"cannot read size {spec!r}: use bytes, a K/M/G suffix or a percentage") from None  # fmt: skip

@@ -114,7 +114,7 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
                           "waiting": f.waiting, "rate": f.rate(), "updated": f.updated, "command": f.command,
                           "live": bool(f.out) and bool(live_locks(Path(f.out))), "problem": f.problem,
                           "path": str(f.path)})  # fmt: skip
-    from .extract import parse_size
+    from .fsutil import parse_size
 
     budget = parse_size(conf["max_store"], 1) if conf.get("max_store") else None
     store = sum(e["size"] for e in led.present.values())

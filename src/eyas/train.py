@@ -21,7 +21,6 @@ optimizer and the schedule, and does a step, an evaluation or a checkpoint when 
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import time
@@ -35,12 +34,9 @@ import torch.distributed as dist
 from .checkpoint import (
     latest_checkpoint,
     remove_stale_temp,
-    resume_checkpoint,
-    save_checkpoint,
     save_final,
 )
 from .cpu import choose_threads, configure_threads
-from .drafter import Drafter, DrafterConfig
 from .fsutil import DiskFullError, atomic_write_bytes, atomic_write_json, is_disk_full, read_json
 from .lock import WriterLock
 from .loss import add_targets, loss_masks, summarize, target_view, ttt_loss
@@ -51,12 +47,11 @@ from .train_data import (
     StoreSource,
     prefetch,
     split_samples,
-    to_device,
     usable_samples,
 )
+from .trainer import Trainer, all_reduce_cpu, build_drafter, draft_vocab_for
 from .ttt_attention import IMPLEMENTATIONS
 from .ui import Reporter, console
-from .weights import embed_weight, final_norm_weight, lm_head_weight
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +150,8 @@ __all__ = [
     "loss_masks",
     "summarize",
     "target_view",
+    "build_drafter",
+    "draft_vocab_for",
 ]
 
 
@@ -168,47 +165,6 @@ def _dist() -> tuple[int, int]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return (dist.get_rank(), world) if world > 1 else (0, 1)
-
-
-def build_drafter(cfg: TrainConfig, meta: dict) -> tuple[Drafter, torch.Tensor | None]:
-    """Drafter sized from the target, with the target's frozen embeddings; returns the
-    target's lm_head too (None when the run stores the target's top-K: not needed)."""
-    from .prepare import PreparedDataset
-    from .target import check_model_dir, model_fingerprint, text_config
-
-    model_dir = cfg.model or meta["model_path"]
-    check_model_dir(model_dir, weights=True)
-    if (fp := model_fingerprint(model_dir)) != meta["model_fingerprint"]:
-        raise ValueError(f"{model_dir} is not the target {cfg.data} was extracted with (fingerprint {fp}, "
-                         f"the run's is {meta['model_fingerprint']}); pass the right --model")  # fmt: skip
-    tcfg = text_config(model_dir)  # a wrapper's language model (Kimi-K2.5) sizes the drafter
-    ds = PreparedDataset.open(meta["dataset_path"], check=False)
-    draft_ids = ds.draft_vocab(draft_vocab_for(cfg.draft_vocab_size, meta))
-    over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
-    dcfg = DrafterConfig.from_target(tcfg, len(draft_ids), **over)
-    torch.manual_seed(cfg.seed)
-    drafter = Drafter(dcfg)
-    drafter.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
-    drafter.set_draft_vocab(draft_ids)
-    topk = "topk" in str(meta.get("layout", ""))
-    from_target = cfg.head_init.startswith("target")
-    head = lm_head_weight(model_dir).float() if from_target or not topk else None
-    if from_target:
-        # The drafter's last state stands in for the target's pre-norm state, so the target's
-        # final norm and head rows are where the drafter's norm and head should start.
-        drafter.lm_head.weight.data.copy_(head[draft_ids])  # (D, H)
-        drafter.norm.weight.data.copy_(final_norm_weight(model_dir).float())  # (H,)
-        drafter.lm_head.weight.requires_grad_(cfg.head_init != "target-frozen")
-    return drafter, None if topk else head
-
-
-def draft_vocab_for(requested: int | None, meta: dict) -> int | None:
-    """D: the run's when it stores top-K over its draft vocabulary, else as requested."""
-    fixed = meta.get("draft_vocab_size")
-    if fixed and requested and requested != fixed:
-        raise ValueError(f"the run stores the target's top-K over a draft vocabulary of {fixed}; "
-                         f"--draft-vocab-size {requested} cannot differ")  # fmt: skip
-    return fixed or requested
 
 
 def _identity(meta: dict) -> dict:
@@ -307,130 +263,6 @@ def _record_config(cfg: TrainConfig, resume: bool, rank: int, world: int, run: P
                                   "model_path": str(Path(cfg.model or meta["model_path"]).resolve()),
                                   "world": world, "threads": choose_threads()
                                   if not torch.cuda.is_available() else None})  # fmt: skip
-
-
-class Trainer:
-    """The model side of training: the drafter and its optimizer, the learning-rate
-    schedule, one optimizer step over a group of micro-batches, evaluation and checkpoints.
-    Which samples make the batches is the data source's business (`StoreSource`,
-    `FollowSource`); the trainer only loads the batches it is given."""
-
-    def __init__(self, cfg: TrainConfig, meta: dict, rank: int, world: int, device: torch.device,
-                 out: Path, reader: SampleReader):  # fmt: skip
-        self.cfg, self.rank, self.world, self.device, self.out = cfg, rank, world, device, out
-        self.reader = reader
-        self.drafter, lm_head = build_drafter(cfg, meta)
-        self.drafter.attention = (
-            cfg.attention
-            if cfg.attention != "auto"
-            else ("flex" if device.type == "cuda" else "chunked")
-        )
-        if self.drafter.attention == "flex" and device.type != "cuda":
-            raise ValueError(
-                "--attention flex trains on a GPU only (no backward pass on a CPU); use chunked"
-            )
-        self.drafter.to(device)
-        self.lm_head = lm_head.to(device) if lm_head is not None else None
-        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
-        )
-        self.autocast = torch.autocast(
-            device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"
-        )
-        self.total_steps = self.warmup = 1
-
-    def schedule(self, total_steps: int) -> None:
-        self.total_steps = max(1, total_steps)
-        w = self.cfg.warmup_steps
-        self.warmup = w if w is not None else min(50, max(1, self.total_steps // 10))
-
-    def lr_at(self, step: int) -> float:
-        """Linear warmup, then cosine down to lr * min_lr_ratio at the last step."""
-        lr, floor = self.cfg.lr, self.cfg.min_lr_ratio
-        if step < self.warmup:
-            return lr * (step + 1) / self.warmup
-        frac = min(1.0, (step - self.warmup) / max(1, self.total_steps - self.warmup))
-        return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-    def load(self, idx_all: list[int]) -> dict:
-        """This rank's share of a global micro-batch, on the device (the prefetch thread)."""
-        mine_idx = idx_all[self.rank :: self.world]
-        host = self.reader.batch(mine_idx or idx_all[:1], packed=self.cfg.pack)
-        batch = to_device(host, self.device)
-        if self.device.type == "cuda":
-            batch["_copied"] = torch.cuda.Event()
-            batch["_copied"].record()
-        batch["_host"] = host  # its buffers go back to the reader after the step (`_done`)
-        if not mine_idx:  # this rank has no share: contribute zero loss and zero counts
-            batch["valid"] = torch.zeros_like(batch["valid"])
-        return batch
-
-    def _done(self, batch: dict) -> None:
-        self.reader.release(batch.pop("_host"), batch.pop("_copied", None))
-
-    def _micro(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Loss (normalised by the global token counts per step), stats and tokens."""
-        add_targets(batch, self.drafter, self.lm_head)
-        steps = self.cfg.ttt_steps
-        counts = torch.tensor(
-            [float(lm.sum()) for _, lm in loss_masks(batch, steps)], dtype=torch.float64
-        )
-        if self.world > 1:
-            all_reduce_cpu(counts)
-        with self.autocast:
-            loss, st = ttt_loss(
-                self.drafter, batch, steps, self.cfg.step_decay, norm=counts.tolist()
-            )
-        return loss, st, int(batch["valid"].sum())
-
-    def step(self, loaded, n: int, lr: float) -> tuple[torch.Tensor, int]:
-        """One optimizer step over the next `n` loaded micro-batches; (stats, tokens)."""
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.zero_grad(set_to_none=True)
-        stats, tokens = torch.zeros(self.cfg.ttt_steps, 6, dtype=torch.float64), 0
-        for _ in range(n):
-            batch = next(loaded)[1]
-            loss, st, tok = self._micro(batch)
-            (loss * self.world / n).backward()  # all_reduce averages: undo it, so grads are sums
-            self._done(batch)
-            stats += st
-            tokens += tok
-        if self.world > 1:
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-                p.grad /= self.world
-        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        self.opt.step()
-        return stats, tokens
-
-    def evaluate(self, batches: list[list[int]]) -> dict:
-        """Validation summary over `batches` (every rank takes its share of each)."""
-        self.drafter.eval()
-        acc = torch.zeros(self.cfg.ttt_steps, 6, dtype=torch.float64)
-        with torch.no_grad(), prefetch(batches, self.load) as loaded:
-            for _, batch in loaded:
-                acc += self._micro(batch)[1]
-                self._done(batch)
-        if self.world > 1:
-            all_reduce_cpu(acc)
-        self.drafter.train()
-        return summarize(acc)
-
-    def save(self, state: dict) -> None:
-        if self.rank == 0:
-            save_checkpoint(self.out, self.drafter, self.opt, state, self.cfg.keep_checkpoints)
-
-    def resume(self, log) -> dict | None:
-        found = resume_checkpoint(self.out, self.drafter, self.opt, log)
-        if found is None:
-            return None
-        state, ckpt = found
-        log(f"resuming from {ckpt} (epoch {state['epoch']}, batch {state['batch']})")
-        return state
 
 
 def _train(
@@ -627,16 +459,6 @@ class _Hooks:
 
     before_wait: Callable[[], None]
     stopping: Callable[[], bool]
-
-
-def all_reduce_cpu(t: torch.Tensor) -> None:
-    """Sum a small CPU tensor over ranks in place (NCCL only reduces GPU tensors)."""
-    if dist.get_backend() == "nccl":
-        x = t.to(f"cuda:{torch.cuda.current_device()}")
-        dist.all_reduce(x)
-        t.copy_(x.cpu())
-    else:
-        dist.all_reduce(t)
 
 
 def _should_stop(stop: list, world: int) -> bool:
