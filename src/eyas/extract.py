@@ -522,6 +522,7 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
     total = len(mine) * cfg.passes
     done_before = sum(i in led.pass_commits(p) for p in range(cfg.passes) for i in mine)
     waiting: list[str | None] = [None]
+    shown: list[Reporter] = []
 
     def show_wait(msg: str | None) -> None:
         if msg is not None and waiting[0] is None:
@@ -529,6 +530,8 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
         elif msg is None and waiting[0] is not None:
             lock.set_phase("extracting")
         waiting[0] = msg
+        for rep in shown:
+            rep.note(msg)
 
     stop = threading.Event()
     stop_reason: list[str] = []
@@ -631,6 +634,7 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
         with Reporter("extract", total, enabled=cfg.progress, extra=extra, eta=eta,
                       rate=lambda: recent_rate(commits, time.time())[0]) as rep:  # fmt: skip
             rep.skip(done_before)
+            shown.append(rep)
             seen = 0
             for p, batch in todo:
                 if stop.is_set():

@@ -171,12 +171,17 @@ class FollowSource:
                     and pass_of(led.present.get(i) or {"pass": -1}) == p]  # fmt: skip
             complete = self._complete(led, p)
             if pend and (complete or sum(commits[i]["tokens"] for i in pend) >= self.window_tokens):
+                if self._wait is not None:
+                    hooks.note(None)
                 self._wait = None
                 if waited:
                     self._publish(*self._published, waiting=False)
                 entries = {i: led.present[i] for i in pend}
                 return ("window", self._plan(pend, entries, epoch), entries)
             if complete:
+                if self._wait is not None:
+                    hooks.note(None)
+                    self._wait = None
                 self._note_lost(led, p)
                 return ("end",)
             if hooks.stopping():
@@ -187,6 +192,7 @@ class FollowSource:
                 waited = self._waited = True
             self._wait = (f"waiting for extraction: pass {p + 1}/{self.passes}, {len(commits)}/{self.n} "
                           f"committed, {len(self.consumed)} trained" + self._extractor_note())  # fmt: skip
+            hooks.note(self._wait)
             if self.world > 1 and time.monotonic() - beat > HEARTBEAT:
                 self._share(("wait",))
                 beat = time.monotonic()

@@ -361,10 +361,6 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
         return TrainStopped(f"stopped by {stop[0] if stop else 'another rank'} at step {st['step']}; checkpoint "
                             f"saved. Resume with: eyas train --resume{follow} --data {run} --out {out}")  # fmt: skip
 
-    hooks = _Hooks(
-        before_wait=lambda: checkpoint(state) if state["step"] > saved_step[0] else None,
-        stopping=lambda: bool(stop),
-    )
     last_val: dict = {}
     t0, tokens_seen = time.monotonic(), 0
     window = torch.zeros(cfg.ttt_steps, 6, dtype=torch.float64)
@@ -386,6 +382,11 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
     )
     rep.__enter__()
     rep.skip(state["step"])
+    hooks = _Hooks(
+        before_wait=lambda: checkpoint(state) if state["step"] > saved_step[0] else None,
+        stopping=lambda: bool(stop),
+        note=rep.note,
+    )
     try:
         for epoch in range(state["epoch"], cfg.epochs):
             try:
@@ -459,6 +460,7 @@ class _Hooks:
 
     before_wait: Callable[[], None]
     stopping: Callable[[], bool]
+    note: Callable[[str | None], None]
 
 
 def _should_stop(stop: list, world: int) -> bool:

@@ -44,6 +44,7 @@ class Reporter:
         self._logged = -1
         self._progress: Progress | None = None
         self._task = None
+        self._noting = False
 
     def __enter__(self) -> Reporter:
         if self.enabled and sys.stderr.isatty():
@@ -87,6 +88,21 @@ class Reporter:
             self._progress.update(self._task, advance=n, extra=self.extra(), eta=self._eta_text())
         elif self.enabled and time.monotonic() - self._last_log >= self.log_every:
             self._log()
+
+    def note(self, msg: str | None) -> None:
+        """Show a state that is not progress (waiting for the other side) now: on a terminal
+        in the status field; in logs as a line when it begins and every log interval while it
+        lasts. None: the state is over."""
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.update(self._task, extra=msg if msg is not None else self.extra())
+        elif msg is not None and (
+            not self._noting or time.monotonic() - self._last_log >= self.log_every
+        ):
+            self._last_log = time.monotonic()
+            console.print(f"{self.label}: {msg}", markup=False, highlight=False)
+        self._noting = msg is not None
 
     def _eta_text(self) -> str:
         from .fsutil import human_duration
