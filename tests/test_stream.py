@@ -118,35 +118,6 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
     return out
 
 
-def test_follow_under_a_budget_trains_every_sample_once(targets, llama_dataset, tmp_path):
-    run, out = tmp_path / "run", tmp_path / "train"
-    ex = start(*extract_cmd(targets, llama_dataset, run))
-    while not (run / "samples").exists():
-        time.sleep(0.02)
-    sampler = StoreSampler(run)
-    tr = start(*train_cmd(run, out, "--epochs", 1))
-    ex_out = finish(ex)
-    tr_out = finish(tr)
-    sampler.stop()
-    assert sampler.samples > 20
-    assert sampler.peak <= BUDGET + batch_bytes(run), (sampler.peak, BUDGET)
-    assert sampler.peak > BUDGET // 2  # the budget was reached: the extractor had to wait
-    assert "deleted before" not in tr_out
-    assert_each_once(out, 120, 1)
-    # Retired samples are done, not missing: verify, status and a resume agree.
-    r = eyas("extract", "--resume", run, check=True)  # deletes what the trainer consumed last
-    assert "extracted 0 samples" in r.stdout + r.stderr, ex_out
-    assert not list((run / "samples").rglob("*.safetensors"))
-    v = eyas("verify", run, "--json", check=True)
-    rep = json.loads(v.stdout)
-    assert rep["clean"] and rep["retired"] == 120
-    st = eyas("status", run, check=True).stdout
-    assert "120/120 done" in st and "120 retired" in st and "finished" in st
-    # An offline training of a streamed run is refused with the command that fits it.
-    r = eyas("train", "--data", run, "--out", tmp_path / "offline")
-    assert r.returncode == 1 and "train --follow" in r.stderr
-
-
 def test_without_followers_nothing_is_deleted_and_the_writer_waits(
     targets, llama_dataset, tmp_path
 ):
@@ -208,7 +179,7 @@ def test_sigkills_of_both_sides_then_resume(targets, llama_dataset, tmp_path):
     ex = start(*extract_cmd(targets, llama_dataset, run))
     tr = start(*train_cmd(run, out, "--epochs", 1, "--save-every", 1))
     round_ = 0
-    while sum(kills.values()) < 12 and round_ < 60:
+    while sum(kills.values()) < 10 and round_ < 60:
         kind = kinds[round_ % len(kinds)]
         round_ += 1
         proc = ex if kind.startswith("extract") else tr
@@ -241,8 +212,7 @@ def test_sigkills_of_both_sides_then_resume(targets, llama_dataset, tmp_path):
             tr = start(*train_cmd(run, out, "--epochs", 1, "--save-every", 1))
     print("kills:", kills)
     assert sum(kills.values()) >= 10, kills
-    assert kills["extract-random"] + kills["extract-after-retire"] >= 4, kills
-    assert kills["train-random"] + kills["train-during-save"] >= 4, kills
+    assert min(kills.values()) >= 2, kills  # every kind, both sides
     finish(ex)
     tr_out = finish(tr)
     assert "deleted before this trainer consumed" not in tr_out + "".join(logs)
@@ -290,12 +260,19 @@ def test_follow_without_a_budget_under_torchrun(targets, llama_dataset, tmp_path
     deleted. The trainer starts before the run exists and waits for it."""
     run, out = tmp_path / "run", tmp_path / "train"
     tr = start(*train_cmd(run, out, "--epochs", 2), torchrun=2)
-    time.sleep(1)
+    deadline = time.monotonic() + 120
+    while (
+        "to be created by `eyas extract`"
+        not in Path(f"/proc/self/fd/{tr.log.fileno()}").read_text()
+    ):
+        assert tr.poll() is None and time.monotonic() < deadline, (
+            "the trainer did not wait for its run"
+        )
+        time.sleep(0.05)
     ex = start("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run,
                "--batch-tokens", BATCH)  # fmt: skip
     finish(ex)
     text = finish(tr)
-    assert "to be created by `eyas extract`" in text
     assert json.loads((out / "train.json").read_text())["world"] == 2, text
     assert_each_once(out, 120, 2)
     led = ledger(run)
@@ -303,69 +280,71 @@ def test_follow_without_a_budget_under_torchrun(targets, llama_dataset, tmp_path
     assert (out / "drafter.safetensors").exists()
 
 
-def test_streamed_drafter_is_as_good_as_offline(tmp_path):
-    """On the demo target (which has something to learn), a drafter trained for two epochs
-    under a budget of a quarter of the data, two extraction passes, reaches the validation
-    accuracy of offline training on the same data, within the spread of offline training
-    over two seeds; each pass trains every sample once, each in its own order."""
+def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_path):
+    """extract --max-store (a quarter of the data) --passes 2 and train --follow --epochs 2 side
+    by side, on the demo target (which has something to learn): the store's bytes, sampled
+    every 50 ms, stay under the budget plus one batch; each pass trains every sample once,
+    each pass in its own order; retired samples are done, not missing, for verify, status and
+    a resume; and the drafter's validation accuracy is that of offline training on the same
+    data, within the spread of offline training over two seeds."""
     from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.extract import ExtractConfig, extract
     from eyas.prepare import PrepareConfig, prepare
+    from eyas.train import TrainConfig, train
 
     src = tmp_path / "conv.jsonl"
     src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:200]))
     ds = tmp_path / "ds"
     prepare(PrepareConfig(model=str(DEMO_TARGET), data=(str(src),), out=str(ds), draft_vocab_size=400,
                           progress=False))  # fmt: skip
-    recipe = ["--epochs", 2, "--batch-tokens", 1024, "--lr", "3e-3", "--warmup-steps", 5, "--ttt-steps", 3,
-              "--val-fraction", 0.1]  # fmt: skip
+    recipe = dict(
+        epochs=2, batch_tokens=1024, lr=3e-3, warmup_steps=5, ttt_steps=3, val_fraction=0.1
+    )
 
     def acc0(out: Path) -> float:
         recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         return [r for r in recs if r["split"] == "val"][-1]["acc"][0]
 
     full = tmp_path / "full"
-    eyas(
-        "extract",
-        "--model",
-        DEMO_TARGET,
-        "--data",
-        ds,
-        "--out",
-        full,
-        "--batch-tokens",
-        1024,
-        check=True,
+    extract(
+        ExtractConfig(
+            model=str(DEMO_TARGET), data=str(ds), out=str(full), batch_tokens=1024, progress=False
+        )
     )
     offline = []
     for seed in (0, 1):
-        eyas(
-            "train",
-            "--data",
-            full,
-            "--out",
-            tmp_path / f"off{seed}",
-            *recipe,
-            "--seed",
-            seed,
-            check=True,
+        train(
+            TrainConfig(
+                data=str(full),
+                out=str(tmp_path / f"off{seed}"),
+                seed=seed,
+                progress=False,
+                **recipe,
+            )
         )
         offline.append(acc0(tmp_path / f"off{seed}"))
-    store = sum(p.stat().st_size for p in (full / "samples").rglob("*.safetensors"))
+    budget = sum(p.stat().st_size for p in (full / "samples").rglob("*.safetensors")) // 4
     run, out = tmp_path / "streamed", tmp_path / "follow"
     ex = start("extract", "--model", DEMO_TARGET, "--data", ds, "--out", run, "--batch-tokens", 1024,
-               "--max-store", f"{store // 4 >> 10}K", "--passes", 2)  # fmt: skip
+               "--max-store", f"{budget >> 10}K", "--passes", 2)  # fmt: skip
     while not (run / "samples").exists():
         time.sleep(0.02)
     sampler = StoreSampler(run)
-    tr = start("train", "--follow", "--data", run, "--out", out, *recipe, "--seed", 0)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in recipe.items()]
+    tr = start("train", "--follow", "--data", run, "--out", out, *flags, "--seed", 0)
     finish(ex)
-    finish(tr)
+    tr_out = finish(tr)
     sampler.stop()
-    # Two passes under a quarter of the data: each sample once per pass, each pass in its order.
-    assert sampler.peak <= store // 4 + int(
-        1024 * json.loads((run / "run.json").read_text())["bytes_per_token"] * 1.1
-    ) + (64 << 10)
-    n = json.loads((run / "run.json").read_text())["samples"]
+    meta = json.loads((run / "run.json").read_text())
+    n = meta["samples"]
+    assert sampler.samples > 20
+    assert (
+        budget // 2
+        < sampler.peak
+        <= (budget >> 10 << 10) + int(1024 * meta["bytes_per_token"] * 1.1) + (64 << 10)
+    )
+    assert "deleted before" not in tr_out
+    # Each pass: every sample once, in the pass's own order.
     train_idx, _ = split_samples(list(range(n)), 0.1)
     per = consumption(out)
     assert sorted(per) == [0, 1] and all(sorted(per[p]) == train_idx for p in (0, 1))
@@ -373,6 +352,17 @@ def test_streamed_drafter_is_as_good_as_offline(tmp_path):
              if not e.get("retired")]  # fmt: skip
     first, second = [i for p, i in order if p == 0], [i for p, i in order if p == 1]
     assert sorted(first) == sorted(second) == list(range(n)) and first != second
+    # Retired samples are done, not missing: a resume, verify and status agree.
+    r = eyas("extract", "--resume", run, check=True)  # deletes what the trainer consumed last
+    assert "extracted 0 samples" in r.stdout + r.stderr
+    assert not list((run / "samples").rglob("*.safetensors"))
+    v = json.loads(eyas("verify", run, "--json", check=True).stdout)
+    assert v["clean"] and v["retired"] == 2 * n
+    st = eyas("status", run, check=True).stdout
+    assert f"{2 * n}/{2 * n} done" in st and f"{2 * n} retired" in st and "finished" in st, st
+    r = eyas("train", "--data", run, "--out", tmp_path / "offline")  # refused, naming --follow
+    assert r.returncode == 1 and "train --follow" in r.stderr
+    # As good as offline.
     followed = acc0(out)
     noise = max(abs(offline[0] - offline[1]), 0.03)
     print(f"val acc0: offline {offline}, streamed {followed:.4f}")
