@@ -170,10 +170,17 @@ def _retired_lines(run: Path) -> int:
 
 def test_sigkills_of_both_sides_then_resume(targets, llama_dataset, tmp_path):
     """At least 10 SIGKILLs, split between the two sides: at random moments, right after a
-    deletion (the extractor), and while a checkpoint is being saved (the trainer)."""
+    retirement (either side: the extractor between journal line and deletion, the trainer
+    just after samples it consumed were deleted), and while the trainer saves a checkpoint."""
     run, out = tmp_path / "run", tmp_path / "train"
     rng = random.Random(5)
-    kinds = ["extract-random", "train-random", "extract-after-retire", "train-during-save"]
+    kinds = [
+        "extract-random",
+        "train-random",
+        "extract-after-retire",
+        "train-during-save",
+        "train-after-retire",
+    ]
     kills: dict[str, int] = {k: 0 for k in kinds}
     logs: list[str] = []
     ex = start(*extract_cmd(targets, llama_dataset, run))
@@ -191,7 +198,7 @@ def test_sigkills_of_both_sides_then_resume(targets, llama_dataset, tmp_path):
         before = _retired_lines(run)
         hit = False
         while time.monotonic() < limit and proc.poll() is None:
-            if kind == "extract-after-retire" and _retired_lines(run) > before:
+            if kind.endswith("after-retire") and _retired_lines(run) > before:
                 hit = True
                 break
             if kind == "train-during-save" and list((out / "checkpoints").glob("step-*.tmp")):
@@ -368,3 +375,32 @@ def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_pa
     print(f"val acc0: offline {offline}, streamed {followed:.4f}")
     assert min(offline) > 0.2  # the recipe learns: a broken follower could not pass by luck
     assert abs(followed - statistics.mean(offline)) <= 2 * noise, (followed, offline)
+
+
+def test_a_checkpoint_replaced_at_the_same_step_survives_a_kill(tmp_path):
+    """A followed pass that ends right after the save made before waiting saves a new state
+    at the same step: the old directory is set aside as step-N.old, the new one renamed in.
+    A kill at any point leaves one whole step-N after the next start's clean-up."""
+    from eyas.checkpoint import MARKER, remove_stale_temp
+
+    def ckpt(name: str, state: str) -> None:
+        d = tmp_path / "checkpoints" / name
+        d.mkdir(parents=True)
+        (d / "state.json").write_text(state)
+        (d / MARKER).write_text("{}")
+
+    ckpt("step-00000005.old", "old")  # killed after the old one was set aside...
+    ckpt("step-00000005.tmp", "new")  # ...and before the complete new one was renamed in
+    remove_stale_temp(tmp_path)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert (
+        names == ["step-00000005"]
+        and (tmp_path / "checkpoints/step-00000005/state.json").read_text() == "new"
+    )
+
+    ckpt("step-00000009.old", "old")  # killed while the new one was still being written
+    (tmp_path / "checkpoints" / "step-00000009.tmp").mkdir()
+    remove_stale_temp(tmp_path)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-00000005", "step-00000009"]
+    assert (tmp_path / "checkpoints/step-00000009/state.json").read_text() == "old"
