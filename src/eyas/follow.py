@@ -9,9 +9,10 @@ registration in the run (`stream.publish`) is rewritten only after a checkpoint 
 the extractor deletes only what a durable checkpoint is past, so a resume of either side,
 after any kill, trains every sample exactly once per pass.
 
-Before it waits for samples the follower checkpoints what it trained since its last
-checkpoint, so an extractor waiting for room can go on: neither side waits on the other for
-ever. The held-out samples of a pass are evaluated when the pass is complete. Under
+While it waits for samples and the extractor waits for room (its lock's phase says so),
+the follower checkpoints what it trained since its last checkpoint, so the extractor can
+delete it and go on: neither side waits on the other for ever, and a trainer that is merely
+faster than the extractor does not checkpoint at every wait. The held-out samples of a pass are evaluated when the pass is complete. Under
 torchrun rank 0 decides each window and sends it to the other ranks.
 """
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from .fsutil import human_bytes, parse_size
 from .journal import Ledger, journal_files, ledger, pass_of, read_errors
-from .lock import live_locks
+from .lock import all_locks, live_locks
 from .stream import from_ranges, publish, to_ranges
 from .target import plan_batches
 from .train_data import SampleReader, StopRequested, StoreSource, pack_batches, split_samples
@@ -139,7 +140,9 @@ class FollowSource:
     def saved(self, state: dict) -> None:
         """The checkpoint of `state` is durable: tell the extractor what it may delete."""
         if self.rank == 0:
-            self._publish(state["epoch"], self.consumed, self.trained)
+            self._publish(
+                state["epoch"], self.consumed, self.trained, waiting=self._wait is not None
+            )
 
     def finished(self, state: dict) -> None:
         if self.rank == 0:
@@ -187,9 +190,12 @@ class FollowSource:
             if hooks.stopping():
                 return ("stop",)
             if not waited:
-                hooks.before_wait()  # checkpoint what was trained: the extractor may need the room
                 self._publish(*self._published, waiting=True)
                 waited = self._waited = True
+            if self.budget and self._extractor_waits():
+                # The store is full and this trainer holds what it trained since its last
+                # checkpoint: checkpoint it, so the extractor may delete it and go on.
+                hooks.before_wait()
             self._wait = (f"waiting for extraction: pass {p + 1}/{self.passes}, {len(commits)}/{self.n} "
                           f"committed, {len(self.consumed)} trained" + self._extractor_note())  # fmt: skip
             hooks.note(self._wait)
@@ -236,6 +242,9 @@ class FollowSource:
             self.log(f"warning: {len(lost)} sample(s) of pass {p + 1} were deleted before this trainer "
                      "consumed them (it registered late, or resumed from an older checkpoint than the "
                      "one it had published): they are not trained in this pass")  # fmt: skip
+
+    def _extractor_waits(self) -> bool:
+        return any(lk.live and lk.phase == "waiting for followers" for lk in all_locks(self.run))
 
     def _extractor_note(self) -> str:
         t, live = self._live_checked
