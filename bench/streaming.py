@@ -40,22 +40,19 @@ BATCH = 2048  # extraction's token budget per batch: the store may exceed --max-
 
 
 class Sampler:
-    def __init__(self, root: Path):
-        self.root, self.peak = root, 0
+    """The peak of `store.bytes_on_disk(run)`, sampled every 50 ms from a thread."""
+
+    def __init__(self, run: Path):
+        self.run, self.peak = run, 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._work, daemon=True)
         self._t.start()
 
     def _work(self) -> None:
+        from eyas.store import bytes_on_disk
+
         while not self._stop.is_set():
-            total = 0
-            for d, _, files in os.walk(self.root):
-                for f in files:
-                    try:
-                        total += os.stat(os.path.join(d, f)).st_size
-                    except FileNotFoundError:
-                        pass
-            self.peak = max(self.peak, total)
+            self.peak = max(self.peak, bytes_on_disk(self.run))
             self._stop.wait(0.05)
 
     def stop(self) -> int:
@@ -92,7 +89,7 @@ def one(way: str, work: Path, model: Path, ds: Path, epochs: int, budget: str, s
              "--warmup-steps", 10, "--val-fraction", 0.1, "--save-every", 1000, "--seed", seed]  # fmt: skip
     extract = ["extract", "--model", model, "--data", ds, "--out", run, "--batch-tokens", BATCH]
     (run / "samples").mkdir(parents=True)
-    sampler = Sampler(run / "samples")
+    sampler = Sampler(run)
     t0 = time.monotonic()
     if way == "offline":
         ex_text, t_ex = wait(eyas(*extract))

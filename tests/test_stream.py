@@ -9,7 +9,6 @@ saves), a full disk, and two passes.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import statistics
@@ -24,6 +23,7 @@ import pytest
 from conftest import eyas, mounted_tmpfs
 
 from eyas.journal import ledger, read_journal
+from eyas.store import bytes_on_disk
 from eyas.train_data import split_samples
 
 BATCH = 1024  # extraction and training token budget per batch
@@ -74,13 +74,7 @@ class StoreSampler:
 
     def _work(self) -> None:
         while not self._stop.is_set():
-            total = 0
-            for root, _, files in os.walk(self.run / "samples"):
-                for f in files:
-                    try:
-                        total += os.stat(os.path.join(root, f)).st_size
-                    except FileNotFoundError:
-                        pass
+            total = bytes_on_disk(self.run)
             self.peak, self.samples = max(self.peak, total), self.samples + 1
             self._stop.wait(0.05)
 

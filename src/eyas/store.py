@@ -592,6 +592,18 @@ def iter_sample_files(run: Path) -> Iterator[Path]:
         yield d / name
 
 
+def bytes_on_disk(run: Path) -> int:
+    """Bytes of every file under samples/ now (temp files included; a file deleted while
+    it is counted counts 0): what a --max-store budget is measured against from outside."""
+    total = 0
+    for p in iter_sample_files(run):
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
 def stray_temp_files(run: Path) -> list[Path]:
     return [p for p in iter_sample_files(run) if is_temp_file(p)] + [
         p
