@@ -23,6 +23,7 @@ How:
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import signal
@@ -73,6 +74,8 @@ from .store import (
 from .stream import Retirer
 from .target import (
     DTYPES,
+    ModelDirError,
+    check_layers_present,
     check_model_dir,
     check_transformers_can_run,
     default_aux_layers,
@@ -377,6 +380,7 @@ def extract(
     device = resolve_device(cfg.device)
     if cfg.backend == "hf":
         check_transformers_can_run(cfg.model, device)
+    check_layers_present(cfg.model)
     try:  # before anything is written: a refusal leaves nothing behind
         gpu_preflight(device, parse_size(cfg.max_foreign_gpu_mem, 1), cfg.ignore_busy_gpus, say,
                       count=cfg.tensor_parallel_size if cfg.backend == "vllm" else None)  # fmt: skip
@@ -384,13 +388,26 @@ def extract(
         if new_dir:
             shutil.rmtree(run, ignore_errors=True)
         raise
+    before = set(os.listdir(run)) if run.is_dir() else set()
     run.mkdir(parents=True, exist_ok=True)
     if fresh is not None:
         meta = fresh
         write_run_meta(run, meta)  # the intent: from here on, --resume works
     else:
         _persist_overrides(run, meta, cfg)
+    try:
+        return _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device)
+    except ModelDirError:
+        if fresh is not None:  # a target refused at load: the new run leaves nothing behind
+            for name in set(os.listdir(run)) - before:
+                p = run / name
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            if new_dir:
+                shutil.rmtree(run, ignore_errors=True)
+        raise
 
+
+def _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device) -> ExtractSummary:
     lock = WriterLock(run, cfg.rank, cfg.world).acquire()
     try:
         if lock.taken_over is not None:

@@ -73,8 +73,11 @@ def target_facts(model_dir: str | Path) -> TargetFacts:
 
 # Where a wrapper's checkpoint keeps its language model, as the causal LM's own names: the
 # hub layout of Kimi-K2.5 and LLaVA-style wrappers (`language_model.model.*`,
-# `language_model.lm_head`) and transformers' own multimodal layout (`model.language_model.*`).
+# `language_model.lm_head`), transformers' own multimodal layout (`model.language_model.*`),
+# and what transformers' Kimi-K2.5 class saves: its conversion renames the vision tower's
+# `blocks` to `layers`, so undoing it on save names the decoder layers `blocks` too.
 TEXT_KEY_MAPPING = {
+    r"^language_model\.model\.blocks\.": "model.layers.",
     r"^language_model\.model\.": "model.",
     r"^language_model\.lm_head\.": "lm_head.",
     r"^model\.language_model\.": "model.",
@@ -127,13 +130,56 @@ def load_causal_lm(
                                 "language model nor a wrapper around one (a text_config)")  # fmt: skip
         args.update(config=text, key_mapping=TEXT_KEY_MAPPING)
     try:
-        return AutoModelForCausalLM.from_pretrained(model_dir, **args)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            model_dir, output_loading_info=True, **args
+        )
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise ModelDirError(
                 f"{model_dir}: eyas cannot run architecture {arch} with transformers"
             ) from None
         raise
+    # A tensor the checkpoint lacks is left at its random initialisation: such a target
+    # runs, and every state it gives is wrong in a way no checksum can see. A wrapper's
+    # checkpoint also holds its vision tower, which the language model does not take.
+    unexpected = [] if "key_mapping" in args else sorted(info.get("unexpected_keys") or [])
+    _refuse_incomplete(model_dir, sorted(info.get("missing_keys") or []), unexpected,
+                       [str(m[0]) for m in info.get("mismatched_keys") or []])  # fmt: skip
+    return model
+
+
+def _refuse_incomplete(model_dir, missing: list, unexpected: list, mismatched: list) -> None:
+    parts = []
+    for what, names in (("missing", missing), ("not taken by the model", unexpected),
+                        ("of the wrong shape", mismatched)):  # fmt: skip
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            parts.append(f"{len(names)} tensor(s) {what} ({', '.join(names[:3])}{more})")
+    if parts:
+        raise ModelDirError(f"{model_dir}: the checkpoint does not fill the model: {'; '.join(parts)}. "
+                            "A target with weights left random gives wrong states; refusing it")  # fmt: skip
+
+
+def check_layers_present(model_dir: str | Path) -> None:
+    """Refuse, from the shards' headers alone, a checkpoint in which a decoder layer, the
+    embeddings or the final norm has no tensor under any name eyas loads (a wrapper saved
+    under names the loader does not map): cheap, before anything is written, for every
+    backend. The loaders check tensor by tensor once they load."""
+    import re
+
+    from .weights import weight_map
+
+    f = target_facts(model_dir)
+    names = list(weight_map(model_dir))
+    for pat, rep in TEXT_KEY_MAPPING.items():
+        names = [re.sub(pat, rep, n) for n in names]
+    have = {m.group(1) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    missing = [f"model.layers.{i}" for i in range(f.num_hidden_layers) if str(i) not in have]
+    for part in ("model.embed_tokens.", "model.norm."):
+        if not any(n.startswith(part) for n in names):
+            missing.append(part.rstrip("."))
+    if missing:
+        _refuse_incomplete(model_dir, missing, [], [])
 
 
 def text_config(model_dir: str | Path, trust_remote_code: bool = False):
