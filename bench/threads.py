@@ -21,7 +21,7 @@ import time
 import torch
 
 from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
-from eyas.evaluate import greedy, load_prompts
+from eyas.evaluate import greedy, read_prompts, render_prompts
 
 
 def timed(model, prompts, tokens: int, eos: set[int]) -> float:
@@ -42,7 +42,7 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(DEMO_TARGET)
     model = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32).eval()
-    prompts = load_prompts(tok, DEMO_CONVERSATIONS, args.prompts)
+    prompts = render_prompts(tok, read_prompts(DEMO_CONVERSATIONS, args.prompts))
     eos = {tok.eos_token_id}
     default = torch.get_num_threads()
     print(f"demo target greedy decoding, {args.prompts} prompts x {args.tokens} tokens; "

@@ -36,6 +36,9 @@ class EvalResult:
     base_tokens: int = 0
     base_seconds: float = 0.0
     mismatches: list[dict] = field(default_factory=list)
+    categories: list[str | None] = field(
+        default_factory=list
+    )  # per prompt, where the data names one
 
     def compare(self, prompt: int, spec: list[int], base: list[int], tok) -> None:
         """Record where speculative decoding's output first differs from greedy's, if it does."""
@@ -77,6 +80,24 @@ class EvalResult:
         q = lambda x: [round(float(v), 3) for v in np.percentile(x, [2.5, 97.5])]  # noqa: E731
         return {"acceptance_length": q(acc), "tokens_per_forward": q(tpf)}
 
+    def by_category(self) -> dict[str, dict]:
+        """Tokens per forward and acceptance length of each category's prompts, with
+        intervals: a drafter that helps code and not roleplay shows it here."""
+        groups: dict[str, list[list[int]]] = {}
+        for cat, row in zip(self.categories, self.per_prompt, strict=False):
+            if cat is not None:
+                groups.setdefault(cat, []).append(row)
+        out = {}
+        for cat, rows in sorted(groups.items()):
+            sub = EvalResult(prompts=len(rows), per_prompt=rows, rounds=sum(r[0] for r in rows),
+                             accepted=sum(r[1] for r in rows))  # fmt: skip
+            ci = sub.intervals()
+            out[cat] = {"prompts": len(rows), "tokens_per_forward": round(sub.tokens_per_forward, 3),
+                        "tokens_per_forward_ci95": ci["tokens_per_forward"],
+                        "acceptance_length": round(sub.acceptance_length, 3),
+                        "acceptance_length_ci95": ci["acceptance_length"]}  # fmt: skip
+        return out
+
     def to_dict(self) -> dict:
         ci = self.intervals()
         return {
@@ -91,6 +112,7 @@ class EvalResult:
             "speedup": round((self.spec_tokens / self.spec_seconds) / (self.base_tokens / self.base_seconds), 3)
             if self.spec_seconds and self.base_seconds and self.base_tokens else None,
             "lossless": not self.mismatches, "mismatches": self.mismatches,
+            **({"by_category": self.by_category()} if any(c is not None for c in self.categories) else {}),
         }  # fmt: skip
 
 
@@ -118,24 +140,65 @@ class AuxTap:
             h.remove()
 
 
-def load_prompts(tokenizer, path: Path, limit: int | None) -> list[list[int]]:
-    """Conversations cut before their last assistant turn, rendered with a generation prompt."""
-    prompts = []
-    for rec in iter_records(Path(path)):
-        try:
-            fmt, msgs = to_messages(parse_record(rec))
-        except RecordError:
-            continue
-        if fmt == "text":
-            continue
-        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-        text = tokenizer.apply_chat_template(
-            msgs[:last], tokenize=False, add_generation_prompt=True
+@dataclass(frozen=True)
+class Prompt:
+    messages: list[dict]
+    category: str | None = None
+
+
+def read_prompts(path: Path, limit: int | None) -> list[Prompt]:
+    """The prompts of `path`, checked before any model loads: a record whose last turn is
+    the user's is a prompt as it is, as is `{"prompt": "..."}`; a conversation is cut before
+    its last assistant turn. A `category` field is kept for the per-category figures."""
+    path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(
+            f"--data {path} is a directory; give a JSONL file of prompts or conversations"
         )
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file")
+    prompts, skipped = [], {}
+    for rec in iter_records(path):
+        try:
+            obj = parse_record(rec)
+            if (
+                isinstance(obj.get("prompt"), str)
+                and "messages" not in obj
+                and "conversations" not in obj
+            ):
+                msgs = [{"role": "user", "content": obj["prompt"]}]
+            else:
+                fmt, msgs = to_messages(obj, prompt=True)
+                if fmt == "text":
+                    raise RecordError("plain text has no turns to prompt with", "text")
+                if msgs[-1]["role"] != "user":
+                    last = max(
+                        (i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=0
+                    )
+                    msgs = msgs[:last]
+                if not msgs or msgs[-1]["role"] not in ("user", "tool"):
+                    raise RecordError("no user turn to answer", "no-user")
+        except RecordError as exc:
+            skipped[exc.code] = skipped.get(exc.code, 0) + 1
+            continue
+        cat = obj.get("category")
+        prompts.append(Prompt(msgs, str(cat) if cat is not None else None))
         if limit and len(prompts) >= limit:
             break
+    if not prompts:
+        why = ", ".join(f"{n} {code}" for code, n in skipped.items()) or "the file is empty"
+        raise ValueError(f"{path}: no usable prompts ({why}); give records with a last user turn, "
+                         '{"prompt": ...} or conversations with an assistant turn')  # fmt: skip
     return prompts
+
+
+def render_prompts(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
+    """Each prompt rendered with the model's chat template and a generation prompt."""
+    out = []
+    for p in prompts:
+        text = tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
 
 
 def _cache_kw(model, cache) -> dict:
@@ -243,6 +306,7 @@ def evaluate(
     from .target import check_model_dir, load_causal_lm
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
+    asked = read_prompts(Path(data), limit)  # before minutes of loading the model
     tok = load_tokenizer(model_dir, trust_remote_code)
     model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval()
     from .cpu import configure_threads
@@ -257,10 +321,9 @@ def evaluate(
                          f"fit target {model_dir} (H={model.config.hidden_size}, V={model.config.vocab_size})")  # fmt: skip
     eos = {tok.eos_token_id} | set(_as_list(model.config.eos_token_id))
     eos.discard(None)
-    prompts = load_prompts(tok, Path(data), limit)
-    if not prompts:
-        raise ValueError(f"{data}: no usable conversations with an assistant turn")
-    res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)])
+    prompts = render_prompts(tok, asked)
+    res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)],
+                     categories=[p.category for p in asked])  # fmt: skip
     tap = AuxTap(model, aux_hf)
 
     def extra() -> str:
@@ -320,15 +383,14 @@ def evaluate_vllm(
     from .ui import console
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
+    asked = read_prompts(Path(data), limit)
     load_export(drafter_dir)  # a clear error for a directory that is not an export
     import_vllm()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     tok = load_tokenizer(model_dir, trust_remote_code)
-    prompts = load_prompts(tok, Path(data), limit)
-    if not prompts:
-        raise ValueError(f"{data}: no usable conversations with an assistant turn")
+    prompts = render_prompts(tok, asked)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = resolve_dtype("auto", device)
     spec = BackendSpec(model=model_dir, aux_layers=(), device=device, dtype=dtype, store_dtype=dtype,

@@ -1,0 +1,144 @@
+"""Drafter quality on a real target: SmolLM2-135M-Instruct, ShareGPT, MT-Bench.
+
+Builds (or reuses) the real target and data with `scripts/real_target.py`'s library, takes
+the first `--conversations` ShareGPT records that open with a user turn and hold an
+assistant turn (in a seeded order), and runs prepare -> extract -> train -> export ->
+evaluate on MT-Bench's first turns (K drafts, greedy, `--max-new-tokens`). With
+`--sizes 250,500,1000` it repeats prepare..evaluate on nested subsets (the first N of the
+same order) and prints the curve of tokens per forward against conversations. Prints every
+stage's wall time, tokens per target forward and acceptance length with their 95%
+intervals, and the per-category table. Run from the repo root:
+
+    python bench/real_target.py --real /data/real [--sizes 500] [--epochs 4] [--ttt-steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+
+def pick_conversations(sharegpt: Path, n: int, seed: int) -> list[dict]:
+    """ShareGPT records that open with a user turn and hold an assistant turn, shuffled."""
+    from eyas.records import ROLE_ALIASES
+
+    def role(t):
+        return ROLE_ALIASES.get(str(t.get("from", "")).lower(), str(t.get("from", "")).lower())
+
+    keep = []
+    for line in sharegpt.read_text(encoding="utf-8").split("\n"):
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        turns = r.get("conversations") or []
+        if turns and role(turns[0]) == "user" and any(role(t) == "assistant" for t in turns):
+            keep.append(r)
+    random.Random(seed).shuffle(keep)
+    return keep[:n]
+
+
+def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
+    from eyas.evaluate import evaluate
+    from eyas.export import export
+    from eyas.extract import ExtractConfig, extract
+    from eyas.prepare import PrepareConfig, prepare
+    from eyas.train import TrainConfig, train
+
+    model = str(real / "model")
+    n = len(recs)
+    w = work / f"n{n}"
+    w.mkdir(parents=True, exist_ok=True)
+    data = w / "conversations.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+    t = {}
+
+    def timed(name, fn):
+        t0 = time.monotonic()
+        out = fn()
+        t[name] = round(time.monotonic() - t0, 1)
+        print(f"[n={n}] {name}: {t[name]:.0f} s", flush=True)
+        return out
+
+    p = timed("prepare", lambda: prepare(PrepareConfig(
+        model=model, data=(str(data),), out=str(w / "ds"), max_length=args.max_length,
+        draft_vocab_size=args.draft_vocab, max_error_rate=1.0, force=True, progress=False)))  # fmt: skip
+    x = timed("extract", lambda: extract(ExtractConfig(
+        model=model, data=str(w / "ds"), out=str(w / "run"), batch_tokens=args.extract_batch_tokens,
+        store_dtype="bfloat16", min_free="1G", progress=False)))  # fmt: skip
+    tr = timed("train", lambda: train(TrainConfig(
+        data=str(w / "run"), out=str(w / "train"), epochs=args.epochs, ttt_steps=args.ttt_steps,
+        lr=args.lr, warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens,
+        val_fraction=0.05, save_every=200, head_init=args.head_init, progress=True)))  # fmt: skip
+    drafter = timed("export", lambda: export(w / "train", "vllm", w / "drafter"))
+    e = timed("evaluate", lambda: evaluate(
+        model, str(drafter), str(real / "mtbench.jsonl"), k=args.k, max_new_tokens=args.max_new_tokens,
+        limit=args.eval_prompts, precision=args.precision or None, progress=False))  # fmt: skip
+    d = e.to_dict()
+    return {
+        "conversations": n, "tokens": p.tokens, "trainable_tokens": p.trainable_tokens,
+        "samples": x.done_before + x.committed, "val_acc": [round(a, 3) for a in tr["val"]["acc"]],
+        "tokens_per_forward": d["tokens_per_forward"], "tokens_per_forward_ci95": d["tokens_per_forward_ci95"],
+        "acceptance_length": d["acceptance_length"], "acceptance_length_ci95": d["acceptance_length_ci95"],
+        "per_position_acceptance": d["per_position_acceptance"], "prompts": d["prompts"],
+        "speculative_tok_s": d["spec_tokens_per_s"], "greedy_tok_s": d["greedy_tokens_per_s"],
+        "lossless": d["lossless"], "by_category": d.get("by_category", {}), "seconds": t,
+        "extract_tok_s": round(x.tokens / t["extract"], 1) if t["extract"] else None,
+        "train_tok_s": tr.get("tokens_per_s"),
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--real", type=Path, required=True, help="scripts/real_target.py's --out")
+    ap.add_argument("--work", type=Path, default=None, help="work directory (default: REAL/bench)")
+    ap.add_argument(
+        "--sizes", default="500", help="conversations, comma-separated (nested subsets)"
+    )
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup-steps", type=int, default=None)
+    ap.add_argument("--batch-tokens", type=int, default=2048)
+    ap.add_argument("--extract-batch-tokens", type=int, default=8192)
+    ap.add_argument("--head-init", default="random")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--eval-prompts", type=int, default=80)
+    ap.add_argument(
+        "--precision", type=float, default=0.0, help="stop evaluating at +- this (0: all)"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from eyas.real_target import build
+
+    build(args.real)
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    recs = pick_conversations(args.real / "sharegpt.jsonl", sizes[-1], args.seed)
+    work = args.work or args.real / "bench"
+    print(f"settings: {json.dumps(vars(args), default=str)}", flush=True)
+    rows = []
+    for n in sizes:
+        rows.append(run_size(args, work, args.real, recs[:n]))
+        print(json.dumps(rows[-1]), flush=True)
+    print(
+        "\nconversations  tokens   val acc@0  tokens/forward [95%]     acceptance [95%]      stage seconds"
+    )
+    for r in rows:
+        tpf, acc = r["tokens_per_forward_ci95"] or [0, 0], r["acceptance_length_ci95"] or [0, 0]
+        print(f"{r['conversations']:>13}  {r['tokens']:>7}  {r['val_acc'][0]:>9.3f}  "
+              f"{r['tokens_per_forward']:.2f} [{tpf[0]:.2f}, {tpf[1]:.2f}]     "
+              f"{r['acceptance_length']:.2f} [{acc[0]:.2f}, {acc[1]:.2f}]     {r['seconds']}")  # fmt: skip
+    for r in rows:
+        print(f"\nn={r['conversations']}: per category (tokens/forward)")
+        for cat, c in r["by_category"].items():
+            print(f"  {cat:<12} {c['tokens_per_forward']:.2f} {c['tokens_per_forward_ci95']}")
+
+
+if __name__ == "__main__":
+    main()
