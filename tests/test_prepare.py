@@ -156,7 +156,7 @@ BAD_LINES = [
         b'{"id": "zero", "messages": [{"role": "user", "content": "'
         + b"long question " * 40
         + b'"}, {"role": "assistant", "content": "b"}]}',
-        "zero trainable tokens",
+        "no trainable tokens within --max-length 48",
     ),
 ]
 
@@ -175,15 +175,16 @@ def test_bad_input_file(tmp_path, targets):
         "prepare", "--model", targets["llama"], "--data", src, "--out", out, "--max-length", "48"
     )
     assert p.returncode == 1, p.stderr  # error rate far above 1%
-    assert "failed" in p.stderr
+    assert "failed" in p.stderr and "no dataset was written" in p.stderr
+    assert not (out / "dataset.json").exists()  # a failed prepare leaves no dataset behind
     errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
     assert len(errors) == len(BAD_LINES)
     for (_, reason), err in zip(BAD_LINES, sorted(errors, key=lambda e: e["line"]), strict=True):
         assert reason in err["reason"], (reason, err)
         assert err["file"] == str(src) and err["line"] >= 2
-    ds = PreparedDataset.open(out)
-    assert len(ds) == 6 and ds.meta["counts"]["failed"] == len(BAD_LINES)
-    # Under a permissive threshold the same input succeeds.
+    # The record truncation emptied is no failure: it is counted apart.
+    assert "1 emptied by truncation" in p.stderr and f"{len(BAD_LINES) - 1} failed" in p.stderr
+    # Under a permissive threshold the same input succeeds, in the same directory, no --force.
     p = eyas(
         "prepare",
         "--model",
@@ -196,9 +197,11 @@ def test_bad_input_file(tmp_path, targets):
         "48",
         "--max-error-rate",
         "1",
-        "--force",
     )
     assert p.returncode == 0, p.stderr
+    ds = PreparedDataset.open(out)
+    assert len(ds) == 6 and ds.meta["counts"]["failed"] == len(BAD_LINES) - 1
+    assert ds.meta["counts"]["emptied_by_truncation"] == 1
 
 
 def test_usage_errors_exit_2(tmp_path, targets, conversations):

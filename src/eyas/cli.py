@@ -69,6 +69,12 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+def _need(path, what: str) -> None:
+    """A path the command reads must be there: a missing one is a usage error (exit 2)."""
+    if path is not None and not Path(path).exists():
+        raise fail(f"{path}: no such {what}", EXIT_USAGE)
+
+
 def fail(msg: str, code: int = EXIT_PROBLEMS) -> typer.Exit:
     console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
     return typer.Exit(code)
@@ -190,12 +196,16 @@ def prepare(
         trust_remote_code=trust_remote_code, force=force, chat_template_kwargs=_json_object(chat_template_kwargs),
         per_turn_samples=per_turn_samples,
     )  # fmt: skip
+    from .prepare import PrepareFailed
     from .target import ModelDirError
 
     try:
         s = run(cfg)
     except (ModelDirError, FileNotFoundError) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
+    except PrepareFailed as exc:
+        _prepare_report(exc.summary, written=False)
+        raise fail(str(exc)) from None
     except (ValueError, OSError) as exc:
         _disk_full(
             exc,
@@ -204,24 +214,30 @@ def prepare(
             else "prepare again",
         )
         raise fail(str(exc)) from None
-    console.print(
-        f"prepared {s.prepared}/{s.records} records"
-        + (f" into {s.samples} samples (one per assistant turn)" if s.samples != s.prepared else "")
-        + f", {s.tokens} tokens ({s.trainable_tokens} trainable), "
-        f"{s.truncated} truncated, {s.skipped_overlong} skipped as overlong, {s.failed} failed -> {s.out}",
-        markup=False,
-        highlight=False,
-    )
+    _prepare_report(s, written=True)
+
+
+def _prepare_report(s, written: bool) -> None:
     from .records import REASONS
 
+    def say(msg: str) -> None:
+        console.print(msg, markup=False, highlight=False)
+
+    say(f"prepared {s.prepared}/{s.records} records"
+        + (f" into {s.samples} samples (one per assistant turn)" if s.samples != s.prepared else "")
+        + f", {s.tokens} tokens ({s.trainable_tokens} trainable), {s.truncated} truncated, "
+        f"{s.skipped_overlong} skipped as overlong, {len(s.emptied)} emptied by truncation, "
+        f"{s.failed} failed" + (f" -> {s.out}" if written else ""))  # fmt: skip
     for code, n in s.reasons.items():
-        console.print(f"  {n:6d}  {REASONS.get(code, code)}", markup=False, highlight=False)
-    if s.failed:
-        console.print(f"  details: {Path(s.out) / 'errors.jsonl'}", markup=False, highlight=False)
-    if s.error_rate > cfg.max_error_rate:
-        raise fail(
-            f"{s.error_rate:.1%} of records failed (> --max-error-rate {cfg.max_error_rate:.1%})"
-        )
+        extra = ""
+        if code == "unknown-role" and s.unknown_roles:
+            extra = ": " + ", ".join(f"{r} ({k})" for r, k in sorted(s.unknown_roles.items()))
+        say(f"  {n:6d}  {REASONS.get(code, code)}{extra}")
+    if s.emptied:
+        say(f"  {len(s.emptied)} record(s) begin their first answer past --max-length; "
+            f"--max-length {s.max_length_keeping()} would keep 90% of them")  # fmt: skip
+    if written and (s.failed or s.emptied or s.skipped_overlong):
+        say(f"  details: {Path(s.out) / 'errors.jsonl'}")
 
 
 @app.command()
@@ -414,6 +430,8 @@ def extract(
         max_store=max_store, passes=passes,
     )  # fmt: skip
     opts = {k: v for k, v in opts.items() if v is not None}
+    _need(resume, "extraction run directory")
+    _need(data, "prepared dataset directory")
     try:
         if resume is not None:
             if model or data or out:
@@ -482,6 +500,9 @@ def estimate(
             "need --hidden-size or --model, and --store-dtype float32, bfloat16 or float16",
             EXIT_USAGE,
         )
+    if samples < 1 or tokens_per_sample <= 0:
+        raise fail(f"--samples and --tokens-per-sample must be positive, got {samples} and "
+                   f"{tokens_per_sample}", EXIT_USAGE)  # fmt: skip
     dt = DTYPES[store_dtype]
     per_token = layout.bytes_per_token(H, dt, draft_vocab_size)
     per_sample = overhead_per_sample(layout, H, dt, int(tokens_per_sample))
@@ -647,6 +668,7 @@ def train(
         seed=seed, verify_data=verify_data, intermediate_size=intermediate_size, attention=attention,
         allow_partial=allow_partial, head_init=head_init, pack=pack, follow=follow,
     )  # fmt: skip
+    _need(data, "extraction run directory")
     try:
         res = run_train(cfg, resume=resume)
     except TrainStopped as exc:
@@ -703,6 +725,7 @@ def export(
     from .export import ExportError, ExportUsage
     from .export import export as run_export
 
+    _need(train_dir, "training directory")
     try:
         path = run_export(
             train_dir,
@@ -737,7 +760,10 @@ def evaluate(
     model: Path = typer.Option(..., "--model", help="Target model directory."),
     drafter: Path = typer.Option(..., "--drafter", help="Exported drafter (either format)."),
     data: Path = typer.Option(
-        ..., "--data", help="JSONL conversations; prompts end before the last assistant turn."
+        ...,
+        "--data",
+        help='JSONL prompts: a last user turn, {"prompt": ...}, or conversations cut before '
+        "their last assistant turn; a category field gives a table per category.",
     ),
     draft_tokens: int = typer.Option(3, "--draft-tokens", help="Chain length K."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
@@ -801,6 +827,15 @@ def evaluate(
             markup=False,
             highlight=False,
         )
+        if d.get("by_category"):
+            from rich.table import Table
+
+            t = Table("category", "prompts", "tokens/forward", "95% interval", "acceptance length")
+            for cat, c in d["by_category"].items():
+                iv = c["tokens_per_forward_ci95"]
+                t.add_row(cat, str(c["prompts"]), f"{c['tokens_per_forward']:.2f}",
+                          f"{iv[0]:.2f}-{iv[1]:.2f}" if iv else "-", f"{c['acceptance_length']:.2f}")  # fmt: skip
+            report.print(t)
         for m in d["mismatches"][:3]:
             report.print(
                 f"  prompt {m['prompt']} differs at token {m['first_difference_at']}",

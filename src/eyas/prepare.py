@@ -33,6 +33,7 @@ from .fsutil import (
     atomic_write_bytes,
     atomic_write_json,
     fsync_dir,
+    is_temp_file,
     read_json,
     sha256_file,
 )
@@ -121,6 +122,17 @@ class PrepareSummary:
     trainable_tokens: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
     fingerprint: str = ""
+    unknown_roles: dict[str, int] = field(default_factory=dict)
+    emptied: list[int] = field(default_factory=list)
+    """Records left without a trainable token by --max-length: each one's first assistant
+    token position (a longer --max-length keeps them)."""
+
+    def max_length_keeping(self, share: float = 0.9) -> int | None:
+        """The --max-length that would keep `share` of the records truncation emptied."""
+        if not self.emptied:
+            return None
+        pos = sorted(self.emptied)
+        return pos[min(len(pos) - 1, int(share * len(pos)))] + 64  # room for some answer
 
     @property
     def error_rate(self) -> float:
@@ -411,7 +423,7 @@ def _prepare_one(rec: RawRecord, cfg: PrepareConfig) -> list[Prepared] | tuple[s
         return [_sample(f"{rid}/turn-{i}", rec, fmt, *_render_masked(content[: i + 1], True, tools, cfg), cfg)
                 for i in turns]  # fmt: skip
     except RecordError as exc:
-        return rid, exc.code, str(exc)
+        return rid, exc.code, str(exc), getattr(exc, "first_trainable", None)
 
 
 def _render_masked(messages: list[dict], last_only: bool, tools, cfg: PrepareConfig):
@@ -428,7 +440,7 @@ def _sample(
     rid: str, rec: RawRecord, fmt: str, ids: list[int], mask: list[int], cfg: PrepareConfig
 ) -> Prepared:
     """One sample, cut to --max-length (or refused as overlong) and with trainable tokens."""
-    n, truncated = len(ids), False
+    n, truncated, full_mask = len(ids), False, mask
     if cfg.max_length is not None and n > cfg.max_length:
         if cfg.overlong == "skip":
             raise RecordError(
@@ -436,8 +448,13 @@ def _sample(
             )
         ids, mask, truncated = ids[: cfg.max_length], mask[: cfg.max_length], True
     if not any(mask):
-        why = " after truncation" if truncated else ""
-        raise RecordError(f"zero trainable tokens{why}", "zero-trainable")
+        if truncated:  # the conversation is fine; its first answer starts past the cut
+            exc = RecordError(f"no trainable tokens within --max-length {cfg.max_length}: the first "
+                              f"assistant token is at position {full_mask.index(1)} of {n}",
+                              "emptied-by-truncation")  # fmt: skip
+            exc.first_trainable = full_mask.index(1)
+            raise exc
+        raise RecordError("zero trainable tokens", "zero-trainable")
     return Prepared(rid, rec.file, rec.line, fmt, ids, mask, n, truncated)
 
 
@@ -464,10 +481,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def prepare(cfg: PrepareConfig) -> PrepareSummary:
     """Run the prepare stage; returns counts. Raises only for problems with the whole run."""
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise FileNotFoundError(f"--out {out} is a file; give a directory for the dataset")
+    if foreign := foreign_entries(out):
+        raise FileNotFoundError(f"--out {out} holds files prepare did not write ({', '.join(foreign[:3])}"
+                                f"{' ...' if len(foreign) > 3 else ''}); give an empty or new directory")  # fmt: skip
     if (out / "dataset.json").exists() and not cfg.force:
         raise ValueError(f"{out} already holds a prepared dataset; extraction runs made from it need it "
                          "to resume. Choose another --out, or pass --force to replace it")  # fmt: skip
     for f in cfg.data:
+        if Path(f).is_dir():
+            raise FileNotFoundError(f"--data {f} is a directory; give JSONL or JSON files")
         if not Path(f).is_file():
             raise FileNotFoundError(f"input file not found: {f}")
     tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
@@ -508,9 +532,12 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
         rid = res[0] if isinstance(res, tuple) else res[0].id.split("/turn-")[0] if res else ""
         first = seen.setdefault(rid, where)
         if isinstance(res, tuple):
-            _, code, reason = res
-            if code == "overlong":
-                summary.skipped_overlong += 1
+            _, code, reason, first_trainable = res
+            if code in ("overlong", "emptied-by-truncation"):  # what --max-length asked for
+                if code == "overlong":
+                    summary.skipped_overlong += 1
+                else:
+                    summary.emptied.append(first_trainable)
                 errors.append({"file": raw.file, "line": raw.line, "id": rid, "reason": reason,
                                "code": code, "kind": "skipped"})  # fmt: skip
                 continue
@@ -521,6 +548,8 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
             summary.prepared += 1
             continue
         reasons[code] += 1
+        if code == "unknown-role" and (m := re.search(r"unknown role (.+)$", reason)):
+            summary.unknown_roles[m.group(1)] = summary.unknown_roles.get(m.group(1), 0) + 1
         errors.append(
             {
                 "file": raw.file,
@@ -534,12 +563,29 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
 
     summary.failed = sum(reasons.values())
     summary.reasons = dict(reasons.most_common())
+    if summary.emptied:
+        summary.reasons["emptied-by-truncation"] = len(summary.emptied)
     summary.samples = len(samples)
     summary.truncated = sum(s.truncated for s in samples)
     summary.tokens = sum(len(s.input_ids) for s in samples)
     summary.trainable_tokens = sum(sum(s.loss_mask) for s in samples)
+    if not raws:
+        raise ValueError(f"no records in {', '.join(cfg.data)}: the input is empty")
+    if not samples or summary.error_rate > cfg.max_error_rate:
+        why = ("no record gave a sample" if not samples else
+               f"{summary.error_rate:.1%} of records failed (> --max-error-rate {cfg.max_error_rate:.1%})")  # fmt: skip
+        raise PrepareFailed(f"{why}; no dataset was written (errors in {write_errors_only(out, errors)})",
+                            summary)  # fmt: skip
     summary.fingerprint = write_dataset(out, samples, errors, cfg, tok, summary)
     return summary
+
+
+class PrepareFailed(ValueError):
+    """Too many records failed: the errors are written, the dataset is not."""
+
+    def __init__(self, message: str, summary: PrepareSummary):
+        super().__init__(message)
+        self.summary = summary
 
 
 def write_dataset(
@@ -596,6 +642,7 @@ def write_dataset(
         "counts": {
             "records": summary.records, "samples": len(samples), "failed": summary.failed,
             "skipped_overlong": summary.skipped_overlong, "truncated": summary.truncated,
+            "emptied_by_truncation": len(summary.emptied),
         },
         "tokens": {
             "total": int(offsets[-1]), "trainable": int(mask.sum()),
@@ -620,12 +667,43 @@ def write_dataset(
             and p.name.split("-")[0] in ("tokens", "records", "vocab_freq", "errors")
         ):
             p.unlink()
+    _link_errors(out, files["errors"])
+    return fp
+
+
+def _link_errors(out: Path, name: str) -> None:
     link = out / "errors.jsonl.tmp-link"
     link.unlink(missing_ok=True)
-    os.symlink(files["errors"], link)
+    os.symlink(name, link)
     os.replace(link, out / "errors.jsonl")  # a stable name for the latest errors
     fsync_dir(out)
-    return fp
+
+
+def write_errors_only(out: Path, errors: list[dict]) -> Path:
+    """A failed prepare's report: the errors, and no dataset (nothing for a rerun to refuse)."""
+    data = "".join(json.dumps(e) + "\n" for e in errors).encode()
+    name = f"errors-{hashlib.sha256(data).hexdigest()[:16]}.jsonl"
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / name, data)
+    _link_errors(out, name)
+    return out / "errors.jsonl"
+
+
+OWN_FILES = ("dataset.json", "errors.jsonl")
+OWN_PREFIXES = ("tokens-", "records-", "vocab_freq-", "errors-")
+
+
+def foreign_entries(out: Path) -> list[str]:
+    """What in `out` a prepare did not write: a user's files, which it never replaces."""
+    if not out.is_dir():
+        return []
+    bad = []
+    for p in sorted(out.iterdir()):
+        own = p.name == "dataset.json" or p.name.startswith(OWN_PREFIXES) or is_temp_file(p)
+        own = own or (p.name == "errors.jsonl" and p.is_symlink())
+        if not own or p.is_dir():
+            bad.append(p.name)
+    return bad
 
 
 # ---------------------------------------------------------------------------- reading output

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
-SHAREGPT_ROLES = {
-    "system": "system", "human": "user", "user": "user", "gpt": "assistant",
-    "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "tool": "tool",
-}  # fmt: skip
+# Other names of the roles, read alike in every form: ShareGPT dumps name the assistant
+# after the service the answer came from.
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+                "bard": "assistant"}  # fmt: skip
 
 
 class RecordError(ValueError):
@@ -45,6 +45,7 @@ REASONS = {
     "no-assistant": "no assistant turn",
     "template": "the chat template failed on the conversation",
     "zero-trainable": "no trainable tokens",
+    "emptied-by-truncation": "no trainable tokens left within --max-length (not counted as failed)",
     "overlong": "longer than --max-length (skipped)",
 }
 
@@ -89,8 +90,9 @@ def parse_record(rec: RawRecord) -> dict:
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
+            what = exc.msg.removesuffix(" starting at").lower()
             raise RecordError(
-                f"malformed JSON: {exc.msg} at column {exc.colno}", "malformed-json"
+                f"malformed JSON at column {exc.colno}: {what}", "malformed-json"
             ) from exc
     else:
         obj = rec.raw
@@ -128,18 +130,13 @@ def _text_of(content, i: int, role: str) -> str:
                       f"got {type(content).__name__}", "bad-content")  # fmt: skip
 
 
-def to_messages(obj: dict) -> tuple[str, list[dict] | str]:
-    """(format, messages) or ("text", text); raises RecordError naming what is wrong."""
+def to_messages(obj: dict, prompt: bool = False) -> tuple[str, list[dict] | str]:
+    """(format, messages) or ("text", text); raises RecordError naming what is wrong.
+    With `prompt`, a conversation without an assistant turn is accepted (a prompt)."""
     if "messages" in obj:
-        fmt, turns, rkey, ckey, roles = "openai", obj["messages"], "role", "content", None
+        fmt, turns, rkey, ckey = "openai", obj["messages"], "role", "content"
     elif "conversations" in obj:
-        fmt, turns, rkey, ckey, roles = (
-            "sharegpt",
-            obj["conversations"],
-            "from",
-            "value",
-            SHAREGPT_ROLES,
-        )
+        fmt, turns, rkey, ckey = "sharegpt", obj["conversations"], "from", "value"
     elif "text" in obj:
         if not isinstance(obj["text"], str):
             raise RecordError(
@@ -162,12 +159,9 @@ def to_messages(obj: dict) -> tuple[str, list[dict] | str]:
         role, content = t.get(rkey), t.get(ckey)
         if not isinstance(role, str):
             raise RecordError(f"turn {i} has no '{rkey}' string", "no-role")
-        if roles is not None:
-            if role.lower() not in roles:
-                raise RecordError(f"turn {i} has unknown role {role!r}", "unknown-role")
-            role = roles[role.lower()]
-        elif role not in ROLES:
-            raise RecordError(f"turn {i} has unknown role {role!r}", "unknown-role")
+        role = ROLE_ALIASES.get(role.lower(), role.lower())
+        if role not in ROLES:
+            raise RecordError(f"turn {i} has unknown role {t.get(rkey)!r}", "unknown-role")
         content = _text_of(content, i, role) if content is not None or role != "assistant" else ""
         m = {"role": role, "content": content, **_extras(t, i, role)}
         if role == "assistant" and not (
@@ -176,7 +170,7 @@ def to_messages(obj: dict) -> tuple[str, list[dict] | str]:
             raise RecordError(f"turn {i} is an empty assistant turn (no text, reasoning or tool calls)",
                               "empty-assistant")  # fmt: skip
         messages.append(m)
-    if not any(m["role"] == "assistant" for m in messages):
+    if not prompt and not any(m["role"] == "assistant" for m in messages):
         raise RecordError("no assistant turn", "no-assistant")
     return fmt, messages
 

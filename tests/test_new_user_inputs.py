@@ -1,0 +1,120 @@
+"""Real data as a new user brings it: truncation that empties records, ShareGPT's many names
+for the assistant, empty and misplaced inputs, missing paths, a user's own files in --out,
+and prompts-only records for evaluate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import eyas
+
+from eyas.evaluate import read_prompts
+from eyas.prepare import PreparedDataset
+
+QA = [{"from": "human", "value": "What is 2 plus 3?"}]
+
+
+def _sharegpt(assistant: str) -> dict:
+    return {"id": assistant, "conversations": [*QA, {"from": assistant, "value": "It is 5."}]}
+
+
+def test_role_aliases_are_read_alike_in_both_forms(tmp_path, targets):
+    recs = [_sharegpt(a) for a in ("gpt", "chatgpt", "bing", "bard")]
+    recs += [{"id": f"m-{a}", "messages": [{"role": "user", "content": "hi"}, {"role": a, "content": "hello"}]}
+             for a in ("assistant", "chatgpt", "bing", "bard")]  # fmt: skip
+    recs += [{"id": "robot", "conversations": [*QA, {"from": "robot", "value": "5"}]},
+             {"id": "m-robot", "messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "5"}]}]  # fmt: skip
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    p = eyas("prepare", "--model", targets["llama"], "--data", src, "--out", tmp_path / "ds",
+             "--max-error-rate", "1")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert len(PreparedDataset.open(tmp_path / "ds")) == 8
+    assert "a turn has an unknown role: 'robot' (2)" in p.stderr, p.stderr
+
+
+def test_truncation_is_no_failure_and_names_a_length_that_keeps_them(tmp_path, targets):
+    long = {"id": "doc", "conversations": [{"from": "human", "value": "word " * 300},
+                                           {"from": "gpt", "value": "A summary."}]}  # fmt: skip
+    recs = [_sharegpt("gpt") | {"id": f"q{i}"} for i in range(3)] + [long]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    p = eyas("prepare", "--model", targets["llama"], "--data", src, "--out", tmp_path / "ds",
+             "--max-length", 64)  # fmt: skip
+    assert p.returncode == 0, p.stderr  # 25% emptied, 0% failed
+    assert "1 emptied by truncation, 0 failed" in p.stderr
+    keep = int(p.stderr.split("--max-length ")[-1].split()[0])
+    assert keep > 300, p.stderr  # the pasted document's length, and room for the answer
+    ds = PreparedDataset.open(tmp_path / "ds")
+    assert len(ds) == 3 and ds.meta["counts"]["emptied_by_truncation"] == 1
+
+
+def test_empty_input_fails_at_prepare_and_leaves_nothing(tmp_path, targets):
+    src = tmp_path / "empty.jsonl"
+    src.write_text("")
+    p = eyas("prepare", "--model", targets["llama"], "--data", src, "--out", tmp_path / "ds")
+    assert p.returncode == 1 and "the input is empty" in p.stderr
+    assert not (tmp_path / "ds").exists()
+
+
+def test_paths_of_the_wrong_kind_are_usage_errors(tmp_path, targets, conversations):
+    model = targets["llama"]
+    p = eyas("prepare", "--model", model, "--data", tmp_path, "--out", tmp_path / "ds")
+    assert p.returncode == 2 and "is a directory" in p.stderr and "Errno" not in p.stderr
+    f = tmp_path / "afile"
+    f.write_text("x")
+    p = eyas("prepare", "--model", model, "--data", conversations, "--out", f)
+    assert p.returncode == 2 and "is a file" in p.stderr and "Errno" not in p.stderr
+    missing = tmp_path / "missing"
+    for args in (("extract", "--model", model, "--data", missing, "--out", tmp_path / "r"),
+                 ("extract", "--resume", missing), ("train", "--data", missing, "--out", tmp_path / "t"),
+                 ("export", missing, "--format", "vllm", "--out", tmp_path / "e")):  # fmt: skip
+        p = eyas(*args)
+        assert p.returncode == 2 and "no such" in p.stderr, (args, p.stderr)
+    assert not (tmp_path / "t").exists()
+    p = eyas("evaluate", "--model", model, "--drafter", missing, "--data", tmp_path)
+    assert p.returncode == 2 and "is a directory" in p.stderr and "Errno" not in p.stderr
+    p = eyas("estimate", "--samples", -5, "--tokens-per-sample", 100, "--hidden-size", 64)
+    assert p.returncode == 2 and "must be positive" in p.stderr
+
+
+def test_prepare_never_touches_a_users_files(tmp_path, targets, conversations):
+    out = tmp_path / "inputs"
+    out.mkdir()
+    (out / "errors.jsonl").write_text("my own notes\n")
+    for force in ((), ("--force",)):
+        p = eyas(
+            "prepare", "--model", targets["llama"], "--data", conversations, "--out", out, *force
+        )
+        assert p.returncode == 2 and "errors.jsonl" in p.stderr, p.stderr
+    assert (out / "errors.jsonl").read_text() == "my own notes\n"
+    assert sorted(x.name for x in out.iterdir()) == ["errors.jsonl"]
+
+
+def test_a_malformed_line_reads_plainly(tmp_path, targets):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(_sharegpt("gpt")) + '\n{"id": "x", "text": "unterminated\n')
+    eyas("prepare", "--model", targets["llama"], "--data", src, "--out", tmp_path / "ds",
+         "--max-error-rate", "1", check=True)  # fmt: skip
+    err = json.loads((tmp_path / "ds" / "errors.jsonl").read_text())
+    assert err["reason"] == "malformed JSON at column 21: unterminated string", err
+
+
+def test_evaluate_reads_prompts_before_any_model(tmp_path):
+    src = tmp_path / "p.jsonl"
+    rows = [{"prompt": "Write a haiku.", "category": "writing"},
+            {"messages": [{"role": "user", "content": "2+3?"}], "category": "math"},
+            {"conversations": [*QA, {"from": "gpt", "value": "5"}]},
+            {"messages": [{"role": "assistant", "content": "I speak first"}]}]  # fmt: skip
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = read_prompts(src, None)
+    assert [p.category for p in got] == ["writing", "math", None]
+    assert [p.messages[-1]["content"] for p in got] == [
+        "Write a haiku.",
+        "2+3?",
+        "What is 2 plus 3?",
+    ]
+    src.write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match="no usable prompts"):
+        read_prompts(src, None)
