@@ -406,3 +406,34 @@ def test_packed_batches_score_what_padded_batches_score(demo_run, tmp_path):
     torch.testing.assert_close(got[True][0], got[False][0], atol=1e-5, rtol=1e-5)
     assert torch.equal(got[True][1][:, [1, 3, 5]], got[False][1][:, [1, 3, 5]])  # token counts
     torch.testing.assert_close(got[True][1], got[False][1], atol=1e-2, rtol=1e-5)
+
+
+def test_sigterm_mid_step_drops_the_step_at_once(demo_run, tmp_path, monkeypatch):
+    """A SIGTERM that lands inside an optimizer step's forward pass stops there (not at the
+    step's end): the step is dropped, the checkpoint holds the last complete step, and a
+    resume redoes it to the same weights as an uninterrupted run."""
+    from eyas.train import TrainStopped
+    from eyas.trainer import Trainer
+
+    cfg = dict(
+        epochs=1, lr=3e-3, warmup_steps=5, batch_tokens=1024, ttt_steps=3, seed=3, progress=False
+    )
+    train(TrainConfig(data=str(demo_run), out=str(tmp_path / "ref"), **cfg))
+    real_micro, calls, after = Trainer._micro, [0], []
+
+    def micro(self, batch):
+        calls[0] += 1
+        if calls[0] == 4 and self.drafter.training:  # inside step 4's forward
+            os.kill(os.getpid(), signal.SIGTERM)
+            after.append("the forward went on")  # the handler raises before this line
+        return real_micro(self, batch)
+
+    monkeypatch.setattr(Trainer, "_micro", micro)
+    with pytest.raises(TrainStopped, match="at step 3"):
+        train(TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), **cfg))
+    assert not after
+    assert int(latest_checkpoint(tmp_path / "t").name.split("-")[1]) == 3
+    monkeypatch.setattr(Trainer, "_micro", real_micro)
+    train(TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), **cfg), resume=True)
+    a, b = _weights(tmp_path / "ref"), _weights(tmp_path / "t")
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -49,7 +50,7 @@ from .train_data import (
     split_samples,
     usable_samples,
 )
-from .trainer import Trainer, all_reduce_cpu, build_drafter, draft_vocab_for
+from .trainer import StepAbandoned, Trainer, all_reduce_cpu, build_drafter, draft_vocab_for
 from .ttt_attention import IMPLEMENTATIONS
 from .ui import Reporter, console
 
@@ -345,9 +346,19 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
 
     stop: list[str] = []
     handlers = {}
+
+    def on_signal(s, _f) -> None:
+        if not stop and rank == 0:  # at once: a scheduler's grace period is short
+            print(f"{signal.Signals(s).name}: stopping at the next micro-batch; the last complete "
+                  "step is saved", file=sys.stderr, flush=True)  # fmt: skip
+        stop.append(signal.Signals(s).name)
+        if trainer.interruptible:  # mid-step, before the optimizer moved: drop the step now
+            trainer.interruptible = False
+            raise StepAbandoned
+
     if rank == 0 or world > 1:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            handlers[sig] = signal.signal(sig, lambda s, _f: stop.append(signal.Signals(s).name))
+            handlers[sig] = signal.signal(sig, on_signal)
     saved_step = [state["step"]]
 
     def checkpoint(st: dict) -> None:
@@ -393,9 +404,13 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
                 for groups in source.windows(epoch, state, hooks):
                     with prefetch([b for g in groups for b in g], trainer.load) as loaded:
                         for n, group in enumerate(groups, 1):
-                            stats, tokens = trainer.step(
-                                loaded, len(group), trainer.lr_at(state["step"])
-                            )
+                            try:
+                                stats, tokens = trainer.step(
+                                    loaded, len(group), trainer.lr_at(state["step"]),
+                                    stopping=lambda: bool(stop),
+                                )  # fmt: skip
+                            except StepAbandoned:
+                                raise stopped(state) from None
                             state = source.advance(state, epoch, group)
                             window += stats
                             tokens_seen += tokens

@@ -100,6 +100,8 @@ class Trainer:
         w = self.cfg.warmup_steps
         self.warmup = w if w is not None else min(50, max(1, self.total_steps // 10))
 
+    interruptible = False
+
     def lr_at(self, step: int) -> float:
         """Linear warmup, then cosine down to lr * min_lr_ratio at the last step."""
         lr, floor = self.cfg.lr, self.cfg.min_lr_ratio
@@ -139,19 +141,31 @@ class Trainer:
             )
         return loss, st, int(batch["valid"].sum())
 
-    def step(self, loaded, n: int, lr: float) -> tuple[torch.Tensor, int]:
-        """One optimizer step over the next `n` loaded micro-batches; (stats, tokens)."""
+    def step(self, loaded, n: int, lr: float, stopping=None) -> tuple[torch.Tensor, int]:
+        """One optimizer step over the next `n` loaded micro-batches; (stats, tokens). With
+        one process, a stop asked for before a micro-batch abandons the step (StepAbandoned):
+        the model and optimizer stay as the last complete step left them."""
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.zero_grad(set_to_none=True)
         stats, tokens = torch.zeros(self.cfg.ttt_steps, 6, dtype=torch.float64), 0
-        for _ in range(n):
-            batch = next(loaded)[1]
-            loss, st, tok = self._micro(batch)
-            (loss * self.world / n).backward()  # all_reduce averages: undo it, so grads are sums
-            self._done(batch)
-            stats += st
-            tokens += tok
+        # Until the optimizer moves, a signal handler may abandon the step (`interruptible`).
+        self.interruptible = self.world == 1
+        try:
+            for _ in range(n):
+                if stopping is not None and self.world == 1 and stopping():
+                    raise StepAbandoned
+                batch = next(loaded)[1]
+                loss, st, tok = self._micro(batch)
+                (loss * self.world / n).backward()  # all_reduce averages: undo it: grads are sums
+                self._done(batch)
+                stats += st
+                tokens += tok
+        except StepAbandoned:
+            self.opt.zero_grad(set_to_none=True)
+            raise
+        finally:
+            self.interruptible = False
         if self.world > 1:
             for p in self.params:
                 if p.grad is None:
@@ -186,6 +200,10 @@ class Trainer:
         state, ckpt = found
         log(f"resuming from {ckpt} (epoch {state['epoch']}, batch {state['batch']})")
         return state
+
+
+class StepAbandoned(Exception):
+    """A stop came in the middle of an optimizer step; nothing of it was applied."""
 
 
 def all_reduce_cpu(t: torch.Tensor) -> None:
