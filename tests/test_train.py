@@ -437,3 +437,51 @@ def test_sigterm_mid_step_drops_the_step_at_once(demo_run, tmp_path, monkeypatch
     train(TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), **cfg), resume=True)
     a, b = _weights(tmp_path / "ref"), _weights(tmp_path / "t")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_printed_resume_commands_work_as_printed(demo_run, tmp_path):
+    """After a SIGTERM, the command train prints (and export repeats) resumes with the saved
+    options; an option given anew and different is refused naming both values."""
+    import re
+    import shlex
+
+    out = tmp_path / "t"
+    opts = [
+        "--epochs",
+        "400",
+        "--save-every",
+        "2",
+        "--lr",
+        "3e-3",
+        "--batch-tokens",
+        "1024",
+        "--ttt-steps",
+        "2",
+    ]
+
+    def start_and_stop(cmd: list[str], wait_for) -> str:
+        p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        seen = ""
+        for line in p.stderr:  # a state to wait for, not a time
+            seen += line
+            if wait_for(seen):
+                break
+        p.send_signal(signal.SIGTERM)
+        seen += p.stderr.read()
+        p.wait(timeout=300)
+        assert p.returncode == 75, seen
+        return seen
+
+    first = start_and_stop([sys.executable, "-m", "eyas.cli", "train", "--data", str(demo_run), "--out", str(out),
+                            *opts], lambda _s: latest_checkpoint(out) is not None)  # fmt: skip
+    printed = re.search(r"Resume with: (eyas train .*)$", first, re.M).group(1)
+    assert "stopping at the next micro-batch" in first
+    x = eyas("export", out, "--format", "vllm", "--out", tmp_path / "x")
+    assert x.returncode == 1 and printed in x.stderr, x.stderr
+    args = shlex.split(printed)[1:]
+    again = start_and_stop(
+        [sys.executable, "-m", "eyas.cli", *args], lambda s: "resuming from" in s
+    )
+    assert "config differs" not in again and "--allow-partial" not in again
+    p = eyas(*args, "--epochs", "5")
+    assert p.returncode == 1 and "--epochs 400 saved, 5 given" in p.stderr, p.stderr

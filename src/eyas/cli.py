@@ -596,13 +596,18 @@ def doctor(
 
 @app.command()
 def train(
-    data: Path = typer.Option(..., "--data", help="Extraction run directory."),
+    ctx: typer.Context,
+    data: Path | None = typer.Option(
+        None, "--data", help="Extraction run directory (a resume: the saved one)."
+    ),
     out: Path = typer.Option(..., "--out", help="Training directory."),
     model: Path | None = typer.Option(
         None, "--model", help="Target model dir (default: the run's)."
     ),
     resume: bool = typer.Option(
-        False, "--resume", help="Continue from the latest checkpoint in --out."
+        False,
+        "--resume",
+        help="Continue from the latest checkpoint in --out, with the options it was started with.",
     ),
     epochs: int = typer.Option(3, "--epochs"),
     ttt_steps: int = typer.Option(7, "--ttt-steps", help="Unrolled training-time-test steps."),
@@ -660,15 +665,21 @@ def train(
     from .train import train as run_train
 
     _quiet_transformers()
-    cfg = _config(
-        TrainConfig, data=str(data), out=str(out), model=str(model) if model else None, epochs=epochs,
+    opts = dict(
+        data=str(data) if data else None, model=str(model) if model else None, epochs=epochs,
         ttt_steps=ttt_steps, step_decay=step_decay, lr=lr, warmup_steps=warmup_steps, batch_tokens=batch_tokens,
         grad_accum=grad_accum, val_fraction=val_fraction, eval_every=eval_every, save_every=save_every,
         keep_checkpoints=keep_checkpoints, draft_vocab_size=draft_vocab_size, dtype=dtype, device=device,
         seed=seed, verify_data=verify_data, intermediate_size=intermediate_size, attention=attention,
         allow_partial=allow_partial, head_init=head_init, pack=pack, follow=follow,
     )  # fmt: skip
+    if resume:
+        opts = _saved_options(opts, out, ctx)
+    if not opts["data"]:
+        raise fail("need --data RUN (or --resume with an --out that holds a training)", EXIT_USAGE)
+    data, follow = Path(opts["data"]), opts["follow"]
     _need(data, "extraction run directory")
+    cfg = _config(TrainConfig, out=str(out), **opts)
     try:
         res = run_train(cfg, resume=resume)
     except TrainStopped as exc:
@@ -678,9 +689,7 @@ def train(
     except LockHeldError as exc:
         raise fail(str(exc)) from None
     except (StoreError, ValueError, OSError, KeyError) as exc:
-        _disk_full(
-            exc, f"eyas train --resume{' --follow' if follow else ''} --data {data} --out {out}"
-        )
+        _disk_full(exc, f"eyas train --resume --out {out}")
         raise fail(str(exc)) from None
     v = res["val"]
     tail = (
@@ -694,6 +703,25 @@ def train(
         markup=False,
         highlight=False,
     )
+
+
+def _saved_options(opts: dict, out: Path, ctx: typer.Context) -> dict:
+    """A resume takes the options its training was started with, from train.json; only
+    options given on this command line replace them (a change that training cannot take is
+    refused when the config is checked, naming both values)."""
+    saved = out / "train.json"
+    if not saved.is_file():
+        return opts
+    try:
+        prev = json.loads(saved.read_text())["config"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise fail(f"{saved}: unreadable ({exc}); give every option again", EXIT_PROBLEMS) from None
+    out_opts = dict(opts)
+    for k in opts:
+        source = ctx.get_parameter_source(k)
+        if k in prev and getattr(source, "name", None) != "COMMANDLINE":
+            out_opts[k] = prev[k]
+    return out_opts
 
 
 @app.command()

@@ -299,10 +299,13 @@ def evaluate(
     precision: float | None = 0.05,
     trust_remote_code: bool = False,
     progress: bool = True,
+    greedy_cache: dict | None = None,
 ) -> EvalResult:
     """Speculative against greedy decoding over the prompts of `data` (at most `limit`),
     stopping early once the 95% interval of tokens per forward is within +-`precision`
-    (checked every 25 prompts from 50 on; None: every prompt)."""
+    (checked every 25 prompts from 50 on; None: every prompt). `greedy_cache` keeps plain
+    greedy decoding's output and time per prompt across calls with the same target (it
+    does not depend on the drafter), so comparing drafters decodes each prompt greedily once."""
     from .target import check_model_dir, load_causal_lm
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
@@ -337,12 +340,19 @@ def evaluate(
     try:
         rep.__enter__()
         for i, p in enumerate(prompts):
-            t0 = time.perf_counter()
-            base = greedy(model, p, max_new_tokens, eos)
+            key = (str(model_dir), tuple(p), max_new_tokens)
+            if greedy_cache is not None and key in greedy_cache:
+                base, dt = greedy_cache[key]
+            else:
+                t0 = time.perf_counter()
+                base = greedy(model, p, max_new_tokens, eos)
+                dt = time.perf_counter() - t0
+                if greedy_cache is not None:
+                    greedy_cache[key] = (base, dt)
             t1 = time.perf_counter()
             spec = speculative(model, tap, drafter, p, max_new_tokens, k, eos, res)
             t2 = time.perf_counter()
-            res.base_seconds += t1 - t0
+            res.base_seconds += dt
             res.spec_seconds += t2 - t1
             res.base_tokens += len(base)
             res.spec_tokens += len(spec)

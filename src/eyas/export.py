@@ -64,7 +64,7 @@ def trained_weights(train_dir: Path) -> tuple[dict, dict, dict]:
         raise ExportError(f"{train_dir}: not a training directory (no train.json)")
     info = read_json(train_dir / "train.json")
     final, cfg_path = train_dir / "drafter.safetensors", train_dir / "drafter_config.json"
-    again = f"eyas train --resume --data {info.get('data', {}).get('run', 'RUN')} --out {train_dir}"
+    again = f"eyas train --resume --out {train_dir}"
     if (train_dir / FINAL_MANIFEST).is_file():
         try:
             state, cdict = load_final(train_dir)

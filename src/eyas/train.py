@@ -249,10 +249,10 @@ def _record_config(cfg: TrainConfig, resume: bool, rank: int, world: int, run: P
         mine = {k: v for k, v in asdict(cfg).items() if k not in _RESUMABLE}
         theirs = {**_BEFORE, **{k: v for k, v in prev["config"].items() if k not in _RESUMABLE}}
         if mine != theirs:
-            diff = sorted(k for k in mine if mine[k] != theirs.get(k))
-            raise ValueError(
-                f"{saved}: config differs ({', '.join(diff)}); use another --out or the same options"
-            )
+            diff = ", ".join(f"--{k.replace('_', '-')} {theirs.get(k)} saved, {mine[k]} given"
+                             for k in sorted(mine) if mine[k] != theirs.get(k))  # fmt: skip
+            raise ValueError(f"{saved}: config differs ({diff}); leave the option out to resume with "
+                             "the saved value, or use another --out")  # fmt: skip
         if not resume and latest_checkpoint(out) is not None:
             raise ValueError(
                 f"{out} already has checkpoints; pass --resume to continue, or use another --out"
@@ -334,15 +334,9 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
             "rate never reaches --lr; train longer (--epochs) or lower --warmup-steps")  # fmt: skip
     if rank == 0 and cfg.progress and total_steps < 20:
         log(f"warning: only {total_steps} optimizer steps ({source.describe()}, "
-            f"--batch-tokens {cfg.batch_tokens}): the drafter will learn little; add data or epochs")  # fmt: skip
-
-    state = {"step": 0, "epoch": 0, "batch": 0}
-    if resume and (found := trainer.resume(log)) is not None:
-        state = found
-    source.restore(state)
-    if rank == 0:  # metrics and consumption logged after the state we start from are redone
-        _truncate_metrics(out / "metrics.jsonl", state["step"])
-        _truncate_metrics(out / "consumed.jsonl", state["step"])
+            f"--batch-tokens {cfg.batch_tokens}): the drafter will learn little. Lower --batch-tokens "
+            f"(more steps per epoch; 2048 suits a few hundred conversations) with --lr 3e-3, or add "
+            "epochs or data")  # fmt: skip
 
     stop: list[str] = []
     handlers = {}
@@ -359,6 +353,14 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
     if rank == 0 or world > 1:
         for sig in (signal.SIGTERM, signal.SIGINT):
             handlers[sig] = signal.signal(sig, on_signal)
+    state = {"step": 0, "epoch": 0, "batch": 0}
+    if resume and (found := trainer.resume(log)) is not None:
+        state = found
+    source.restore(state)
+    if rank == 0:  # metrics and consumption logged after the state we start from are redone
+        _truncate_metrics(out / "metrics.jsonl", state["step"])
+        _truncate_metrics(out / "consumed.jsonl", state["step"])
+
     saved_step = [state["step"]]
 
     def checkpoint(st: dict) -> None:
@@ -368,9 +370,8 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
 
     def stopped(st: dict) -> TrainStopped:
         checkpoint(st)
-        follow = " --follow" if cfg.follow else ""
         return TrainStopped(f"stopped by {stop[0] if stop else 'another rank'} at step {st['step']}; checkpoint "
-                            f"saved. Resume with: eyas train --resume{follow} --data {run} --out {out}")  # fmt: skip
+                            f"saved. Resume with: eyas train --resume --out {out}")  # fmt: skip
 
     last_val: dict = {}
     t0, tokens_seen = time.monotonic(), 0
