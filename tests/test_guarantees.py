@@ -281,17 +281,22 @@ def test_repair_holds_the_writer_lock(tmp_path, targets, llama_dataset, monkeypa
     )
     _flip(run / sample_relpath(3), (run / sample_relpath(3)).stat().st_size - 10)
     real_move = shutil.move
+    moving, release = threading.Event(), threading.Event()
 
-    def slow_move(a, b):
-        time.sleep(4)
+    def held_move(a, b):  # the repair holds its lock here until the writer has tried
+        moving.set()
+        release.wait(600)
         return real_move(a, b)
 
-    monkeypatch.setattr(verify_mod.shutil, "move", slow_move)
+    monkeypatch.setattr(verify_mod.shutil, "move", held_move)
     t = threading.Thread(target=verify, args=(run,), kwargs={"repair": True})
     t.start()
-    time.sleep(1.5)
-    r = eyas("extract", "--resume", run)
-    t.join()
+    try:
+        assert moving.wait(600), "the repair never reached its first move"
+        r = eyas("extract", "--resume", run)
+    finally:
+        release.set()
+        t.join()
     assert r.returncode == 1 and "repairing" in r.stderr, r.stderr
     r = eyas("extract", "--resume", run)
     assert r.returncode == 0 and "extracted 1 samples" in r.stderr, r.stderr
