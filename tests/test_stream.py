@@ -117,7 +117,7 @@ def test_without_followers_nothing_is_deleted_and_the_writer_waits(
 ):
     run = tmp_path / "run"
     ex = start(*extract_cmd(targets, llama_dataset, run))
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         lock = run / "locks"
         if lock.exists() and any("waiting for followers" in p.read_text(errors="replace")
@@ -133,6 +133,12 @@ def test_without_followers_nothing_is_deleted_and_the_writer_waits(
     assert ex.returncode == 75, out
     led = ledger(run)
     assert not any(led.retired) and len(led.present) > 0
+    # A follower whose --epochs the run cannot give is refused, and leaves nothing that would
+    # make the corrected command "config differs".
+    t = tmp_path / "train"
+    p = eyas("train", "--follow", "--data", run, "--out", t, "--epochs", 3)
+    assert p.returncode == 1 and "--epochs must be the run's --passes (1)" in p.stderr, p.stderr
+    assert not t.exists()
     assert eyas("verify", run).returncode == 0
     # A trainer that registered, checkpointed, and is not running now: both sides' commands.
     from eyas.stream import publish

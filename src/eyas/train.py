@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -186,6 +187,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     done = None if cfg.follow else _check_complete(run, meta, cfg.allow_partial)
     if rank != 0:
         return _train(cfg, resume, rank, world, run, out, meta, done)
+    new_dir, fresh = not out.exists(), not (out / "train.json").exists()
     out.mkdir(parents=True, exist_ok=True)
     lock = WriterLock(out, 0, 1, what="train").acquire()
     try:
@@ -199,8 +201,17 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
         if is_disk_full(exc) and not isinstance(exc, DiskFullError):
             raise DiskFullError(exc.errno, f"no space left writing to {out} ({exc})") from exc
         raise
+    except ValueError:
+        # A start refused before its first checkpoint leaves nothing that would block the
+        # corrected command (train.json would make it "config differs").
+        if fresh and latest_checkpoint(out) is None:
+            (out / "train.json").unlink(missing_ok=True)
+            fresh = "refused"
+        raise
     finally:
         lock.release()
+        if fresh == "refused" and new_dir:
+            shutil.rmtree(out, ignore_errors=True)
 
 
 def _wait_for_run(run: Path) -> None:
