@@ -161,6 +161,22 @@ def test_without_followers_nothing_is_deleted_and_the_writer_waits(
     assert f"next       eyas extract --resume {run}" in st, st
     doc = eyas("doctor", run).stdout
     assert f"eyas train --follow --resume --data {run} --out {gone}" in doc and "rm " in doc, doc
+    # With the extractor running again and waiting for room that only the dead follower could
+    # make, the run is blocked: no ETA, and doctor exits 1.
+    ex = start(*extract_cmd(targets, llama_dataset, run))
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not any(
+            "waiting for followers" in p.read_text(errors="replace")
+            for p in (run / "locks").glob("*") if p.is_file()
+        ):  # fmt: skip
+            time.sleep(0.1)
+        st = eyas("status", run, check=True).stdout
+        assert "ETA        - (blocked:" in st, st
+        assert eyas("doctor", run).returncode == 1
+    finally:
+        ex.send_signal(signal.SIGTERM)
+        output(ex, 120)
 
 
 def _retired_lines(run: Path) -> int:

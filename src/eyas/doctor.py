@@ -294,10 +294,13 @@ def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
                 "ok", f"follower: {f['describe']} ({'finished' if f['finished'] else 'running'})"
             )
         else:
-            rep.add("warn", f"follower: {f['describe']} (not running: the extractor deletes nothing it has not "
-                    "consumed, and waits for it when the store is full)")  # fmt: skip
+            blocked = st.blocked is not None  # then the run cannot move until it runs again
+            rep.add("error" if blocked else "warn",
+                    f"follower: {f['describe']} (not running: the extractor deletes nothing it has not "
+                    "consumed, and waits for it when the store is full"
+                    + ("; it waits now: the run is blocked)" if blocked else ")"))  # fmt: skip
             actions.append(Action("resume the trainer that follows the run (it continues from its newest "
-                                  "checkpoint: every sample once per pass)", f["command"], blocking=False))  # fmt: skip
+                                  "checkpoint: every sample once per pass)", f["command"], blocking=blocked))  # fmt: skip
             actions.append(Action(f"or, if the training in {f['out']} was abandoned, stop the run waiting for it",
                                   f"rm {f['path']}", blocking=False))  # fmt: skip
     if st.budget and not st.followers and st.remaining > 0:

@@ -62,8 +62,17 @@ class RunStatus:
     def live_writer(self) -> bool:
         return any(lk["live"] for lk in self.locks)
 
+    @property
+    def blocked(self) -> str | None:
+        """Why the run cannot move, where it cannot: the extractor waits for room that only
+        followers which are not running could make."""
+        waiting = any(lk["live"] and lk["phase"] == "waiting for followers" for lk in self.locks)
+        if waiting and self.followers and not any(f["live"] for f in self.followers):
+            return "the extractor waits for room, and no trainer that follows the run is running"
+        return None
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "live_writer": self.live_writer}
+        return {**asdict(self), "live_writer": self.live_writer, "blocked": self.blocked}
 
 
 def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None = None) -> RunStatus:
@@ -163,6 +172,8 @@ def format_status(st: RunStatus) -> str:
         speed = (f"{st.recent_samples_per_s:.2f} samples/s, {st.recent_tokens_per_s:,.0f} tokens/s (last minutes)"
                  if st.recent_tokens_per_s else "no commits in the last minutes")  # fmt: skip
         eta = human_duration(st.eta_seconds) if st.eta_seconds is not None else "?"
+        if st.blocked:
+            eta = f"- (blocked: {st.blocked})"
     else:
         speed = eta = "- (no writer running)"
     lines = [
