@@ -299,7 +299,7 @@ def test_repair_holds_the_writer_lock(tmp_path, targets, llama_dataset, monkeypa
         t.join()
     assert r.returncode == 1 and "repairing" in r.stderr, r.stderr
     r = eyas("extract", "--resume", run)
-    assert r.returncode == 0 and "extracted 1 samples" in r.stderr, r.stderr
+    assert r.returncode == 0 and "extracted 1 sample " in r.stderr, r.stderr
     assert verify(run).clean
 
 

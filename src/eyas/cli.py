@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .cpu import pin_runtime_env
+from .fsutil import human_duration
 from .lock import LockHeld as LockHeldError
 from .ui import console
 
@@ -460,9 +461,10 @@ def extract(
             f"and resume: eyas extract --resume {where} --batch-tokens N"
         ) from None
     console.print(
-        f"extracted {s.committed} samples ({s.tokens} tokens, {s.bytes_written / max(s.tokens, 1):.0f} B/token) "
-        f"in {s.seconds:.1f}s; {s.done_before + s.committed}/{s.total} done, {s.failed} failed -> {s.run}"
-        + (f"; waited {s.waited_s:.1f}s for the trainer" if s.waited_s else ""),
+        f"extracted {s.committed} sample{'s' if s.committed != 1 else ''} ({s.tokens} tokens, "
+        f"{s.bytes_written / max(s.tokens, 1):.0f} B/token) in {human_duration(s.seconds)}; "
+        f"{s.done_before + s.committed}/{s.total} done, {s.failed} failed -> {s.run}"
+        + (f"; waited {human_duration(s.waited_s)} for the trainer" if s.waited_s else ""),
         markup=False,
         highlight=False,
     )
@@ -699,7 +701,9 @@ def train(
     )
     console.print(
         f"trained {res['steps']} steps at {res['tokens_per_s']:.0f} tokens/s{tail} -> {out}"
-        + (f"; waited {res['waited_s']:.1f}s for samples" if res.get("waited_s") else ""),
+        + (
+            f"; waited {human_duration(res['waited_s'])} for samples" if res.get("waited_s") else ""
+        ),
         markup=False,
         highlight=False,
     )

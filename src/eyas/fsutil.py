@@ -204,6 +204,8 @@ def human_duration(seconds: float) -> str:
     if seconds != seconds or seconds == float("inf"):
         return "?"
     s = int(seconds)
+    if s < 1:
+        return f"{seconds:.1f}s"
     if s < 60:
         return f"{s}s"
     if s < 3600:

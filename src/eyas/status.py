@@ -12,6 +12,7 @@ side's resume command. Retired samples (consumed and deleted) count as done.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -167,7 +168,8 @@ def format_status(st: RunStatus) -> str:
     """The status for people: one fact per line."""
     from .fsutil import human_bytes, human_duration
 
-    pct = 100 * st.done / st.total if st.total else 100.0
+    # Floored, so that a run one sample short never reads 100.0%.
+    pct = math.floor(1000 * st.done / st.total) / 10 if st.total else 100.0
     if st.live_writer:
         speed = (f"{st.recent_samples_per_s:.2f} samples/s, {st.recent_tokens_per_s:,.0f} tokens/s (last minutes)"
                  if st.recent_tokens_per_s else "no commits in the last minutes")  # fmt: skip
