@@ -112,7 +112,11 @@ def _config(factory, **kw):
 @app.command("tiny-target")
 def tiny_target(
     out: Path = typer.Option(..., "--out", help="Directory to write the model to."),
-    arch: str = typer.Option("llama", "--arch", help="llama, qwen3, qwen2 or deepseek_v3."),
+    arch: str = typer.Option(
+        "llama",
+        "--arch",
+        help="llama, qwen3, qwen2, deepseek_v3 or kimi_k25 (a Kimi-K2.5-shaped wrapper).",
+    ),
     like: Path | None = typer.Option(
         None, "--like", help="Real model dir (config + tokenizer) to imitate."
     ),

@@ -370,9 +370,8 @@ def extract(
     mine = [i for i in range(len(ds)) if i % cfg.world == cfg.rank]
     if not meta:  # a new run: checked before anything is written (a resume checks under its lock)
         try:
-            _check_disk(
-                run, cfg, _store_need(cfg, sum(lengths[i] for i in mine) * bpt + 4096 * len(mine))
-            )
+            need = sum(lengths[i] for i in mine) * bpt + 4096 * len(mine)
+            _check_disk(run, cfg, _store_need(cfg, need, run, bpt))
         except DiskFullError:
             if new_dir:
                 shutil.rmtree(run, ignore_errors=True)  # a refusal leaves nothing behind
@@ -424,11 +423,6 @@ def _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device) -> Ex
             say(f"{len(lost)} journaled sample(s) have no intact file (missing or of another size; "
                 f"e.g. {lost[0]}): their entries are dropped and they are extracted again")  # fmt: skip
             led = ledger(run)
-        if fresh is None:
-            todo = [i for p in range(cfg.passes) for i in mine if i not in led.pass_commits(p)]
-            _check_disk(
-                run, cfg, _store_need(cfg, sum(lengths[i] for i in todo) * bpt + 4096 * len(todo))
-            )
         journal = Journal(journal_path(run, cfg.rank))
         try:
             layout = Layout.parse(meta.get("layout"))
@@ -436,6 +430,18 @@ def _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device) -> Ex
                 say(f"adopted {adopted} complete sample(s) whose journal entry was lost")
             budget = parse_size(cfg.max_store, 1) // cfg.world if cfg.max_store else None
             retirer = Retirer(run, journal, led, set(mine), budget) if budget else None
+            if retirer is not None:  # before the disk is judged: a full disk's resume frees it
+                if n := retirer.retire():
+                    say(
+                        f"retired {n} sample(s) the trainer consumed while the extractor was stopped"
+                    )
+                retirer.budget = _effective_budget(run, cfg, retirer.bytes, bpt)
+            if fresh is None:
+                todo = [i for p in range(cfg.passes) for i in mine if i not in led.pass_commits(p)]
+                need = sum(lengths[i] for i in todo) * bpt + 4096 * len(todo)
+                if retirer is not None:
+                    need = max(0, min(need, retirer.budget) - retirer.bytes)
+                _check_disk(run, cfg, need)
             total = len(mine) * cfg.passes
             if all(i in led.pass_commits(p) for p in range(cfg.passes) for i in mine):
                 # nothing left to extract: no need to load the target
@@ -459,9 +465,30 @@ def _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device) -> Ex
         lock.release()
 
 
-def _store_need(cfg: ExtractConfig, need: int) -> int:
-    """Bytes the run will hold at most: all of it, or its --max-store budget."""
-    return min(need, parse_size(cfg.max_store, 1)) if cfg.max_store else need
+def _store_need(cfg: ExtractConfig, need: int, run: Path, bpt: int) -> int:
+    """Bytes the run will hold at most: all of it, or its --max-store budget (what the disk
+    holds, where that is less)."""
+    if not cfg.max_store:
+        return need
+    return min(need, _effective_budget(run, cfg, 0, bpt, tell=False) * cfg.world)
+
+
+def _effective_budget(
+    run: Path, cfg: ExtractConfig, store: int, bpt: int, tell: bool = True
+) -> int:
+    """This writer's share of --max-store, or what the disk can hold beside --min-free (less
+    the batch a store may run over by) where that is less: a budget larger than the disk
+    would fill it and stop the run for good."""
+    share = parse_size(cfg.max_store, 1) // cfg.world
+    fs = filesystem_info(run)
+    free = fs.free_bytes - parse_size(cfg.min_free, fs.total_bytes)
+    room = store + free // cfg.world - cfg.batch_tokens * bpt
+    if room < share:
+        if tell:
+            say(f"note: {fs.mount_point} holds ~{human_bytes(max(room, 0))} for this writer's samples, less than its "
+                f"--max-store share {human_bytes(share)}: the store is kept under what the disk holds")  # fmt: skip
+        return max(room, 1)
+    return share
 
 
 def _retire_at_end(retirer: Retirer, run: Path) -> None:

@@ -173,7 +173,12 @@ class FollowSource:
             pend = [i for i in commits if i in self.train_set and i not in self.consumed
                     and pass_of(led.present.get(i) or {"pass": -1}) == p]  # fmt: skip
             complete = self._complete(led, p)
-            if pend and (complete or sum(commits[i]["tokens"] for i in pend) >= self.window_tokens):
+            # The extractor waits for room, or is not running (a full disk stops it): a window
+            # that will not fill is trained as it is, so that its checkpoint makes room.
+            stalled = bool(self.budget) and (self._extractor_waits() or not self._extractor_live())
+            if pend and (
+                complete or stalled or sum(commits[i]["tokens"] for i in pend) >= self.window_tokens
+            ):
                 if self._wait is not None:
                     hooks.note(None)
                 self._wait = None
@@ -192,9 +197,10 @@ class FollowSource:
             if not waited:
                 self._publish(*self._published, waiting=True)
                 waited = self._waited = True
-            if self.budget and self._extractor_waits():
-                # The store is full and this trainer holds what it trained since its last
-                # checkpoint: checkpoint it, so the extractor may delete it and go on.
+            if stalled:
+                # The store is full (or the extractor stopped) and this trainer holds what it
+                # trained since its last checkpoint: checkpoint it, so that the extractor (or
+                # its resume) may delete it and go on.
                 hooks.before_wait()
             self._wait = (f"waiting for extraction: pass {p + 1}/{self.passes}, {len(commits)}/{self.n} "
                           f"committed, {len(self.consumed)} trained" + self._extractor_note())  # fmt: skip
@@ -246,11 +252,15 @@ class FollowSource:
     def _extractor_waits(self) -> bool:
         return any(lk.live and lk.phase == "waiting for followers" for lk in all_locks(self.run))
 
-    def _extractor_note(self) -> str:
+    def _extractor_live(self) -> bool:
         t, live = self._live_checked
         if time.monotonic() - t > 5:
             live = bool(live_locks(self.run))
             self._live_checked = (time.monotonic(), live)
+        return live
+
+    def _extractor_note(self) -> str:
+        live = self._extractor_live()
         return "" if live else f" (no extractor is running: eyas extract --resume {self.run})"
 
     def _publish(self, p: int, consumed: set[int], trained: int, waiting: bool = False) -> None:
