@@ -10,6 +10,11 @@ stage's wall time, tokens per target forward and acceptance length with their 95
 intervals, and the per-category table. Run from the repo root:
 
     python bench/real_target.py --real /data/real [--sizes 500] [--epochs 4] [--ttt-steps 3]
+    python bench/real_target.py --real /data/real --endpoint http://127.0.0.1:8000 --served-model smol
+
+With `--endpoint` (a vLLM server of the target: `python -m vllm.entrypoints.openai.api_server
+--model REAL/model --served-model-name smol --dtype float32`), first turns are answered by the
+target itself through `eyas generate` and those answers are trained on.
 """
 
 from __future__ import annotations
@@ -21,23 +26,72 @@ import time
 from pathlib import Path
 
 
-def pick_conversations(sharegpt: Path, n: int, seed: int) -> list[dict]:
-    """ShareGPT records that open with a user turn and hold an assistant turn, shuffled."""
+def _role(t: dict) -> str:
     from eyas.records import ROLE_ALIASES
 
-    def role(t):
-        return ROLE_ALIASES.get(str(t.get("from", "")).lower(), str(t.get("from", "")).lower())
+    r = str(t.get("from", "")).lower()
+    return ROLE_ALIASES.get(r, r)
 
+
+def pick_conversations(
+    sharegpt: Path,
+    n: int,
+    seed: int,
+    first_turn: bool = False,
+    tokenizer=None,
+    max_prompt_tokens: int = 0,
+) -> list[dict]:
+    """ShareGPT records that open with a user turn and hold an assistant turn, shuffled;
+    with `first_turn`, cut after the first answer; with `max_prompt_tokens`, only records
+    whose first user turn is at most that long (ShareGPT is full of pasted documents)."""
     keep = []
     for line in sharegpt.read_text(encoding="utf-8").split("\n"):
         if not line.strip():
             continue
         r = json.loads(line)
         turns = r.get("conversations") or []
-        if turns and role(turns[0]) == "user" and any(role(t) == "assistant" for t in turns):
+        if turns and _role(turns[0]) == "user" and any(_role(t) == "assistant" for t in turns):
+            if first_turn:
+                a = next(i for i, t in enumerate(turns) if _role(t) == "assistant")
+                r = {**r, "conversations": turns[: a + 1]}
             keep.append(r)
     random.Random(seed).shuffle(keep)
+    if max_prompt_tokens:
+        short = []
+        for r in keep:
+            if len(tokenizer(r["conversations"][0]["value"])["input_ids"]) <= max_prompt_tokens:
+                short.append(r)
+            if len(short) == n:
+                break
+        keep = short
     return keep[:n]
+
+
+def regenerate(
+    recs: list[dict], work: Path, endpoint: str, served: str, max_tokens: int
+) -> list[dict]:
+    """The target's own answers in place of ShareGPT's, through `eyas generate` (resumable:
+    a rerun asks only for what is missing)."""
+    import subprocess
+    import sys
+
+    work.mkdir(parents=True, exist_ok=True)
+    src, out = work / "to_generate.jsonl", work / "generated.jsonl"
+    src.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "eyas.cli", "generate", "--endpoint", endpoint, "--model", served,
+                    "--data", str(src), "--out", str(out), "--max-tokens", str(max_tokens),
+                    "--concurrency", "16"], check=False)  # fmt: skip
+    got = {}
+    for line in out.read_text(encoding="utf-8").split("\n"):
+        if line.strip():
+            r = json.loads(line)
+            got[r["id"]] = r
+    print(f"generate: {len(got)}/{len(recs)} answers in {time.monotonic() - t0:.0f} s", flush=True)
+    return [got[r["id"]] for r in recs if r["id"] in got]
+
+
+GREEDY: dict = {}  # plain greedy decoding does not depend on the drafter: once per prompt
 
 
 def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
@@ -75,7 +129,8 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
     drafter = timed("export", lambda: export(w / "train", "vllm", w / "drafter"))
     e = timed("evaluate", lambda: evaluate(
         model, str(drafter), str(real / "mtbench.jsonl"), k=args.k, max_new_tokens=args.max_new_tokens,
-        limit=args.eval_prompts, precision=args.precision or None, progress=False))  # fmt: skip
+        limit=args.eval_prompts, precision=args.precision or None, progress=False,
+        greedy_cache=GREEDY))  # fmt: skip
     d = e.to_dict()
     return {
         "conversations": n, "tokens": p.tokens, "trainable_tokens": p.trainable_tokens,
@@ -113,14 +168,43 @@ def main() -> None:
         "--precision", type=float, default=0.0, help="stop evaluating at +- this (0: all)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="ShareGPT-form conversations (default: REAL/sharegpt.jsonl)",
+    )
+    ap.add_argument("--first-turn", action="store_true", help="train on first turns only")
+    ap.add_argument(
+        "--max-prompt-tokens", type=int, default=0, help="only first user turns this short"
+    )
+    ap.add_argument(
+        "--endpoint",
+        default=None,
+        help="OpenAI-compatible server of the target: train on its own answers",
+    )
+    ap.add_argument("--served-model", default="target", help="the model name the endpoint serves")
+    ap.add_argument("--gen-max-tokens", type=int, default=320)
     args = ap.parse_args()
 
     from eyas.real_target import build
 
     build(args.real)
     sizes = sorted(int(s) for s in args.sizes.split(","))
-    recs = pick_conversations(args.real / "sharegpt.jsonl", sizes[-1], args.seed)
+    tok = None
+    if args.max_prompt_tokens:
+        from eyas.prepare import load_tokenizer
+
+        tok = load_tokenizer(str(args.real / "model"))
+    recs = pick_conversations(args.data or args.real / "sharegpt.jsonl", sizes[-1], args.seed,
+                              first_turn=args.first_turn or bool(args.endpoint), tokenizer=tok,
+                              max_prompt_tokens=args.max_prompt_tokens)  # fmt: skip
     work = args.work or args.real / "bench"
+    if args.endpoint:
+        recs = regenerate(
+            recs, work / "generate", args.endpoint, args.served_model, args.gen_max_tokens
+        )
+        sizes = [min(n, len(recs)) for n in sizes]
     print(f"settings: {json.dumps(vars(args), default=str)}", flush=True)
     rows = []
     for n in sizes:

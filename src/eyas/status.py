@@ -231,8 +231,10 @@ def bottleneck(st: RunStatus) -> str | None:
     train_waits = any(f["waiting"] and f["live"] and not f["finished"] for f in st.followers)
     if extract_waits:
         return "training: the store is at its budget and extraction waits for the trainer to consume samples"
+    if train_waits and not st.live_writer:
+        return f"extraction: no extractor is running, and the trainer waits for samples (eyas extract --resume {st.run})"
     if train_waits:
-        return "extraction: the trainer has consumed every committed sample and waits for more"
+        return "extraction: the trainer waits for more committed samples (a window of them, or the pass's end)"
     if st.live_writer and any(f["live"] for f in st.followers):
         return "neither: both sides are working"
     return "- (one side is not running)"
