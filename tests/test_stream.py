@@ -295,9 +295,10 @@ def test_a_full_disk_under_a_budget_recovers(targets, llama_dataset, tmp_path):
             while not (run / "run.json").exists() and ex.poll() is None:
                 time.sleep(0.02)
             tr = start(*train_cmd(run, out, "--epochs", 1))
-            follower = lambda: [
-                json.loads(p.read_text()) for p in (run / "followers").glob("*.json")
-            ]  # noqa: E731
+
+            def follower() -> list[dict]:
+                return [json.loads(p.read_text()) for p in (run / "followers").glob("*.json")]
+
             while ex.poll() is None and not any(f.get("consumed") for f in follower()):
                 time.sleep(0.05)
             ex.send_signal(signal.SIGTERM)

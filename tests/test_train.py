@@ -485,3 +485,19 @@ def test_printed_resume_commands_work_as_printed(demo_run, tmp_path):
     assert "config differs" not in again and "--allow-partial" not in again
     p = eyas(*args, "--epochs", "5")
     assert p.returncode == 1 and "--epochs 400 saved, 5 given" in p.stderr, p.stderr
+
+
+def test_a_damaged_line_inside_a_log_is_named_and_kept_on_resume(demo_run, tmp_path):
+    out = tmp_path / "t"
+    eyas(*_train_cmd(demo_run, out, "--epochs", "1", "--save-every", "4")[3:], check=True)
+    log = out / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    assert len(lines) >= 3
+    lines[1] = lines[1][: len(lines[1]) // 2]  # damage in the middle, not a torn last line
+    log.write_text("\n".join(lines) + "\n")
+    before = log.read_bytes()
+    p = eyas("train", "--resume", "--out", out)
+    assert p.returncode == 0, p.stderr
+    assert f"{log}: 1 damaged line(s) (first: line 2)" in p.stderr, p.stderr
+    (aside,) = out.glob("metrics.jsonl.damaged-*")
+    assert aside.read_bytes() == before

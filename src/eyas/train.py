@@ -510,14 +510,22 @@ def _truncate_metrics(path: Path, step: int) -> None:
     a line torn by a kill or a full disk."""
     if not path.exists():
         return
-    keep = []
-    for line in path.read_bytes().splitlines():
+    keep, damaged = [], []
+    lines = path.read_bytes().splitlines()
+    for n, line in enumerate(lines, 1):
         try:
             rec = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError):
+            if n < len(lines) and line.strip():  # a torn last line is a kill's; others are damage
+                damaged.append((n, line))
             continue
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
             keep.append(line.decode())
+    if damaged:  # named, and kept aside whole, as the journals' damaged lines are
+        aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+        atomic_write_bytes(aside, path.read_bytes())
+        console.print(f"warning: {path}: {len(damaged)} damaged line(s) (first: line {damaged[0][0]}) left "
+                      f"out; the file as it was is kept in {aside}", markup=False, highlight=False)  # fmt: skip
     atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
 
 
