@@ -473,3 +473,70 @@ def test_a_checkpoint_replaced_at_the_same_step_survives_a_kill(tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step-00000005", "step-00000009"]
     assert (tmp_path / "checkpoints/step-00000009/state.json").read_text() == "old"
+
+
+def test_a_damaged_newest_checkpoint_loses_no_sample(targets, llama_dataset, tmp_path):
+    """The trainer publishes consumption as of the oldest checkpoint it keeps: killed once
+    the extractor has deleted what it published, with its newest checkpoint then damaged, it
+    falls back to the older one, whose samples are all still there; every sample is trained
+    once."""
+    from eyas.checkpoint import _ckpt_dirs
+
+    run, out = tmp_path / "run", tmp_path / "train"
+    ex = start(*extract_cmd(targets, llama_dataset, run))
+    tr = None
+    try:
+        while not (run / "run.json").exists() and ex.poll() is None:
+            time.sleep(0.02)
+        tr = start(*train_cmd(run, out, "--epochs", 1, "--save-every", 2))
+        deadline = time.monotonic() + 600  # a state to wait for; the bound only ends a failure
+        while (
+            time.monotonic() < deadline
+            and tr.poll() is None
+            and not (_retired_lines(run) > 0 and len(_ckpt_dirs(out)) >= 2)
+        ):
+            time.sleep(0.01)
+        if tr.poll() is not None:
+            pytest.skip(
+                "the trainer finished before the state the test needs (a very fast machine)"
+            )
+        tr.kill()
+        tr.wait()
+        newest = _ckpt_dirs(out)[-1]
+        big = max((p for p in newest.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+        data = bytearray(big.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        big.write_bytes(bytes(data))
+        tr = start(*train_cmd(run, out, "--epochs", 1, "--save-every", 2))
+        text = finish(tr, 600)
+        tr = None
+        assert "deleted before this trainer consumed them" not in text, text
+        finish(ex, 600)
+    finally:
+        for p in (ex, tr):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert_each_once(out, 120, 1)
+
+
+def test_a_sample_that_could_not_be_read_is_never_counted_as_consumed(
+    targets, llama_dataset, tmp_path
+):
+    from eyas.store import sample_relpath
+    from eyas.stream import from_ranges
+
+    run, out = tmp_path / "run", tmp_path / "train"
+    eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run, check=True)
+    train_idx, _ = split_samples(list(range(120)), 0.05)
+    gone = train_idx[7]
+    (run / sample_relpath(gone)).unlink()
+    p = eyas(
+        "train", "--follow", "--data", run, "--out", out, "--epochs", 1, "--batch-tokens", BATCH
+    )
+    assert p.returncode == 0, p.stderr
+    assert "pass 1 is incomplete: 1 sample(s)" in p.stderr, p.stderr
+    assert gone not in consumption(out)[0] and len(consumption(out)[0]) == len(train_idx) - 1
+    for f in (run / "followers").glob("*.json"):
+        assert gone not in from_ranges(json.loads(f.read_text())["consumed"])
+    assert eyas("verify", run).returncode == 1  # the missing file is reported, not hidden

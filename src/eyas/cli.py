@@ -684,7 +684,8 @@ def train(
     if not opts["data"]:
         raise fail("need --data RUN (or --resume with an --out that holds a training)", EXIT_USAGE)
     data, follow = Path(opts["data"]), opts["follow"]
-    _need(data, "extraction run directory")
+    if not follow:  # a follower may start before its run exists, and waits for it
+        _need(data, "extraction run directory")
     cfg = _config(TrainConfig, out=str(out), **opts)
     try:
         res = run_train(cfg, resume=resume)

@@ -74,6 +74,8 @@ class FollowSource:
             f"eyas train --follow --resume --data {self.run.resolve()} --out {self.out.resolve()}"
         )
         self._published: tuple[int, set[int], int] = (0, set(), 0)
+        self._kept: list[tuple[int, set[int], int]] = []  # (pass, consumed, trained) per checkpoint
+        self.unreadable: set[int] = set()  # samples the reader could not read (this rank's)
         self._wait: str | None = None
         self._led: tuple[tuple, Ledger] | None = None
         self._windows = 0
@@ -97,6 +99,7 @@ class FollowSource:
         f = state.get("follow") or {}
         self.consumed = from_ranges(f.get("consumed", []))
         self.trained = int(f.get("trained", 0))
+        self._kept = [(state["epoch"], set(self.consumed), self.trained)]
         if (
             self.rank == 0
         ):  # register before anything is consumed (a run without followers deletes nothing)
@@ -119,13 +122,15 @@ class FollowSource:
             yield groups
 
     def advance(self, state: dict, epoch: int, group: list[list[int]]) -> dict:
-        for b in group:
-            self.consumed.update(b)
-            self.trained += len(b)
+        for b in group:  # a sample whose file could not be read was not trained: not consumed
+            read = [i for i in b if i not in self.unreadable]
+            self.consumed.update(read)
+            self.trained += len(read)
         return {"step": state["step"] + 1, "epoch": epoch, "batch": state["batch"] + len(group)}
 
     def end_epoch(self, state: dict, epoch: int) -> dict:
         self.consumed = set()
+        self.unreadable.clear()  # a later pass may find the file extracted again
         return {"step": state["step"], "epoch": epoch + 1, "batch": 0}
 
     def has_val(self, epoch: int) -> bool:
@@ -138,11 +143,19 @@ class FollowSource:
         return {**state, "follow": {"consumed": to_ranges(self.consumed), "trained": self.trained}}
 
     def saved(self, state: dict) -> None:
-        """The checkpoint of `state` is durable: tell the extractor what it may delete."""
+        """The checkpoint of `state` is durable: tell the extractor what it may delete, as of
+        the oldest checkpoint kept, so that a damaged newest one falls back to a checkpoint
+        whose samples are all still on disk (with --keep-checkpoints 1, the newest)."""
+        self._kept = [*self._kept, (state["epoch"], set(self.consumed), self.trained)]
+        self._kept = self._kept[-max(1, self.cfg.keep_checkpoints) :]
         if self.rank == 0:
-            self._publish(
-                state["epoch"], self.consumed, self.trained, waiting=self._wait is not None
-            )
+            self._publish(*self._kept[0], waiting=self._wait is not None)
+
+    def caught_up(self) -> None:
+        """The run waits on this trainer and it has nothing new to checkpoint: publish its
+        newest checkpoint, or neither side would ever move."""
+        if self.rank == 0 and self._kept and self._published[:2] != self._kept[-1][:2]:
+            self._publish(*self._kept[-1], waiting=True)
 
     def finished(self, state: dict) -> None:
         if self.rank == 0:
@@ -171,6 +184,7 @@ class FollowSource:
             led = self._ledger()
             commits = led.pass_commits(p)
             pend = [i for i in commits if i in self.train_set and i not in self.consumed
+                    and i not in self.unreadable
                     and pass_of(led.present.get(i) or {"pass": -1}) == p]  # fmt: skip
             complete = self._complete(led, p)
             # The extractor waits for room, or is not running (a full disk stops it): a window
@@ -243,6 +257,10 @@ class FollowSource:
         return self._led[1]
 
     def _note_lost(self, led: Ledger, p: int) -> None:
+        if bad := sorted(self.unreadable & self.train_set - self.consumed):
+            self.log(f"warning: pass {p + 1} is incomplete: {len(bad)} sample(s) (e.g. {bad[:3]}) could not "
+                     "be read (see skipped_samples.jsonl); they are not counted as consumed, so the "
+                     f"extractor keeps them: `eyas verify --repair {self.run}` sets them up for extraction again")  # fmt: skip
         lost = [i for i in led.pass_retired(p) if i in self.train_set and i not in self.consumed]
         if lost:
             self.log(f"warning: {len(lost)} sample(s) of pass {p + 1} were deleted before this trainer "

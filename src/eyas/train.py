@@ -297,7 +297,10 @@ def _train(
     )
     listed = _skipped_indices(out / "skipped_samples.jsonl") if rank == 0 else set()
 
+    unreadable: set[int] = set()  # a follower never counts these as consumed
+
     def skipped(index: int, problem: str, when: str = "while training") -> None:
+        unreadable.add(index)
         if when == "while training":
             console.print(f"warning: damaged sample left out of training: {problem}",
                           markup=False, highlight=False)  # fmt: skip
@@ -314,6 +317,7 @@ def _train(
 
         reader = SampleReader(run, {}, cfg.verify_data, pin=device.type == "cuda", report=skipped)
         source = FollowSource(cfg, run, out, meta, rank, world, reader, log)
+        source.unreadable = unreadable
     else:
         assert done is not None
         entries, rejected = usable_samples(run, meta["hidden_size"], log, done)
@@ -406,7 +410,9 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
     rep.__enter__()
     rep.skip(state["step"])
     hooks = _Hooks(
-        before_wait=lambda: checkpoint(state) if state["step"] > saved_step[0] else None,
+        before_wait=lambda: (
+            checkpoint(state) if state["step"] > saved_step[0] else source.caught_up()
+        ),
         stopping=lambda: bool(stop),
         note=rep.note,
     )
@@ -431,7 +437,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
                             rep.advance()
                             if rank == 0 and cfg.follow:
                                 _log(out, rank, {"step": state["step"], "pass": epoch,
-                                                 "samples": sorted(i for b in group for i in b)}, "consumed.jsonl")  # fmt: skip
+                                                 "samples": sorted(i for b in group for i in b if i not in source.unreadable)}, "consumed.jsonl")  # fmt: skip
                             if state["step"] % 10 == 0 or n == len(groups):
                                 if world > 1:
                                     all_reduce_cpu(window)

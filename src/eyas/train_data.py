@@ -97,6 +97,9 @@ class StoreSource:
 
     saves_each_epoch = False
 
+    def caught_up(self) -> None:
+        """Nothing waits on a finished run's reader."""
+
     def __init__(self, cfg, entries: dict[int, dict], train_idx: list[int], val_idx: list[int]):
         self.cfg = cfg
         self.lengths = {i: e["tokens"] for i, e in entries.items()}
