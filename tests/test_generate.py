@@ -256,3 +256,17 @@ def test_disk_full_is_exit_75(server, inputs, tmp_path):
         assert p.returncode == 75 and "disk full" in p.stderr and "Traceback" not in p.stderr, (
             p.stderr
         )
+
+
+def test_an_endpoint_nothing_answers_is_said_at_once(inputs, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out.jsonl"
+    p = subprocess.run(
+        _cmd(f"http://127.0.0.1:{port}", inputs, out), capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 2 and "connection refused" in p.stderr, p.stderr
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing written

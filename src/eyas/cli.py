@@ -283,7 +283,7 @@ def generate(
     ),
 ) -> None:
     """Replace assistant turns with the target's own answers, through a serving endpoint, exactly once."""
-    from .generate import GenerateConfig, GenerateStopped
+    from .generate import EndpointUnreachable, GenerateConfig, GenerateStopped
     from .generate import generate as run_generate
 
     cfg = _config(
@@ -301,6 +301,8 @@ def generate(
         s = run_generate(cfg, command)
     except GenerateStopped as exc:
         raise fail(str(exc), EXIT_STOPPED) from None
+    except EndpointUnreachable as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
     except FileNotFoundError as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     except (LockHeldError, ValueError, OSError) as exc:
@@ -400,7 +402,8 @@ def extract(
     max_store: str | None = typer.Option(
         None,
         "--max-store",
-        help="Keep sample bytes under this size; consumed samples of `train --follow` are deleted.",
+        help="Keep sample bytes under this size (plus one batch per writer); consumed samples "
+        "of `train --follow` are deleted.",
     ),
     passes: int | None = typer.Option(
         None,

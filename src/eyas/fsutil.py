@@ -205,7 +205,7 @@ def human_duration(seconds: float) -> str:
         return "?"
     s = int(seconds)
     if s < 1:
-        return f"{seconds:.1f}s"
+        return "<1s" if seconds > 0 else "0s"
     if s < 60:
         return f"{s}s"
     if s < 3600:

@@ -397,11 +397,33 @@ def _job(cfg: GenerateConfig) -> dict:
             "data_fingerprint": _fingerprint(cfg.data), "sampling": cfg.sampling()}  # fmt: skip
 
 
+class EndpointUnreachable(ValueError):
+    """Nothing answers at --endpoint: no record could succeed (a usage error, exit 2)."""
+
+
+def check_endpoint(endpoint: str, timeout: float = 10.0) -> None:
+    """One TCP connection to the endpoint before the job: a wrong host or port is said at
+    once, instead of every record being retried against it."""
+    import socket
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(chat_url(endpoint))
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as exc:
+        why = "connection refused" if isinstance(exc, ConnectionRefusedError) else (
+            f"no answer within {timeout:g}s" if isinstance(exc, TimeoutError) else str(exc))  # fmt: skip
+        raise EndpointUnreachable(f"cannot reach --endpoint {endpoint} ({url.hostname}:{port}): {why}; "
+                                  "is the server running, on that host and port?") from None  # fmt: skip
+
+
 def generate(cfg: GenerateConfig, command: str = "eyas generate ...") -> GenerateSummary:
     out = Path(cfg.out)
     state = state_dir(out)
     recs = _inputs(cfg)
     job = _job(cfg)
+    check_endpoint(cfg.endpoint)  # before anything is written
     state.mkdir(parents=True, exist_ok=True)
     saved = state / "generate.json"
     if saved.exists():
