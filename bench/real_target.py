@@ -49,6 +49,9 @@ def pick_conversations(
         if not line.strip():
             continue
         r = json.loads(line)
+        if "messages" in r:  # eyas generate's output: the same turns in the messages form
+            r = {"id": r.get("id"), "conversations": [{"from": m["role"], "value": m["content"]}
+                                                      for m in r["messages"]]}  # fmt: skip
         turns = r.get("conversations") or []
         if turns and _role(turns[0]) == "user" and any(_role(t) == "assistant" for t in turns):
             if first_turn:

@@ -220,7 +220,7 @@ def test_usage_errors(tmp_path, targets, llama_dataset):
     p = eyas(
         "extract", "--model", targets["llama"], "--data", tmp_path / "nope", "--out", tmp_path / "r"
     )
-    assert p.returncode == 1 and "dataset.json" in p.stderr
+    assert p.returncode == 2 and "no such prepared dataset directory" in p.stderr
 
 
 def test_resume_with_another_world_size_redoes_nothing(tmp_path, targets, llama_dataset):

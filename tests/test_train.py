@@ -355,7 +355,7 @@ def test_train_refuses_mismatched_directory(demo_run, trained, tmp_path):
     r = eyas("train", "--data", demo_run, "--out", trained, "--epochs", "3", "--lr", "1")
     assert r.returncode == 1 and "config differs" in r.stderr
     r = eyas("train", "--data", tmp_path / "nope", "--out", tmp_path / "t")
-    assert r.returncode == 1 and "not an extraction run" in r.stderr
+    assert r.returncode == 2 and "no such extraction run directory" in r.stderr
     assert (trained / "loss.png").stat().st_size > 1000 and (
         trained / "accuracy.png"
     ).stat().st_size > 1000
