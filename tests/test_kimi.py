@@ -194,6 +194,8 @@ def test_extract_train_export_evaluate_on_the_twin(kimi, tmp_path):
         "2",
         "--batch-tokens",
         "4096",
+        "--head-init",
+        "target",
     )
     assert r.returncode == 0, r.stderr
     # The drafter's head started from the wrapper's lm_head rows (language_model.lm_head).

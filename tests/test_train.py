@@ -65,7 +65,7 @@ def demo_run(tmp_path_factory) -> Path:
 def trained(demo_run, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trained") / "train"
     train(TrainConfig(data=str(demo_run), out=str(out), epochs=3, lr=3e-3, warmup_steps=5, batch_tokens=1024,
-                      ttt_steps=3, progress=False))  # fmt: skip
+                      ttt_steps=3, head_init="target", progress=False))  # fmt: skip
     return out
 
 

@@ -662,9 +662,10 @@ def train(
         help="Train while the run is extracted: samples as they are committed, once per pass.",
     ),
     head_init: str = typer.Option(
-        "target",
+        "random",
         "--head-init",
-        help="Drafter head at the start: target (its lm_head rows), target-frozen or random.",
+        help="Drafter head at the start: random, target (the target's lm_head rows; helps tiny "
+        "targets, hurt a real one) or target-frozen.",
     ),
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""

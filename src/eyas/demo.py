@@ -87,7 +87,7 @@ def run_demo(
     stage("train")
     tdir = workdir / "train"
     t = train(TrainConfig(data=str(run), out=str(tdir), epochs=epochs, ttt_steps=ttt_steps, lr=3e-3, warmup_steps=10,
-                          batch_tokens=2048, val_fraction=0.1, save_every=50))  # fmt: skip
+                          batch_tokens=2048, val_fraction=0.1, save_every=50, head_init="target"))  # fmt: skip
     done("train")
 
     stage("export")
