@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -104,6 +105,14 @@ def assert_each_once(out: Path, n: int, passes: int) -> None:
     assert sorted(per) == list(range(passes))
     for p in range(passes):
         assert sorted(per[p]) == sorted(train_idx), f"pass {p}: not every sample exactly once"
+
+
+def kill_running(*procs) -> None:
+    """SIGKILL what a failed test left running."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
@@ -317,16 +326,13 @@ def test_a_full_disk_under_a_budget_recovers(targets, llama_dataset, tmp_path):
             ):
                 time.sleep(0.05)  # the trainer trains the part window and publishes it
             assert committed <= published(), "the trainer never published what it trained"
-            free = __import__("shutil").disk_usage(mnt).free
+            free = shutil.disk_usage(mnt).free
             (mnt / "filler").write_bytes(b"\0" * max(free - (600 << 10), 0))
             finish(start(*extract_cmd(targets, llama_dataset, run, "--min-free", "0")), 600)
             finish(tr, 600)
             tr = None
         finally:
-            for p in (ex, tr):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait()
+            kill_running(ex, tr)
         assert_each_once(out, 120, 1)
 
 
@@ -513,10 +519,7 @@ def test_a_damaged_newest_checkpoint_loses_no_sample(targets, llama_dataset, tmp
         assert "deleted before this trainer consumed them" not in text, text
         finish(ex, 600)
     finally:
-        for p in (ex, tr):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_running(ex, tr)
     assert_each_once(out, 120, 1)
 
 
