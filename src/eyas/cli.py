@@ -702,6 +702,11 @@ def train(
     except (StoreError, ValueError, OSError, KeyError) as exc:
         _disk_full(exc, f"eyas train --resume --out {out}")
         raise fail(str(exc)) from None
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # ranks leave together, the group closed
+        dist.barrier()
+        dist.destroy_process_group()
     v = res["val"]
     tail = (
         f"; val acc/step {[round(a, 3) for a in v['acc']]}, est. acceptance {v['accept_len'][-1]:.2f}"
