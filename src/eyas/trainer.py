@@ -70,6 +70,8 @@ class Trainer:
     Which samples make the batches is the data source's business (`StoreSource`,
     `FollowSource`); the trainer only loads the batches it is given."""
 
+    interruptible = False  # inside an optimizer step, before the optimizer moves (`step`)
+
     def __init__(self, cfg, meta: dict, rank: int, world: int, device: torch.device,
                  out: Path, reader: SampleReader):  # fmt: skip
         self.cfg, self.rank, self.world, self.device, self.out = cfg, rank, world, device, out
@@ -99,8 +101,6 @@ class Trainer:
         self.total_steps = max(1, total_steps)
         w = self.cfg.warmup_steps
         self.warmup = w if w is not None else min(50, max(1, self.total_steps // 10))
-
-    interruptible = False
 
     def lr_at(self, step: int) -> float:
         """Linear warmup, then cosine down to lr * min_lr_ratio at the last step."""
