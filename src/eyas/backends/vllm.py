@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ..fsutil import read_json
 from ..target import PLAIN_RMSNORM, rms_norm, target_facts
 from ..weights import final_norm_weight
 from . import Backend, BackendSpec, Pending, StateShaper
@@ -46,7 +47,18 @@ def engine_kwargs(spec: BackendSpec) -> dict:
         kw["max_model_len"] = spec.max_model_len
     if on_cpu:  # corrects vLLM's CPU rope op for MLA queries; see the module
         kw["worker_extension_cls"] = "eyas.backends.vllm_cpu_fixes.CPUFixes"
+        if spec.dtype != torch.bfloat16 and _uses_mla(spec.model):
+            # On a CPU with AMX tiles vLLM picks its AMX MLA kernels, which take bf16 alone
+            # (a float32 engine fails at start); its reference CPU MLA takes every dtype.
+            kw["attention_config"] = {"backend": "CPU_MLA"}
     return kw
+
+
+def _uses_mla(model: str) -> bool:
+    """Whether the target's attention is DeepSeek's multi-head latent attention."""
+    cfg = read_json(Path(model) / "config.json")
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    return bool(text.get("kv_lora_rank"))
 
 
 def import_vllm():
