@@ -295,6 +295,31 @@ def test_evaluate_is_lossless_and_accepts(trained, tmp_path):
     assert d["per_position_acceptance"][0] >= d["per_position_acceptance"][2]
 
 
+def test_evaluate_sigterm_gives_the_partial_result(trained, tmp_path):
+    """SIGTERM mid-evaluation: exit 75, and the figures over the prompts done, marked partial."""
+    ex = tmp_path / "ex"
+    assert eyas("export", trained, "--format", "sglang", "--out", ex).returncode == 0
+    from eyas.demo_data import generate_conversations, write_jsonl
+
+    held_out = tmp_path / "held.jsonl"
+    write_jsonl(held_out, generate_conversations(300, seed=4243))
+    p = subprocess.Popen([sys.executable, "-m", "eyas.cli", "evaluate", "--model", DEMO_TARGET, "--drafter", str(ex),
+                          "--data", str(held_out), "--precision", "0", "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "EYAS_LOG_EVERY": "0"})  # fmt: skip
+    seen = []
+    for line in p.stderr:  # progress lines: signal once ten prompts are done
+        seen.append(line)
+        if "evaluate: 10/300 prompts" in line:
+            p.send_signal(signal.SIGTERM)
+            break
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 75, "".join(seen) + err
+    d = json.loads(out)
+    assert d["partial"] and d["stopped_by"] == "SIGTERM" and d["prompts_planned"] == 300
+    assert 10 <= d["prompts"] < 300 and d["rounds"] >= d["prompts"] and d["lossless"]
+    assert 1.0 < d["tokens_per_forward"] <= d["acceptance_length"]
+
+
 def test_evaluate_reports_a_lossy_decoder(trained, tmp_path, monkeypatch):
     """The lossless check can fail: a decoder that alters one token is caught."""
     import eyas.evaluate as ev

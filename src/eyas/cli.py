@@ -890,6 +890,10 @@ def evaluate(
             )
     if not d["lossless"]:
         raise typer.Exit(EXIT_PROBLEMS)
+    if d.get("partial"):
+        console.print(f"partial: stopped by {d['stopped_by']} after {d['prompts']} of {d['prompts_planned']} "
+                      "prompts; the figures are over those alone", markup=False, highlight=False)  # fmt: skip
+        raise typer.Exit(EXIT_STOPPED)
 
 
 @app.command()

@@ -9,7 +9,11 @@ plain greedy decoding of the target (lossless), and both are timed.
 
 from __future__ import annotations
 
+import copy
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +43,8 @@ class EvalResult:
     categories: list[str | None] = field(
         default_factory=list
     )  # per prompt, where the data names one
+    stopped_by: str | None = None  # a signal's name: a partial result over the prompts done
+    planned: int = 0  # the prompts asked for
 
     def compare(self, prompt: int, spec: list[int], base: list[int], tok) -> None:
         """Record where speculative decoding's output first differs from greedy's, if it does."""
@@ -112,6 +118,8 @@ class EvalResult:
             "speedup": round((self.spec_tokens / self.spec_seconds) / (self.base_tokens / self.base_seconds), 3)
             if self.spec_seconds and self.base_seconds and self.base_tokens else None,
             "lossless": not self.mismatches, "mismatches": self.mismatches,
+            **({"partial": True, "stopped_by": self.stopped_by, "prompts_planned": self.planned}
+               if self.stopped_by else {}),
             **({"by_category": self.by_category()} if any(c is not None for c in self.categories) else {}),
         }  # fmt: skip
 
@@ -337,34 +345,90 @@ def evaluate(
                 f"{speed:.0f} tok/s speculative")  # fmt: skip
 
     rep = Reporter("evaluate", len(prompts), unit="prompts", enabled=progress, extra=extra)
+    res.planned = len(prompts)
+    stop = _SignalStop()
     try:
         rep.__enter__()
         for i, p in enumerate(prompts):
-            key = (str(model_dir), tuple(p), max_new_tokens)
-            if greedy_cache is not None and key in greedy_cache:
-                base, dt = greedy_cache[key]
-            else:
-                t0 = time.perf_counter()
-                base = greedy(model, p, max_new_tokens, eos)
-                dt = time.perf_counter() - t0
-                if greedy_cache is not None:
-                    greedy_cache[key] = (base, dt)
-            t1 = time.perf_counter()
-            spec = speculative(model, tap, drafter, p, max_new_tokens, k, eos, res)
-            t2 = time.perf_counter()
-            res.base_seconds += dt
-            res.spec_seconds += t2 - t1
-            res.base_tokens += len(base)
-            res.spec_tokens += len(spec)
-            res.compare(i, spec, base, tok)
+            before = copy.deepcopy(res)  # what a signal mid-prompt goes back to
+            try:
+                with stop.armed():
+                    _decode_one(model, tap, drafter, p, i, k, max_new_tokens, eos, res, tok,
+                                greedy_cache, str(model_dir))  # fmt: skip
+            except _Stopped:
+                res = before
+            if stop.signame:  # prompt i counts if it was decoded to its end
+                res.prompts, res.stopped_by = i + (res is not before), stop.signame
+                break
             rep.advance()
             if precision and i + 1 >= 50 and (i + 1) % 25 == 0 and res.precise_to(precision):
                 res.prompts = i + 1  # narrow enough: the rest would not change the figure
                 break
     finally:
+        stop.restore()
         rep.__exit__(None, None, None)
         tap.remove()
     return res
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _SignalStop:
+    """SIGTERM and SIGINT end the evaluation with what is done: the name is noted, and while
+    a prompt decodes (`armed`) that prompt is abandoned at once (`_Stopped`), its partial
+    counts dropped. The result is reported as partial."""
+
+    def __init__(self):
+        self.signame: str | None = None
+        self._armed = False
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._on) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _on(self, signum, _frame) -> None:
+        self.signame = self.signame or signal.Signals(signum).name
+        if self._armed:
+            self._armed = False
+            raise _Stopped
+
+    @contextmanager
+    def armed(self):
+        if self.signame:  # came between prompts: none is started
+            raise _Stopped
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _decode_one(
+    model, tap, drafter, p, i, k, max_new_tokens, eos, res, tok, greedy_cache, model_key
+):
+    """One prompt, greedily and speculatively; both timed, and compared, into `res`."""
+    key = (model_key, tuple(p), max_new_tokens)
+    if greedy_cache is not None and key in greedy_cache:
+        base, dt = greedy_cache[key]
+    else:
+        t0 = time.perf_counter()
+        base = greedy(model, p, max_new_tokens, eos)
+        dt = time.perf_counter() - t0
+        if greedy_cache is not None:
+            greedy_cache[key] = (base, dt)
+    t1 = time.perf_counter()
+    spec = speculative(model, tap, drafter, p, max_new_tokens, k, eos, res)
+    t2 = time.perf_counter()
+    res.base_seconds += dt
+    res.spec_seconds += t2 - t1
+    res.base_tokens += len(base)
+    res.spec_tokens += len(spec)
+    res.compare(i, spec, base, tok)
 
 
 def evaluate_vllm(
