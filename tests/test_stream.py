@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -426,6 +427,13 @@ def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_pa
         <= (budget >> 10 << 10) + int(1024 * meta["bytes_per_token"] * 1.1) + (64 << 10)
     )
     assert "deleted before" not in tr_out
+    # Windows make more batches than the whole set planned at once: the step total grows as
+    # they come, and the progress never shows more steps done than in all.
+    shown = [(int(a), int(b)) for a, b in re.findall(r"train: (\d+)/(\d+) steps", tr_out)]
+    planned = int(re.search(r": (\d+) optimizer steps", tr_out).group(1))
+    done = max(json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines())
+    print(f"steps planned {planned}, done {done}, shown {shown}")
+    assert shown and all(a <= b for a, b in shown) and shown[-1] == (done, done), shown
     # Each pass: every sample once, in the pass's own order.
     train_idx, _ = split_samples(list(range(n)), 0.1)
     per = consumption(out)
@@ -434,6 +442,20 @@ def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_pa
              if not e.get("retired")]  # fmt: skip
     first, second = [i for p, i in order if p == 0], [i for p, i in order if p == 1]
     assert sorted(first) == sorted(second) == list(range(n)) and first != second
+    # Finished on both sides: what the trainer consumed last is still on disk, and status and
+    # doctor say so and how to delete it; doctor's verify cost counts the bytes on disk.
+    left = bytes_on_disk(run)
+    assert left > 0
+    st = eyas("status", run, check=True).stdout
+    assert f"next       eyas extract --resume {run}   (deletes the" in st, st
+    doc = eyas("doctor", run).stdout
+    assert "consumed samples are still on disk" in doc and f"eyas extract --resume {run}" in doc, (
+        doc
+    )
+    m = re.search(r"`eyas verify \S+` reads ([\d.]+) (KiB|MiB)", doc)
+    assert m, doc
+    shown_bytes = float(m.group(1)) * (1024 if m.group(2) == "KiB" else 1 << 20)
+    assert abs(shown_bytes - left) <= max(0.05 * left, 64 << 10), (m.group(0), left)
     # Retired samples are done, not missing: a resume, verify and status agree.
     r = eyas("extract", "--resume", run, check=True)  # deletes what the trainer consumed last
     assert "extracted 0 samples" in r.stdout + r.stderr
@@ -442,6 +464,7 @@ def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_pa
     assert v["clean"] and v["retired"] == 2 * n
     st = eyas("status", run, check=True).stdout
     assert f"{2 * n}/{2 * n} done" in st and f"{2 * n} retired" in st and "finished" in st, st
+    assert "(deletes the" not in st
     r = eyas("train", "--data", run, "--out", tmp_path / "offline")  # refused, naming --follow
     assert r.returncode == 1 and "train --follow" in r.stderr
     # As good as offline.

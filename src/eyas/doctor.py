@@ -240,7 +240,7 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
             rep.add("ok", f"integrity: {v.ok}/{v.checked} committed samples intact ({depth})")
         else:
             rep.add("ok", f"integrity: {v.ok}/{v.checked} committed samples have intact headers and sizes; "
-                    f"their data was not read ({_verify_cost(run, st.bytes_done)})")  # fmt: skip
+                    f"their data was not read ({_verify_cost(run, st.store_bytes)})")  # fmt: skip
             if v.checked:
                 actions.append(Action("read every committed sample and check its checksums (the quick check "
                                       "above reads headers only)", f"eyas verify {run}", blocking=False))  # fmt: skip
@@ -278,7 +278,7 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
 def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
     """A streamed run: the store against its budget, each follower, who waits on whom, and
     the command that resumes each side."""
-    from .status import bottleneck
+    from .status import bottleneck, leftover_after_stream
 
     if st.budget or st.retired:
         budget = f" of its {human_bytes(st.budget)} budget" if st.budget else ""
@@ -310,6 +310,11 @@ def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
                               "--out TRAIN_DIR", blocking=False))  # fmt: skip
     if (b := bottleneck(st)) is not None:
         rep.add("ok", f"bottleneck: {b}")
+    if leftover_after_stream(st):
+        rep.add("ok", f"store: the run and its trainer are finished; {human_bytes(st.store_bytes)} of consumed "
+                "samples are still on disk (the extractor deletes them on its next start)")  # fmt: skip
+        actions.append(Action("delete the samples the finished trainer consumed", f"eyas extract --resume {run}",
+                              blocking=False))  # fmt: skip
 
 
 def _verify_cost(run: Path, total_bytes: int) -> str:

@@ -92,8 +92,20 @@ class FollowSource:
                 f"{len(self.val_idx)} held out{left})")  # fmt: skip
 
     def steps_per_epoch(self) -> int:
+        """Batches of one pass planned over the whole set: a lower bound, as each window ends
+        in a part-filled batch (`steps_after` corrects the total as windows come)."""
         plan = pack_batches if self.cfg.pack else plan_batches
         return len(plan(self.lengths, self.train_idx, self.cfg.batch_tokens))
+
+    def steps_after(self, epoch: int, groups: list) -> int:
+        """Optimizer steps left once the window `groups` of pass `epoch` is trained: the rest
+        of the pass planned as one window, then whole passes."""
+        plan = pack_batches if self.cfg.pack else plan_batches
+        window = {i for g in groups for b in g for i in b}
+        rest = [i for i in self.train_idx if i not in self.consumed and i not in window]
+        a = self.cfg.grad_accum
+        here = -(-len(plan(self.lengths, rest, self.cfg.batch_tokens)) // a) if rest else 0
+        return here + (self.cfg.epochs - epoch - 1) * self.steps_per_epoch() // a
 
     def restore(self, state: dict) -> None:
         f = state.get("follow") or {}

@@ -219,7 +219,22 @@ def format_status(st: RunStatus) -> str:
     if st.budget and not st.followers and st.remaining > 0:
         lines.append(f"next       eyas train --follow --data {st.run} --out TRAIN_DIR   (with --max-store, "
                      "nothing is deleted until a trainer follows the run)")  # fmt: skip
+    if leftover_after_stream(st) and not st.live_writer:
+        lines.append(f"next       eyas extract --resume {st.run}   (deletes the {human_bytes(st.store_bytes)} of "
+                     "samples the finished trainer consumed last; nothing else is left to do)")  # fmt: skip
     return "\n".join(lines)
+
+
+def leftover_after_stream(st: RunStatus) -> bool:
+    """A streamed run whose extraction and followers are all finished still holds the samples
+    consumed since the extractor last retired any (up to a budget's worth)."""
+    return (
+        bool(st.budget or st.retired)
+        and st.remaining == 0
+        and bool(st.followers)
+        and all(f["finished"] for f in st.followers)
+        and st.store_bytes > 0
+    )
 
 
 def bottleneck(st: RunStatus) -> str | None:

@@ -422,6 +422,8 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
         for epoch in range(state["epoch"], cfg.epochs):
             try:
                 for groups in source.windows(epoch, state, hooks):
+                    if (left := source.steps_after(epoch, groups)) is not None:
+                        rep.retotal(state["step"] + len(groups) + left)
                     with prefetch([b for g in groups for b in g], trainer.load) as loaded:
                         for n, group in enumerate(groups, 1):
                             try:

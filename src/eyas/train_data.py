@@ -111,6 +111,10 @@ class StoreSource:
     def steps_per_epoch(self) -> int:
         return len(self._batches(0))
 
+    def steps_after(self, epoch: int, groups: list) -> None:
+        """None: the step total planned at the start is exact."""
+        return None
+
     def _batches(self, epoch: int) -> list[list[int]]:
         c = self.cfg
         return epoch_batches(self.lengths, self.train_idx, c.batch_tokens, c.seed, epoch, c.pack)

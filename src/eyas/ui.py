@@ -84,10 +84,18 @@ class Reporter:
 
     def advance(self, n: int = 1) -> None:
         self.done += n
+        if self.done > self.total:  # the total was an estimate (streamed windows): never "54/50"
+            self.retotal(self.done)
         if self._progress is not None:
             self._progress.update(self._task, advance=n, extra=self.extra(), eta=self._eta_text())
         elif self.enabled and time.monotonic() - self._last_log >= self.log_every:
             self._log()
+
+    def retotal(self, total: int) -> None:
+        """A better estimate of the units in all (never below those done)."""
+        self.total = max(total, self.done)
+        if self._progress is not None:
+            self._progress.update(self._task, total=self.total)
 
     def note(self, msg: str | None) -> None:
         """Show a state that is not progress (waiting for the other side) now: on a terminal
@@ -111,7 +119,7 @@ class Reporter:
             left = self.eta()
             return human_duration(left) if left is not None else "?"
         rate = self.rate()
-        return human_duration((self.total - self.done) / rate if rate > 0 else float("inf"))
+        return human_duration(max(self.total - self.done, 0) / rate if rate > 0 else float("inf"))
 
     def _log(self) -> None:
         self._last_log = time.monotonic()
