@@ -118,3 +118,21 @@ def test_evaluate_reads_prompts_before_any_model(tmp_path):
     src.write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
     with pytest.raises(ValueError, match="no usable prompts"):
         read_prompts(src, None)
+
+
+def test_extract_never_mixes_a_run_into_a_directory_of_inputs(tmp_path, targets, llama_dataset):
+    out = tmp_path / "inputs"
+    out.mkdir()
+    (out / "conversations.jsonl").write_text("{}\n")
+    p = eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", out)
+    assert (
+        p.returncode == 2
+        and "conversations.jsonl" in p.stderr
+        and "extract did not write" in p.stderr
+    )
+    assert sorted(x.name for x in out.iterdir()) == ["conversations.jsonl"]
+    # its own run directory is no foreign file: a resume and a rerun of the same command go on
+    run = tmp_path / "run"
+    eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run, check=True)
+    p = eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run)
+    assert p.returncode == 0, p.stderr

@@ -412,7 +412,7 @@ def extract(
     ),
 ) -> None:
     """Run the target over a prepared dataset; store aux and final hidden states, crash-safe."""
-    from .extract import ExtractConfig, ExtractStopped
+    from .extract import ExtractConfig, ExtractStopped, OutDirError
     from .extract import extract as run_extract
     from .gpu import GpuBusy
     from .lock import LockHeld
@@ -455,7 +455,7 @@ def extract(
             s = run_extract(cfg)
     except ExtractStopped as exc:
         raise fail(str(exc), EXIT_STOPPED) from None
-    except ModelDirError as exc:
+    except (ModelDirError, OutDirError) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     except (LockHeld, GpuBusy, StoreError, ValueError, OSError) as exc:
         raise fail(str(exc)) from None

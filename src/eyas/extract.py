@@ -43,6 +43,7 @@ from .fsutil import (
     free_bytes,
     human_bytes,
     is_disk_full,
+    is_temp_file,
     parse_size,
 )
 from .gpu import gpu_preflight
@@ -276,6 +277,11 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
         cfg = resolve(cfg)
         run = Path(cfg.out)
         meta = {}
+        if not ((run / "run.json").exists() or (run / "run.backup.json").exists()) and (
+            foreign := foreign_run_entries(run)
+        ):
+            raise OutDirError(f"--out {run} holds files extract did not write ({', '.join(foreign[:3])}"
+                                    f"{' ...' if len(foreign) > 3 else ''}); give an empty or new directory")  # fmt: skip
         if (run / "run.json").exists() or (run / "run.backup.json").exists():
             meta = load_run_meta(run).meta
             mine = {k: v for k, v in stored_config(cfg).items() if k not in OVERRIDABLE}
@@ -295,6 +301,24 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
     if meta:
         _check_same_inputs(cfg, meta, run, ds)
     return cfg, run, meta, ds
+
+
+class OutDirError(ValueError):
+    """--out is a directory that holds something else: a usage error (exit 2)."""
+
+
+RUN_ENTRIES = ("run.json", "run.backup.json", "samples", "journal", "errors", "locks", "quarantine",
+               "followers")  # fmt: skip
+
+
+def foreign_run_entries(run: Path) -> list[str]:
+    """What in `run` an extraction did not write (a user's files, a dataset's): a new run is
+    never mixed into them."""
+    if not run.is_dir():
+        return []
+    return sorted(
+        p.name for p in run.iterdir() if p.name not in RUN_ENTRIES and not is_temp_file(p)
+    )
 
 
 def rebuild_hint(meta: dict) -> str:
