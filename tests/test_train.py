@@ -295,6 +295,28 @@ def test_evaluate_is_lossless_and_accepts(trained, tmp_path):
     assert d["per_position_acceptance"][0] >= d["per_position_acceptance"][2]
 
 
+def test_status_names_a_training_dataset_or_drafter_directory(demo_run, trained, tmp_path):
+    """status on what is not an extraction run says what it is and which command reads it."""
+    st = eyas("status", trained, check=True).stdout
+    assert st.startswith(f"training   {trained} (eyas train): finished; newest checkpoint at step")
+    assert f"next       eyas export {trained}" in st and "val        step" in st
+    ds = Path(json.loads((demo_run / "run.json").read_text())["dataset_path"])
+    st = eyas("status", ds, check=True).stdout
+    assert (
+        st.startswith(f"dataset    {ds} (eyas prepare): 150 samples")
+        and f"--data {ds} --out RUN_DIR" in st
+    )
+    assert eyas("export", trained, "--format", "vllm", "--out", tmp_path / "ex").returncode == 0
+    st = eyas("status", tmp_path / "ex", check=True).stdout
+    assert "an exported drafter" in st and f"--drafter {tmp_path / 'ex'}" in st
+    assert json.loads(eyas("status", trained, "--json", check=True).stdout)["kind"] == "training"
+    # a resumable training (no final drafter yet) points at its resume command
+    part = tmp_path / "part"
+    shutil.copytree(trained, part)
+    (part / "drafter.safetensors").unlink()
+    assert f"next       eyas train --resume --out {part}" in eyas("status", part, check=True).stdout
+
+
 def test_evaluate_sigterm_gives_the_partial_result(trained, tmp_path):
     """SIGTERM mid-evaluation: exit 75, and the figures over the prompts done, marked partial."""
     ex = tmp_path / "ex"

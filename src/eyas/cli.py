@@ -561,7 +561,7 @@ def status(
 ) -> None:
     """Done/remaining/failed samples, bytes, free space, throughput, ETA and the lock holder."""
     from .generate import STATE_SUFFIX, format_generation, generation_status
-    from .status import format_status, run_status
+    from .status import describe_other, format_status, run_status
     from .store import StoreError
 
     gen = run if (run / "generate.json").is_file() else run.with_name(run.name + STATE_SUFFIX)
@@ -572,6 +572,13 @@ def status(
         else:
             report.print(format_generation(g), markup=False, highlight=False)
         return
+    if not (run / "run.json").exists() and not (run / "run.backup.json").exists():
+        if (other := describe_other(run)) is not None:
+            if as_json:
+                _print_json({"kind": other.split()[0], "describe": other})
+            else:
+                report.print(other, markup=False, highlight=False)
+            return
     try:
         st = run_status(run)
     except (StoreError, OSError) as exc:

@@ -276,3 +276,74 @@ def _stream_lines(st: RunStatus) -> list[str]:
     if (b := bottleneck(st)) is not None:
         out.append(f"bottleneck {b}")
     return out
+
+
+def describe_other(path: Path) -> str | None:
+    """What a directory that is not an extraction run is, and which command reads it: a
+    training directory, a prepared dataset or an exported drafter. None for anything else."""
+    from .checkpoint import latest_checkpoint
+    from .fsutil import read_json
+    from .lock import live_locks
+
+    path = Path(path)
+    if (path / "train.json").is_file():
+        cfg = read_json(path / "train.json").get("config", {})
+        ckpt = latest_checkpoint(path)
+        steps = (
+            f"newest checkpoint at step {int(ckpt.name.split('-')[-1])}"
+            if ckpt
+            else "no checkpoint yet"
+        )
+        val = _last_val(path / "metrics.jsonl")
+        running = bool(live_locks(path))
+        final = (path / "drafter.safetensors").is_file()
+        state = "running" if running else ("finished" if final else "not running")
+        if running:
+            nxt = f"eyas status {cfg.get('data', 'RUN')} (the run it reads)"
+        elif final:
+            nxt = f"eyas export {path} --format vllm --out DRAFTER_DIR"
+        else:
+            nxt = f"eyas train --resume --out {path}"
+        return "\n".join([
+            f"training   {path} (eyas train): {state}; {steps}; --epochs {cfg.get('epochs')}",
+            f"data       {cfg.get('data')}",
+            *([f"val        {val}"] if val else []),
+            f"next       {nxt}",
+        ])  # fmt: skip
+    if (path / "dataset.json").is_file():
+        d = read_json(path / "dataset.json")
+        c, t = d.get("counts", {}), d.get("tokens", {})
+        return "\n".join([
+            f"dataset    {path} (eyas prepare): {c.get('samples')} samples from {c.get('records')} records, "
+            f"{t.get('total', 0):,} tokens ({t.get('trainable', 0):,} trained on); {c.get('failed', 0)} failed",
+            f"model      {d.get('model')}",
+            f"next       eyas extract --model {d.get('model')} --data {path} --out RUN_DIR",
+        ])  # fmt: skip
+    if (path / "eyas-manifest.json").is_file():
+        return "\n".join([
+            f"drafter    {path} (eyas export): an exported drafter",
+            f"next       eyas evaluate --model TARGET --drafter {path} --data PROMPTS.jsonl",
+        ])  # fmt: skip
+    return None
+
+
+def _last_val(metrics: Path) -> str | None:
+    """The newest validation line of a training directory's metrics, in words."""
+    import json
+
+    last = None
+    try:
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and r.get("split") == "val":
+            last = r
+    if last is None:
+        return None
+    accs = " ".join(f"{a:.2f}" for a in last.get("acc", []))
+    return f"step {last.get('step')}: loss0 {last['loss'][0]:.3f}, acc/step [{accs}]"
