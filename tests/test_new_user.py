@@ -316,3 +316,23 @@ def test_doctor_says_what_it_did_not_read_and_status_says_what_next(
 def test_estimate_small_runs_in_readable_units():
     p = eyas("estimate", "--samples", "10", "--tokens-per-sample", "100", "--hidden-size", "64")
     assert p.returncode == 0 and "0.00 TB" not in p.stdout and " kB)" in p.stdout, p.stdout
+
+
+def test_long_silent_work_says_it_goes_on(capsys, monkeypatch):
+    """A model load or a first step of minutes prints a line every interval, and none after."""
+    from eyas.ui import still_working
+
+    monkeypatch.delenv("EYAS_LOG_EVERY", raising=False)
+    seen = ""
+    with still_working("loading the target", every=0.01):
+        deadline = time.monotonic() + 120
+        while seen.count("... loading the target: ") < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+            seen += capsys.readouterr().err
+    assert seen.count("... loading the target: ") >= 2 and "so far" in seen
+    capsys.readouterr()
+    time.sleep(0.05)
+    assert capsys.readouterr().err == ""  # it ends with the work
+    with still_working("nothing", every=0.01, enabled=False):
+        time.sleep(0.05)
+    assert capsys.readouterr().err == ""

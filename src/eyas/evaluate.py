@@ -22,7 +22,7 @@ import torch
 from .export import load_export
 from .prepare import load_tokenizer
 from .records import RecordError, iter_records, parse_record, to_messages
-from .ui import Reporter
+from .ui import Reporter, still_working
 
 
 @dataclass
@@ -319,7 +319,8 @@ def evaluate(
     check_model_dir(model_dir, tokenizer=True, weights=True)
     asked = read_prompts(Path(data), limit)  # before minutes of loading the model
     tok = load_tokenizer(model_dir, trust_remote_code)
-    model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval()
+    with still_working("loading the target", enabled=progress):
+        model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval()
     from .cpu import configure_threads
 
     configure_threads(model.config.hidden_size)

@@ -86,7 +86,7 @@ from .target import (
     resolve_dtype,
     target_facts,
 )
-from .ui import Reporter, console
+from .ui import Reporter, console, still_working
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -474,7 +474,8 @@ def _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device) -> Ex
                 return ExtractSummary(str(run), total, total, 0, 0, 0, 0.0, 0)
             lock.set_phase("loading the model")
             say(f"loading the target ({cfg.backend} backend) from {cfg.model} ...")
-            backend = open_backend(cfg.backend, _spec(cfg, meta, ds, device, lengths), say)
+            with still_working("loading the target", enabled=cfg.progress):
+                backend = open_backend(cfg.backend, _spec(cfg, meta, ds, device, lengths), say)
             lock.set_phase("extracting")
             try:
                 summary = _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock)

@@ -53,7 +53,7 @@ from .train_data import (
 )
 from .trainer import StepAbandoned, Trainer, all_reduce_cpu, build_drafter, draft_vocab_for
 from .ttt_attention import IMPLEMENTATIONS
-from .ui import Reporter, console
+from .ui import Reporter, console, still_working
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -411,12 +411,14 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
     )
     rep.__enter__()
     rep.skip(state["step"])
+    first = still_working("the first optimizer step (on a CPU, minutes at a real size)",
+                          enabled=cfg.progress and rank == 0).__enter__()  # fmt: skip
     hooks = _Hooks(
         before_wait=lambda: (
             checkpoint(state) if state["step"] > saved_step[0] else source.caught_up()
         ),
         stopping=lambda: bool(stop),
-        note=rep.note,
+        note=lambda msg: (first.stop(), rep.note(msg)),  # a wait is said as a wait
     )
     try:
         for epoch in range(state["epoch"], cfg.epochs):
@@ -433,6 +435,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
                                 )  # fmt: skip
                             except StepAbandoned:
                                 raise stopped(state) from None
+                            first.stop()
                             state = source.advance(state, epoch, group)
                             window += stats
                             tokens_seen += tokens
@@ -479,6 +482,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
             plot_metrics(out)
         source.finished(state)
     finally:
+        first.stop()
         rep.__exit__(None, None, None)
         for sig, h in handlers.items():
             signal.signal(sig, h)

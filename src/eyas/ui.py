@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -131,3 +132,41 @@ class Reporter:
             markup=False,
             highlight=False,
         )
+
+
+class still_working:  # noqa: N801 - used as a context manager, like a function
+    """While the block runs (a model loading, a first training step on a CPU), a line every
+    `every` seconds says that `what` goes on and for how long, so that a minute of silence
+    never reads as a hang. `EYAS_LOG_EVERY` shortens the interval for logs and tests.
+    `stop()` ends it early (idempotent)."""
+
+    def __init__(self, what: str, every: float = 15.0, enabled: bool = True):
+        self.what, self.enabled = what, enabled
+        self.every = min(every, float(os.environ.get("EYAS_LOG_EVERY", every)) or 1.0)
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> still_working:
+        if self.enabled:
+            self._t0 = time.monotonic()
+            self._thread = threading.Thread(
+                target=self._beat, name="eyas-still-working", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _beat(self) -> None:
+        from .fsutil import human_duration
+
+        while not self._done.wait(self.every):
+            console.print(f"... {self.what}: {human_duration(time.monotonic() - self._t0)} so far",
+                          markup=False, highlight=False)  # fmt: skip
