@@ -270,3 +270,48 @@ def test_an_endpoint_nothing_answers_is_said_at_once(inputs, tmp_path):
     )
     assert p.returncode == 2 and "connection refused" in p.stderr, p.stderr
     assert not out.exists() and not list(tmp_path.iterdir())  # nothing written
+
+
+@contextlib.contextmanager
+def _refusing_server():
+    """A server that answers every request with the same HTTP 404 (a model it does not serve)."""
+    import http.server
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the stdlib's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = b'{"error": {"message": "The model `target` does not exist."}}'
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_every_request_failing_alike_stops_the_job(inputs, tmp_path):
+    """A server that refuses every request the same way: the job stops after a few records
+    (exit 75, the reason named) instead of retrying all of them; the bar counts none as done."""
+    out = tmp_path / "out.jsonl"
+    with _refusing_server() as url:
+        p = subprocess.run(_cmd(url, inputs, out, "--retries", "0"), capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "EYAS_LOG_EVERY": "0"})  # fmt: skip
+    assert p.returncode == 75, p.stderr
+    assert "the last 8 records all failed the same way" in p.stderr and "does not exist" in p.stderr
+    assert "Resume with the same command" in p.stderr
+    errors = (tmp_path / "out.jsonl.eyas-gen" / "errors.jsonl").read_text().splitlines()
+    assert 8 <= sum('"request"' in e for e in errors) < 24  # the rest were never asked for
+    assert "generate: 0/" in p.stderr and "pending" in p.stderr and "failed" in p.stderr
+    assert not out.exists()

@@ -108,6 +108,25 @@ class GenerateConfig:
         }
 
 
+class _SameFailure:
+    """Watches the outcomes of records: `n` failures in a row, all for the same reason (a
+    server gone, a model name it does not serve), mean the rest would fail too, and hours
+    of retries would only say so later. `failed` then returns why to stop."""
+
+    def __init__(self, n: int):
+        self.n, self.reasons = n, []
+
+    def succeeded(self) -> None:
+        self.reasons.clear()
+
+    def failed(self, reason: str) -> str | None:
+        self.reasons.append(reason)
+        if len(self.reasons) >= self.n and len(set(self.reasons[-self.n :])) == 1:
+            return (f"stopped: the last {self.n} records all failed the same way ({reason}); the rest would "
+                    "too. Fix the cause (the server, --endpoint, --model)")  # fmt: skip
+        return None
+
+
 class GenerateStopped(Exception):
     def __init__(self, reason: str, done: int, total: int, cmd: str):
         super().__init__(
@@ -476,12 +495,20 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
 
     def extra() -> str:
         el = max(time.monotonic() - t0, 1e-9)
-        return (f"{s.requests / el:.1f} req/s, {s.completion_tokens / el:,.0f} tok/s, "
-                f"{len(errors)} failed") if s.requests else ""  # fmt: skip
+        speed = (
+            f"{s.requests / el:.1f} req/s, {s.completion_tokens / el:,.0f} tok/s, "
+            if s.requests
+            else ""
+        )
+        return f"{speed}{len(errors)} failed, {len(recs) - len(done) - len(errors)} pending"
 
-    rep = Reporter("generate", len(recs), unit="records", enabled=cfg.progress, extra=extra)
+    # The bar counts records done; a failed one leaves the total (its count is in `extra`),
+    # so that failures never read as progress and the ETA is for the records still pending.
+    rep = Reporter("generate", len(recs) - len(errors), unit="records done", enabled=cfg.progress,
+                   extra=extra)  # fmt: skip
     rep.__enter__()
     rep.skip(len(done))
+    alike = _SameFailure(max(8, 2 * cfg.concurrency))
     # Daemon workers: a stop abandons requests still in flight after a grace period instead
     # of waiting out their timeouts (their records are simply done again on resume).
     work: queue.Queue = queue.Queue()
@@ -530,7 +557,11 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
                         "reason": str(exc),
                         "code": "request",
                     }
-                    rep.advance()
+                    rep.retotal(rep.total - 1)
+                    rep.advance(0)  # none more done: the line shows the failure
+                    if (why := alike.failed(str(exc))) is not None:
+                        reason.append(why)
+                        stop.set()
                 continue
             requests = result.pop("requests")  # attempts: this session's statistics, not provenance
             record = {"id": rid, **result, **({"tools": tools} if tools else {})}
@@ -541,6 +572,7 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
             s.generated += 1
             s.requests += requests
             s.completion_tokens += result["generation"]["usage"]["completion_tokens"]
+            alike.succeeded()
             rep.advance()
     finally:
         stop.set()
