@@ -334,3 +334,23 @@ def test_vllm_states_of_wrong_shape_fail_the_sample(kimi):
     assert isinstance(b.states_of(ids, torch.tensor(ids), hs), dict)
     why = b.states_of(ids, torch.tensor(ids), hs[:, :-1])  # the final layer dropped
     assert isinstance(why, str) and "46973" in why and "(5, 3, 64)" in why
+
+
+def test_the_readme_rehearsal_runs_as_written(tmp_path):
+    """The README's Kimi-K2.5 rehearsal, every command as printed, on the shipped data."""
+    import shlex
+    import shutil as sh
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = (
+        readme.split("Rehearse on a twin first", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    )
+    sh.copytree(Path(__file__).parents[1] / "examples", tmp_path / "examples")
+    cmds = [c for line in block.splitlines() if line.strip() for c in line.split(" && ")]
+    assert len(cmds) == 6 and all(c.startswith("eyas ") for c in cmds)
+    for c in cmds:
+        args = shlex.split(c)[1:]
+        r = eyas(*args, cwd=tmp_path, timeout=600)
+        assert r.returncode == 0, (c, r.stderr[-2000:])
+    ds = json.loads((tmp_path / "twin-ds" / "dataset.json").read_text())
+    assert ds["counts"]["failed"] == 0 and ds["counts"]["samples"] > ds["counts"]["records"] == 20
