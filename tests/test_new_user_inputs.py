@@ -136,3 +136,20 @@ def test_extract_never_mixes_a_run_into_a_directory_of_inputs(tmp_path, targets,
     eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run, check=True)
     p = eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run)
     assert p.returncode == 0, p.stderr
+
+
+def test_estimate_agrees_with_what_extract_stores(tmp_path, targets, llama_dataset):
+    """estimate --model sizes the dtype extract really stores here (float32 on a CPU)."""
+    run = tmp_path / "run"
+    eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run, "--device", "cpu",
+         check=True)  # fmt: skip
+    meta = json.loads((run / "run.json").read_text())
+    p = eyas("estimate", "--model", targets["llama"], "--samples", 10, "--tokens-per-sample", 100,
+             "--device", "cpu", check=True)  # fmt: skip
+    first, per_token = p.stdout.splitlines()[:2]
+    assert meta["store_dtype"] == "float32" and "float32 (what extract stores on a CPU" in first
+    assert per_token.strip().startswith(f"{meta['bytes_per_token']:,} bytes per token")
+    assert "--store-dtype bfloat16 halves this" in p.stdout
+    gpu = eyas("estimate", "--model", targets["llama"], "--samples", 10, "--tokens-per-sample", 100,
+               "--device", "cuda", check=True).stdout  # fmt: skip
+    assert "bfloat16 (what extract stores on a GPU" in gpu and "halves" not in gpu

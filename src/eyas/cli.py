@@ -488,8 +488,15 @@ def estimate(
     hidden_size: int | None = typer.Option(None, "--hidden-size", help="Target hidden size H."),
     model: Path | None = typer.Option(None, "--model", help="Target model directory (for H)."),
     store_dtype: str = typer.Option(
-        "bfloat16", "--store-dtype", help="float32, bfloat16 or float16."
-    ),
+        "auto",
+        "--store-dtype",
+        help="float32, bfloat16 or float16; auto: what extract stores on --device (its compute dtype).",
+    ),  # fmt: skip
+    device: str = typer.Option(
+        "auto",
+        "--device",
+        help="Where the extraction will run: cuda (bfloat16 by default), cpu (float32) or auto (this machine).",
+    ),  # fmt: skip
     storage: str = typer.Option("dense", "--storage", help="dense or fp8."),
     target: str = typer.Option("last", "--target", help="last or topk:K."),
     draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size"),
@@ -504,6 +511,15 @@ def estimate(
         layout = Layout(storage, target)
     except (ModelDirError, ValueError) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
+    if device not in ("auto", "cpu", "cuda"):
+        raise fail(f"--device must be auto, cpu or cuda, got {device!r}", EXIT_USAGE)
+    how = ""
+    if store_dtype == "auto":  # as extract decides: its compute dtype on that device
+        from .target import resolve_device, resolve_dtype
+
+        where = resolve_device(device)
+        store_dtype = str(resolve_dtype("auto", where)).removeprefix("torch.")
+        how = f" (what extract stores on {'a GPU' if where == 'cuda' else 'a CPU'} unless --store-dtype)"
     if H is None or store_dtype not in DTYPES:
         raise fail(
             "need --hidden-size or --model, and --store-dtype float32, bfloat16 or float16",
@@ -518,10 +534,10 @@ def estimate(
     total = projected_bytes(layout, H, dt, samples, tokens_per_sample, draft_vocab_size)
     peers = 8 * H + 16  # bf16 final + 3 aux states, int64 ids: the pickle layouts of other tools
     report.print(
-        f"{samples:,} samples x {tokens_per_sample:,.0f} tokens, H={H}, {layout.name()}, {store_dtype}:\n"
+        f"{samples:,} samples x {tokens_per_sample:,.0f} tokens, H={H}, {layout.name()}, {store_dtype}{how}:\n"
         f"  {per_token:,} bytes per token + {per_sample:,} bytes per sample (header, journal line)\n"
         f"  {human_bytes(total)} in all ({_decimal(total)}); {per_token / peers:.0%} of the 8H+16 = {peers:,} "
-        f"bytes per token other tools store",
+        f"bytes per token other tools store (in bfloat16{'; --store-dtype bfloat16 halves this' if dt == DTYPES['float32'] else ''})",
         markup=False, highlight=False,
     )  # fmt: skip
 
