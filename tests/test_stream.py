@@ -141,6 +141,10 @@ def test_without_followers_nothing_is_deleted_and_the_writer_waits(
     ex.send_signal(signal.SIGTERM)
     out = output(ex, 60)
     assert ex.returncode == 75, out
+    # about 2.5 batches of budget: said up front, with the bound the store may reach
+    assert "holds fewer than 4 batches of --batch-tokens 1024" in out and "plus one batch" in out, (
+        out
+    )
     led = ledger(run)
     assert not any(led.retired) and len(led.present) > 0
     # A follower whose --epochs the run cannot give is refused, and leaves nothing that would

@@ -460,6 +460,13 @@ def _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device) -> Ex
                         f"retired {n} sample(s) the trainer consumed while the extractor was stopped"
                     )
                 retirer.budget = _effective_budget(run, cfg, retirer.bytes, bpt)
+                batch = cfg.batch_tokens * bpt
+                if retirer.budget < 4 * batch:
+                    say(f"warning: --max-store {cfg.max_store} holds fewer than 4 batches of --batch-tokens "
+                        f"{cfg.batch_tokens} (~{human_bytes(batch)} each{' per rank' if cfg.world > 1 else ''}): "
+                        f"the store may reach the budget plus one batch (~{human_bytes(retirer.budget + batch)}), "
+                        "and the two sides will wait on each other often; a budget of 4 batches or more lets "
+                        "them overlap")  # fmt: skip
             if fresh is None:
                 todo = [i for p in range(cfg.passes) for i in mine if i not in led.pass_commits(p)]
                 need = sum(lengths[i] for i in todo) * bpt + 4096 * len(todo)

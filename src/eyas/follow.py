@@ -228,8 +228,10 @@ class FollowSource:
                 # trained since its last checkpoint: checkpoint it, so that the extractor (or
                 # its resume) may delete it and go on.
                 hooks.before_wait()
+            ready = sum(commits[i]["tokens"] for i in pend)
             self._wait = (f"waiting for extraction: pass {p + 1}/{self.passes}, {len(commits)}/{self.n} "
-                          f"committed, {len(self.consumed)} trained" + self._extractor_note())  # fmt: skip
+                          f"committed, {len(self.consumed)} trained; {len(pend)} untrained ({ready:,} tokens "
+                          f"of the {self.window_tokens:,} a window takes)" + self._extractor_note())  # fmt: skip
             hooks.note(self._wait)
             if self.world > 1 and time.monotonic() - beat > HEARTBEAT:
                 self._share(("wait",))
