@@ -687,8 +687,9 @@ def train(
     head_init: str = typer.Option(
         "random",
         "--head-init",
-        help="Drafter head at the start: random, target (the target's lm_head rows; helps tiny "
-        "targets, hurt a real one) or target-frozen.",
+        help="Drafter head at the start: random, target (the target's lm_head rows and final norm, "
+        "scaled to a random head's spread; helps the demo, level with random on a real target) or "
+        "target-frozen.",
     ),
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
