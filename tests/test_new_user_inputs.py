@@ -5,6 +5,7 @@ and prompts-only records for evaluate."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from conftest import eyas
@@ -141,8 +142,10 @@ def test_extract_never_mixes_a_run_into_a_directory_of_inputs(tmp_path, targets,
 def test_estimate_agrees_with_what_extract_stores(tmp_path, targets, llama_dataset):
     """estimate --model sizes the dtype extract really stores here (float32 on a CPU)."""
     run = tmp_path / "run"
-    eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run, "--device", "cpu",
-         check=True)  # fmt: skip
+    x = eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run, "--device", "cpu",
+             check=True, env={**os.environ, "EYAS_LOG_EVERY": "0"})  # fmt: skip
+    # the rate on extract's line is status's: the same window, and it says which
+    assert "tok/s (last 5m00s, as status)" in x.stderr, x.stderr
     meta = json.loads((run / "run.json").read_text())
     p = eyas("estimate", "--model", targets["llama"], "--samples", 10, "--tokens-per-sample", 100,
              "--device", "cpu", check=True)  # fmt: skip

@@ -42,6 +42,7 @@ from .fsutil import (
     filesystem_info,
     free_bytes,
     human_bytes,
+    human_duration,
     is_disk_full,
     is_temp_file,
     parse_size,
@@ -63,7 +64,7 @@ from .lock import LockHeld, WriterLock
 from .prepare import PreparedDataset
 from .recovery import check_journaled_files, recover
 from .runmeta import load_run_meta, write_run_meta
-from .status import recent_rate
+from .status import RATE_WINDOW, recent_rate
 from .store import (
     STORE_VERSION,
     Layout,
@@ -700,7 +701,9 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
         rate = recent_rate(commits, time.time())[1]
         store = (f", store {human_bytes(retirer.bytes)}/{human_bytes(retirer.budget)}"
                  if retirer is not None else "")  # fmt: skip
-        return f"{rate or 0:,.0f} tok/s, {human_bytes(free_bytes(run))} free{store}"
+        who = f"rank {cfg.rank}'s " if cfg.world > 1 else ""
+        return (f"{rate or 0:,.0f} tok/s ({who}last {human_duration(RATE_WINDOW)}, as status), "
+                f"{human_bytes(free_bytes(run))} free{store}")  # fmt: skip
 
     def eta() -> float | None:  # in tokens, as `status` computes it
         rate = recent_rate(commits, time.time())[1]

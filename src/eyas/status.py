@@ -171,8 +171,9 @@ def format_status(st: RunStatus) -> str:
     # Floored, so that a run one sample short never reads 100.0%.
     pct = math.floor(1000 * st.done / st.total) / 10 if st.total else 100.0
     if st.live_writer:
-        speed = (f"{st.recent_samples_per_s:.2f} samples/s, {st.recent_tokens_per_s:,.0f} tokens/s (last minutes)"
-                 if st.recent_tokens_per_s else "no commits in the last minutes")  # fmt: skip
+        span = human_duration(RATE_WINDOW)
+        speed = (f"{st.recent_samples_per_s:.2f} samples/s, {st.recent_tokens_per_s:,.0f} tokens/s (commits of "
+                 f"the last {span}, all ranks)" if st.recent_tokens_per_s else f"no commits in the last {span}")  # fmt: skip
         eta = human_duration(st.eta_seconds) if st.eta_seconds is not None else "?"
         if st.blocked:
             eta = f"- (blocked: {st.blocked})"
