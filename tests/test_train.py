@@ -317,6 +317,32 @@ def test_status_names_a_training_dataset_or_drafter_directory(demo_run, trained,
     assert f"next       eyas train --resume --out {part}" in eyas("status", part, check=True).stdout
 
 
+def test_report_to_tensorboard_writes_the_metrics(demo_run, tmp_path):
+    """--report-to tensorboard: TensorBoard's reader finds metrics.jsonl's figures, per TTT step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    eyas("train", "--data", demo_run, "--out", out, "--epochs", 1, "--ttt-steps", 2, "--batch-tokens", 1024,
+         "--report-to", "tensorboard", check=True)  # fmt: skip
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    want = {"train/loss/ttt0", "train/loss/ttt1", "train/acc/ttt0", "train/acc/ttt1", "train/lr",
+            "train/tokens_per_s", "val/loss/ttt0", "val/acc/ttt1", "val/accept_len"}  # fmt: skip
+    assert want <= tags, tags
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train_recs = [r for r in recs if r["split"] == "train"]
+    got = {e.step: e.value for e in acc.Scalars("train/loss/ttt0")}
+    assert sorted(got) == [r["step"] for r in train_recs]
+    for r in train_recs:
+        assert abs(got[r["step"]] - r["loss"][0]) < 1e-5
+    val = [r for r in recs if r["split"] == "val"][-1]
+    assert abs(acc.Scalars("val/acc/ttt1")[-1].value - val["acc"][1]) < 1e-6
+    r = eyas("train", "--data", demo_run, "--out", tmp_path / "x", "--report-to", "wandb")
+    assert r.returncode == 2 and "--report-to must be none or tensorboard" in r.stderr
+    assert not (tmp_path / "x").exists()
+
+
 def test_evaluate_sigterm_gives_the_partial_result(trained, tmp_path):
     """SIGTERM mid-evaluation: exit 75, and the figures over the prompts done, marked partial."""
     ex = tmp_path / "ex"

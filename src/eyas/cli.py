@@ -691,6 +691,11 @@ def train(
         "scaled to a random head's spread; helps the demo, level with random on a real target) or "
         "target-frozen.",
     ),
+    report_to: str = typer.Option(
+        "none",
+        "--report-to",
+        help="tensorboard: the metrics also as TensorBoard events in OUT/tensorboard (pip install -e '.[tensorboard]').",
+    ),  # fmt: skip
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
     from .store import StoreError
@@ -705,7 +710,7 @@ def train(
         grad_accum=grad_accum, val_fraction=val_fraction, eval_every=eval_every, save_every=save_every,
         keep_checkpoints=keep_checkpoints, draft_vocab_size=draft_vocab_size, dtype=dtype, device=device,
         seed=seed, verify_data=verify_data, intermediate_size=intermediate_size, attention=attention,
-        allow_partial=allow_partial, head_init=head_init, pack=pack, follow=follow,
+        allow_partial=allow_partial, head_init=head_init, pack=pack, follow=follow, report_to=report_to,
     )  # fmt: skip
     if resume:
         opts = _saved_options(opts, out, ctx)

@@ -20,6 +20,7 @@ optimizer and the schedule, and does a step, an evaluation or a checkpoint when 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -115,9 +116,17 @@ class TrainConfig:
     follow: bool = False
     """Train while the run is extracted: committed samples as they appear, each once per
     extraction pass; the extractor's --max-store deletes what every follower has passed."""
+    report_to: str = "none"
+    """`tensorboard`: the metrics also as TensorBoard event files in OUT/tensorboard (loss and
+    accuracy per TTT step, lr, tokens/s, validation); needs `pip install -e '.[tensorboard]'`."""
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.report_to not in ("none", "tensorboard"):
+            raise ValueError(f"--report-to must be none or tensorboard, got {self.report_to!r}")
+        if self.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--report-to tensorboard needs the tensorboard package: "
+                             "pip install -e '.[tensorboard]' (or pip install tensorboard)")  # fmt: skip
         if self.head_init not in ("target", "target-frozen", "random"):
             raise ValueError(
                 f"--head-init must be target, target-frozen or random, got {self.head_init!r}"
@@ -137,7 +146,7 @@ class TrainConfig:
 # May differ on resume. Paths may change (a moved run or training directory resumes):
 # the data and the target are identified by their fingerprints, not where they live.
 _RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "keep_checkpoints",
-              "data", "out", "model", "attention", "allow_partial"}  # fmt: skip
+              "data", "out", "model", "attention", "allow_partial", "report_to"}  # fmt: skip
 
 
 # What a training directory made before these options existed was trained with.
@@ -414,6 +423,15 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
     )
     rep.__enter__()
     rep.skip(state["step"])
+    board = (
+        _TensorBoard(out / "tensorboard") if cfg.report_to == "tensorboard" and rank == 0 else None
+    )
+
+    def metric(rec: dict) -> None:
+        _log(out, rank, rec)
+        if board is not None:
+            board.write(rec)
+
     first = still_working("the first optimizer step (on a CPU, minutes at a real size)",
                           enabled=cfg.progress and rank == 0).__enter__()  # fmt: skip
     hooks = _Hooks(
@@ -451,7 +469,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
                             if state["step"] % 10 == 0 or n == len(groups):
                                 if world > 1:
                                     all_reduce_cpu(window)
-                                _log(out, rank, {"split": "train", **_plain(state), "lr": trainer.lr_at(state["step"] - 1),
+                                metric({"split": "train", **_plain(state), "lr": trainer.lr_at(state["step"] - 1),
                                                  "tokens_per_s": tokens_seen * world / max(time.monotonic() - t0, 1e-9),
                                                  **summarize(window)})  # fmt: skip
                                 window.zero_()
@@ -461,7 +479,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
                                 and source.has_val(epoch)
                             ):
                                 last_val = trainer.evaluate(source.val_batches(epoch))
-                                _log(out, rank, {"split": "val", **_plain(state), **last_val})
+                                metric({"split": "val", **_plain(state), **last_val})
                             if state["step"] % cfg.save_every == 0:
                                 checkpoint(state)
                             if _should_stop(stop, world):
@@ -473,7 +491,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
             state = source.end_epoch(state, epoch)
             if has_val:
                 last_val = trainer.evaluate(val_batches)
-                _log(out, rank, {"split": "val", **_plain(state), **last_val})
+                metric({"split": "val", **_plain(state), **last_val})
                 if rank == 0 and cfg.progress:
                     _print_summary(epoch, last_val)
             if source.saves_each_epoch:
@@ -486,6 +504,8 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
         source.finished(state)
     finally:
         first.stop()
+        if board is not None:
+            board.close()
         rep.__exit__(None, None, None)
         for sig, h in handlers.items():
             signal.signal(sig, h)
@@ -513,6 +533,34 @@ def _should_stop(stop: list, world: int) -> bool:
     flag = torch.tensor([1.0 if stop else 0.0])
     all_reduce_cpu(flag)
     return bool(flag.item())
+
+
+class _TensorBoard:
+    """metrics.jsonl's records as TensorBoard scalars, with TensorBoard's own writer:
+    `{split}/loss/ttt{i}`, `{split}/acc/ttt{i}`, `{split}/accept_len`, `train/lr`,
+    `train/tokens_per_s`, at the optimizer step. A resume appends to the same directory;
+    TensorBoard shows the latest value of a step written twice."""
+
+    def __init__(self, path: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.w = SummaryWriter(log_dir=str(path))
+
+    def write(self, rec: dict) -> None:
+        split, step = rec["split"], int(rec["step"])
+        for key in ("loss", "acc"):
+            for i, v in enumerate(rec.get(key) or []):
+                self.w.add_scalar(f"{split}/{key}/ttt{i}", float(v), step)
+        if rec.get("accept_len"):
+            self.w.add_scalar(f"{split}/accept_len", float(rec["accept_len"][-1]), step)
+        for key in ("lr", "tokens_per_s"):
+            if key in rec:
+                self.w.add_scalar(f"{split}/{key}", float(rec[key]), step)
+        if split == "val":
+            self.w.flush()
+
+    def close(self) -> None:
+        self.w.close()
 
 
 def _log(out: Path, rank: int, rec: dict, name: str = "metrics.jsonl") -> None:
