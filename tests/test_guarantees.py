@@ -124,11 +124,20 @@ def test_every_checkpoint_damaged_is_one_line_and_final_drafter_is_checked(
     out = _killed_copy(finished, tmp_path / "all")
     for ckpt in (out / "checkpoints").iterdir():
         _flip(ckpt / "drafter.safetensors", ckpt.joinpath("drafter.safetensors").stat().st_size - 1)
-    r = eyas("train", "--data", small_run, "--out", out, "--resume", "--epochs", "2", "--lr", "3e-3",
-             "--warmup-steps", "2", "--batch-tokens", "1024", "--ttt-steps", "2", "--save-every", "2",
-             "--val-fraction", "0.1", "--keep-checkpoints", "100")  # fmt: skip
+    cmd = ["train", "--data", small_run, "--out", out, "--resume", "--epochs", "2", "--lr", "3e-3",
+           "--warmup-steps", "2", "--batch-tokens", "1024", "--ttt-steps", "2", "--save-every", "2",
+           "--val-fraction", "0.1", "--keep-checkpoints", "100"]  # fmt: skip
+    r = eyas(*cmd)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "every checkpoint is damaged" in r.stderr
+    assert "every checkpoint is damaged" in r.stderr and "Rerun the same command" in r.stderr
+    # As it says: the same command trains again from step 0, and says so; nothing is lost.
+    r = eyas(*cmd)
+    assert r.returncode == 0, r.stderr
+    assert "no intact checkpoint" in r.stderr and "starts again from step 0" in r.stderr, r.stderr
+    assert (
+        list((out / "checkpoints").glob("damaged-step-*"))
+        and (out / "drafter.safetensors").exists()
+    )
     # A bit flipped in the final drafter: export refuses, naming the file and what to run.
     done = tmp_path / "done"
     shutil.copytree(finished, done)

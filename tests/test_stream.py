@@ -469,6 +469,12 @@ def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_pa
     st = eyas("status", run, check=True).stdout
     assert f"{2 * n}/{2 * n} done" in st and f"{2 * n} retired" in st and "finished" in st, st
     assert "(deletes the" not in st
+    # A follower that comes after the extractor deleted everything: the loss is said at its
+    # start, before any step, not at the end of the pass.
+    r = eyas("train", "--follow", "--data", run, "--out", tmp_path / "late", *flags, "--seed", 0)
+    said = r.stderr.find("were deleted before this trainer consumed them")
+    assert said >= 0, r.stderr
+    assert "train: " not in r.stderr[:said], r.stderr
     r = eyas("train", "--data", run, "--out", tmp_path / "offline")  # refused, naming --follow
     assert r.returncode == 1 and "train --follow" in r.stderr
     # As good as offline.

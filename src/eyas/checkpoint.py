@@ -187,8 +187,12 @@ def resume_checkpoint(
             )
         return state, ckpt
     if damaged:
-        raise CheckpointError(f"{out}: every checkpoint is damaged ({'; '.join(damaged)}); "
-                              "start again with another --out")  # fmt: skip
+        raise CheckpointError(f"{out}: every checkpoint is damaged ({'; '.join(damaged)}); they are set aside "
+                              "as checkpoints/damaged-*. Rerun the same command to train again from step 0 "
+                              "in this directory, or use another --out")  # fmt: skip
+    if aside := sorted(p.name for p in (Path(out) / "checkpoints").glob("damaged-*")):
+        log(f"warning: {out} has no intact checkpoint ({len(aside)} damaged one(s) set aside, e.g. {aside[0]}): "
+            "training starts again from step 0")  # fmt: skip
     return None
 
 

@@ -79,6 +79,7 @@ class FollowSource:
         self._wait: str | None = None
         self._led: tuple[tuple, Ledger] | None = None
         self._windows = 0
+        self._lost_said: set[tuple[int, int]] = set()  # (pass, count) of losses already said
         self._store: StoreSource | None = None
         self._live_checked = (0.0, True)
         self.waited = 0.0  # seconds spent waiting for samples
@@ -116,6 +117,8 @@ class FollowSource:
             self.rank == 0
         ):  # register before anything is consumed (a run without followers deletes nothing)
             self._publish(state["epoch"], self.consumed, self.trained)
+            if state["epoch"] < self.passes and (self.run / "run.json").exists():
+                self._note_lost(self._ledger(), state["epoch"])  # at once, not at the pass's end
 
     def windows(self, epoch: int, state: dict, hooks):
         if epoch >= self.passes:  # a run without a budget: the later epochs read the full store
@@ -276,7 +279,8 @@ class FollowSource:
                      "be read (see skipped_samples.jsonl); they are not counted as consumed, so the "
                      f"extractor keeps them: `eyas verify --repair {self.run}` sets them up for extraction again")  # fmt: skip
         lost = [i for i in led.pass_retired(p) if i in self.train_set and i not in self.consumed]
-        if lost:
+        if lost and (p, len(lost)) not in self._lost_said:
+            self._lost_said.add((p, len(lost)))
             self.log(f"warning: {len(lost)} sample(s) of pass {p + 1} were deleted before this trainer "
                      "consumed them (it registered late, or resumed from an older checkpoint than the "
                      "one it had published): they are not trained in this pass")  # fmt: skip
