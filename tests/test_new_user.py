@@ -314,7 +314,8 @@ def test_doctor_says_what_it_did_not_read_and_status_says_what_next(
 
 
 def test_estimate_small_runs_in_readable_units():
-    p = eyas("estimate", "--samples", "10", "--tokens-per-sample", "100", "--hidden-size", "64")
+    p = eyas("estimate", "--samples", "10", "--tokens-per-sample", "100", "--hidden-size", "64",
+             "--store-dtype", "bfloat16")  # fmt: skip
     assert p.returncode == 0 and "0.00 TB" not in p.stdout and " kB)" in p.stdout, p.stdout
 
 
