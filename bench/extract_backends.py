@@ -27,9 +27,9 @@ from pathlib import Path
 
 
 def build(work: Path, args) -> tuple[Path, Path]:
-    from eyas.demo_data import generate_conversations
-    from eyas.prepare import PrepareConfig, prepare
-    from eyas.tiny import TinySizes, build_tiny_target
+    from eyas.data.prepare import PrepareConfig, prepare
+    from eyas.targets.demo_data import generate_conversations
+    from eyas.targets.tiny import TinySizes, build_tiny_target
 
     sizes = TinySizes(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.hidden // 64,
                       num_key_value_heads=max(1, args.hidden // 128), intermediate_size=2 * args.hidden)  # fmt: skip
@@ -82,8 +82,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
 
-    from eyas.backends.vllm import engine_kwargs, import_vllm
-    from eyas.prepare import PreparedDataset
+    from eyas.data.prepare import PreparedDataset
+    from eyas.targets.backends.vllm import engine_kwargs, import_vllm
 
     vllm = import_vllm()
     work = Path(tempfile.mkdtemp(prefix="eyas-bench-", dir=args.workdir))
@@ -98,8 +98,8 @@ def main() -> None:
         )
         import torch
 
-        from eyas.backends import BackendSpec
-        from eyas.store import Layout
+        from eyas.run.store import Layout
+        from eyas.targets.backends import BackendSpec
 
         # the engine settings of `eyas extract` (no --max-model-len: vLLM sizes its batches from it)
         spec = BackendSpec(model=str(model), aux_layers=(), device="cpu", dtype=torch.float32,
@@ -115,8 +115,8 @@ def main() -> None:
             return c
 
         def capture_only() -> float:
-            from eyas.backends.vllm import VLLMBackend
-            from eyas.target import default_aux_layers
+            from eyas.targets.backends.vllm import VLLMBackend
+            from eyas.targets.target import default_aux_layers
 
             be = VLLMBackend(
                 replace(spec, aux_layers=default_aux_layers(args.layers)), log=lambda *_: None

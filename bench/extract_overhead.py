@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from eyas.backends.hf import Capture, load_target
-from eyas.demo_data import generate_conversations, write_jsonl
+from eyas.data.prepare import PrepareConfig, PreparedDataset, prepare
 from eyas.extract import ExtractConfig, extract
-from eyas.prepare import PrepareConfig, PreparedDataset, prepare
-from eyas.target import plan_batches, resolve_device, resolve_dtype
-from eyas.tiny import TinySizes, build_tiny_target
+from eyas.targets.backends.hf import Capture, load_target
+from eyas.targets.demo_data import generate_conversations, write_jsonl
+from eyas.targets.target import plan_batches, resolve_device, resolve_dtype
+from eyas.targets.tiny import TinySizes, build_tiny_target
 
 
 def bare_loop(cfg: ExtractConfig, ds: PreparedDataset) -> tuple[float, int]:

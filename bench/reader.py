@@ -34,8 +34,8 @@ BYTES_PER_TOKEN_7168 = {"lossless": 57_349, "compact": 21_781}  # `eyas estimate
 
 def build(run: Path, samples: int, H: int, compact: bool, seed: int = 0) -> list[int]:
     """A run directory of `samples` committed sample files; returns their token counts."""
-    from eyas.journal import Journal, journal_path
-    from eyas.store import Layout, Sample, commit_samples, quantize_fp8
+    from eyas.run.journal import Journal, journal_path
+    from eyas.run.store import Layout, Sample, commit_samples, quantize_fp8
 
     layout = Layout("fp8", "topk:64") if compact else Layout()
     meta = {"aux_layers": [1, 3, 4], "aux_layers_hf": [2, 4, 5], "last_hidden_state": "post_norm",
@@ -78,7 +78,7 @@ def through_reader(reader, batches: list, device) -> None:
     """One epoch through `reader`, as training reads it: each batch to the device, its host
     buffers given back once the step is done. A reader lives as long as the training run
     (its buffers are reused); a checksummed epoch is made of first reads."""
-    from eyas.train_data import to_device
+    from eyas.training.train_data import to_device
 
     if reader.checksums:
         reader._summed.clear()  # every sample read again is a first read: all checksums
@@ -102,9 +102,9 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    from eyas.journal import committed
-    from eyas.store import sample_relpath
-    from eyas.train_data import epoch_batches
+    from eyas.run.journal import committed
+    from eyas.run.store import sample_relpath
+    from eyas.training.train_data import epoch_batches
 
     work = Path(tempfile.mkdtemp(prefix="eyas-reader-", dir=args.workdir))
     results = {}
@@ -120,7 +120,7 @@ def main() -> None:
                 dict(enumerate(lengths)), sorted(entries), args.batch_tokens, 0, 0
             )
             plain(files)  # warm the page cache
-            from eyas.train_data import SampleReader
+            from eyas.training.train_data import SampleReader
 
             readers = {what: SampleReader(run, entries, what == "eyas_checksums", threads=args.threads,
                                           pin=device.type == "cuda") for what in ("eyas", "eyas_checksums")}  # fmt: skip
@@ -139,7 +139,7 @@ def main() -> None:
             med = {k: statistics.median(v) for k, v in rows.items()}
             results[name] = med
             if device.type == "cpu":  # what a CPU step adds on the host: the upcast
-                from eyas.train_data import SampleReader, to_device
+                from eyas.training.train_data import SampleReader, to_device
 
                 reader = SampleReader(run, entries, False, threads=args.threads)
                 hosts = [reader.batch(b) for b in batches]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 
 def _role(t: dict) -> str:
-    from eyas.records import ROLE_ALIASES
+    from eyas.data.records import ROLE_ALIASES
 
     r = str(t.get("from", "")).lower()
     return ROLE_ALIASES.get(r, r)
@@ -98,11 +98,11 @@ GREEDY: dict = {}  # plain greedy decoding does not depend on the drafter: once 
 
 
 def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
+    from eyas.data.prepare import PrepareConfig, prepare
     from eyas.evaluate import evaluate
     from eyas.export import export
     from eyas.extract import ExtractConfig, extract
-    from eyas.prepare import PrepareConfig, prepare
-    from eyas.train import TrainConfig, train
+    from eyas.training.train import TrainConfig, train
 
     model = str(real / "model")
     n = len(recs)
@@ -196,7 +196,7 @@ def main() -> None:
     sizes = sorted(int(s) for s in args.sizes.split(","))
     tok = None
     if args.max_prompt_tokens:
-        from eyas.prepare import load_tokenizer
+        from eyas.targets.target import load_tokenizer
 
         tok = load_tokenizer(str(args.real / "model"))
     recs = pick_conversations(args.data or args.real / "sharegpt.jsonl", sizes[-1], args.seed,

@@ -28,12 +28,12 @@ import torch
 
 
 def build(work: Path, samples: int) -> Path:
+    from eyas.data.prepare import PrepareConfig, PreparedDataset, prepare
     from eyas.extract import ExtractConfig, new_run_meta, resolve
-    from eyas.journal import Journal, journal_path
-    from eyas.prepare import PrepareConfig, PreparedDataset, prepare
-    from eyas.runmeta import write_run_meta
-    from eyas.store import Sample, commit_samples
-    from eyas.tiny import TinySizes, build_tiny_target
+    from eyas.run.journal import Journal, journal_path
+    from eyas.run.runmeta import write_run_meta
+    from eyas.run.store import Sample, commit_samples
+    from eyas.targets.tiny import TinySizes, build_tiny_target
 
     model = build_tiny_target(work / "target", "llama", sizes=TinySizes(hidden_size=16, num_attention_heads=2,
                                                                          num_key_value_heads=1, intermediate_size=32))  # fmt: skip
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
-    from eyas.journal import journal_path, read_journal, rewrite_journal
+    from eyas.run.journal import journal_path, read_journal, rewrite_journal
 
     work = Path(tempfile.mkdtemp(prefix="eyas-resume-", dir=args.workdir))
     try:
@@ -127,7 +127,7 @@ def main() -> None:
 
 
 def _last(samples: int) -> tuple[str, str]:
-    from eyas.store import sample_relpath
+    from eyas.run.store import sample_relpath
 
     parts = sample_relpath(samples).split("/")
     return parts[-2], parts[-1]

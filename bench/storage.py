@@ -31,10 +31,10 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
 
-    from eyas.demo_data import generate_conversations, write_jsonl
+    from eyas.data.prepare import PrepareConfig, prepare
     from eyas.extract import ExtractConfig, extract
-    from eyas.prepare import PrepareConfig, prepare
-    from eyas.tiny import TinySizes, build_tiny_target
+    from eyas.targets.demo_data import generate_conversations, write_jsonl
+    from eyas.targets.tiny import TinySizes, build_tiny_target
 
     work = Path(tempfile.mkdtemp(prefix="eyas-storage-", dir=args.workdir))
     try:

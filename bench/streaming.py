@@ -49,7 +49,7 @@ class Sampler:
         self._t.start()
 
     def _work(self) -> None:
-        from eyas.store import bytes_on_disk
+        from eyas.run.store import bytes_on_disk
 
         while not self._stop.is_set():
             self.peak = max(self.peak, bytes_on_disk(self.run))
@@ -117,8 +117,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
 
-    from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
-    from eyas.prepare import PrepareConfig, prepare
+    from eyas.data.prepare import PrepareConfig, prepare
+    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
 
     work = Path(tempfile.mkdtemp(prefix="eyas-stream-", dir=args.workdir))
     try:

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
 from eyas.evaluate import greedy, read_prompts, render_prompts
+from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
 
 
 def timed(model, prompts, tokens: int, eos: set[int]) -> float:

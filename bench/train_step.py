@@ -38,7 +38,7 @@ import torch
 
 
 def _drafter(args, device):
-    from eyas.drafter import Drafter, DrafterConfig
+    from eyas.training.drafter import Drafter, DrafterConfig
 
     H = args.hidden
     c = DrafterConfig(hidden_size=H, intermediate_size=2 * H, num_attention_heads=args.heads,
@@ -52,7 +52,7 @@ def _drafter(args, device):
 
 def one_row(args) -> dict:
     """Runs in its own process: one (attention, T) row."""
-    from eyas.train import add_targets, ttt_loss
+    from eyas.training.train import add_targets, ttt_loss
 
     device = torch.device(args.device)
     attention, T = args.one[0], int(args.one[1])
@@ -108,9 +108,9 @@ def _rss() -> int:
 
 def train_vs_bare(args) -> float:
     """Ratio of `eyas train`'s tokens/s to a bare loop over the same batches in memory."""
-    from eyas.cpu import configure_threads
-    from eyas.train import TrainConfig, add_targets, build_drafter, train, ttt_loss
-    from eyas.train_data import (
+    from eyas.host.cpu import configure_threads
+    from eyas.training.train import TrainConfig, add_targets, build_drafter, train, ttt_loss
+    from eyas.training.train_data import (
         SampleReader,
         epoch_batches,
         split_samples,
@@ -128,7 +128,7 @@ def train_vs_bare(args) -> float:
             shutil.rmtree(work / "out", ignore_errors=True)
             eyas_tps = train(cfg)["tokens_per_s"]
             # The bare loop: same drafter, batches and math; data already collated in memory.
-            from eyas.runmeta import read_run_meta
+            from eyas.run.runmeta import read_run_meta
 
             meta = read_run_meta(work / "run")
             device = torch.device(args.device)
@@ -167,7 +167,7 @@ def train_vs_bare(args) -> float:
 
 def packed_vs_padded(args) -> float:
     """tokens/s of `eyas train --pack` over padded batches, same run, budget and steps."""
-    from eyas.train import TrainConfig, train
+    from eyas.training.train import TrainConfig, train
 
     work = Path(tempfile.mkdtemp(prefix="eyas-packbench-", dir=args.workdir))
     try:
@@ -192,10 +192,10 @@ def packed_vs_padded(args) -> float:
 def _small_run(work: Path, args, lengths_spread: bool = False) -> None:
     """A tiny target's extraction run over generated conversations (their lengths spread
     widely with `lengths_spread`: padding's cost shows)."""
-    from eyas.demo_data import generate_conversations, write_jsonl
+    from eyas.data.prepare import PrepareConfig, prepare
     from eyas.extract import ExtractConfig, extract
-    from eyas.prepare import PrepareConfig, prepare
-    from eyas.tiny import TinySizes, build_tiny_target
+    from eyas.targets.demo_data import generate_conversations, write_jsonl
+    from eyas.targets.tiny import TinySizes, build_tiny_target
 
     sizes = TinySizes(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
                       intermediate_size=2 * args.hidden)  # fmt: skip

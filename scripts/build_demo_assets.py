@@ -7,7 +7,7 @@ import argparse
 import json
 import shutil
 
-from eyas.demo_target import (
+from eyas.targets.demo_target import (
     DEMO_CONVERSATIONS,
     DEMO_TARGET,
     build_demo_target,

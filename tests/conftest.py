@@ -12,8 +12,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from eyas.demo_data import generate_conversations, write_jsonl  # noqa: E402
-from eyas.tiny import build_tiny_target  # noqa: E402
+from eyas.targets.demo_data import generate_conversations, write_jsonl  # noqa: E402
+from eyas.targets.tiny import build_tiny_target  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +35,7 @@ def conversations(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_dataset(tmp_path_factory, targets, conversations) -> Path:
-    from eyas.prepare import PrepareConfig, prepare
+    from eyas.data.prepare import PrepareConfig, prepare
 
     out = tmp_path_factory.mktemp("ds") / "llama"
     prepare(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import eyas
 
-from eyas.gpu import owner_from_cgroup, parse_query_apps, parse_query_gpu, query_gpus
+from eyas.host.gpu import owner_from_cgroup, parse_query_apps, parse_query_gpu, query_gpus
 
 FIX = Path(__file__).parent / "fixtures"
 

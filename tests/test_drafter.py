@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from eyas.drafter import Drafter, DrafterConfig
+from eyas.training.drafter import Drafter, DrafterConfig
 
 
 def _drafter(seed=0, **kw) -> Drafter:
@@ -111,7 +111,7 @@ def test_draft_vocab_mapping():
 def test_memory_efficient_attention_has_the_reference_gradients(attention):
     """Same loss, same gradients for every parameter (float64), with a block size that
     splits the sequence unevenly so block edges are exercised."""
-    from eyas import ttt_attention
+    from eyas.training import ttt_attention
 
     if attention == "flex" and not torch.cuda.is_available():
         pytest.skip("flex attention has no backward pass on a CPU; its forward is checked against the "
@@ -148,7 +148,7 @@ def test_packed_rows_equal_padded_rows(attention):
     restarting) give, at every position the loss can score, the logits of the same samples
     padded into rows of their own, and the same gradients (float64; flex: forward only on a
     CPU, where it has no backward)."""
-    from eyas import ttt_attention
+    from eyas.training import ttt_attention
 
     torch.manual_seed(5)
     lens, steps = [7, 5, 9], 3
@@ -196,7 +196,7 @@ def test_packed_rows_equal_padded_rows(attention):
 def test_the_target_head_start_spreads_as_a_random_head():
     """Scaled by head_start_scale, the target's head and norm give an unrelated unit-RMS
     state logits with a random head's spread (std 1/sqrt(3)), not the target's confident one."""
-    from eyas.trainer import head_start_scale
+    from eyas.training.trainer import head_start_scale
 
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(4096, 96, generator=g) * 0.12  # (D, H), rows like a trained head's

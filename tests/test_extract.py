@@ -12,13 +12,13 @@ import torch
 from conftest import eyas
 from transformers import AutoModelForCausalLM
 
+from eyas.data.prepare import PrepareConfig, PreparedDataset, prepare
 from eyas.extract import ExtractConfig, extract
-from eyas.journal import read_all_journals
-from eyas.lock import WriterLock
-from eyas.prepare import PrepareConfig, PreparedDataset, prepare
-from eyas.runmeta import read_run_meta
-from eyas.store import load_sample
-from eyas.target import default_aux_layers, plan_batches
+from eyas.run.journal import read_all_journals
+from eyas.run.lock import WriterLock
+from eyas.run.runmeta import read_run_meta
+from eyas.run.store import load_sample
+from eyas.targets.target import default_aux_layers, plan_batches
 from eyas.verify import verify
 
 

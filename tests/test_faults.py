@@ -14,8 +14,8 @@ import pytest
 from conftest import eyas, grow
 
 from eyas.extract import ExtractConfig, extract
-from eyas.journal import read_all_journals
-from eyas.store import iter_sample_files
+from eyas.run.journal import read_all_journals
+from eyas.run.store import iter_sample_files
 from eyas.verify import verify
 
 BATCH = "512"
@@ -204,7 +204,7 @@ def test_orphan_with_lost_journal_entry_is_adopted(tmp_path, reference):
     """A crash between rename and journal append leaves a complete file without an entry."""
     import shutil
 
-    from eyas.journal import journal_path, read_journal, rewrite_journal
+    from eyas.run.journal import journal_path, read_journal, rewrite_journal
 
     run = tmp_path / "run"
     shutil.copytree(reference, run)

@@ -20,10 +20,10 @@ import torch
 from conftest import eyas, grow
 from safetensors.torch import load_file
 
-from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.data.prepare import PrepareConfig, prepare
 from eyas.extract import ExtractConfig, extract
-from eyas.prepare import PrepareConfig, prepare
-from eyas.train import TrainConfig, train
+from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.training.train import TrainConfig, train
 
 STEPS_CUT = 10  # the interrupted run "died" after its checkpoint of this step
 
@@ -251,7 +251,7 @@ def test_export_is_atomic_and_refuses_foreign_directories(finished, tmp_path):
 
 
 def test_resume_checks_journaled_files(tmp_path, targets, llama_dataset):
-    from eyas.store import sample_relpath
+    from eyas.run.store import sample_relpath
     from eyas.verify import verify
 
     run = tmp_path / "run"
@@ -279,7 +279,7 @@ def test_repair_holds_the_writer_lock(tmp_path, targets, llama_dataset, monkeypa
     """A writer that starts while a repair runs (its moves slowed, standing in for a slow
     shared filesystem) is refused; the repair's journal is the one that stays."""
     import eyas.verify as verify_mod
-    from eyas.store import sample_relpath
+    from eyas.run.store import sample_relpath
     from eyas.verify import verify
 
     run = tmp_path / "run"
@@ -419,7 +419,7 @@ def test_hostile_datasets_are_named_not_tracebacks(tmp_path, targets, llama_data
 
 
 def test_status_ignores_journal_entries_outside_the_dataset(tmp_path, targets, llama_dataset):
-    from eyas.journal import journal_path
+    from eyas.run.journal import journal_path
 
     run = tmp_path / "run"
     extract(

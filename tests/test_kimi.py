@@ -13,9 +13,9 @@ import torch
 from conftest import eyas
 from transformers import AutoTokenizer
 
-from eyas.demo_data import generate_conversations
-from eyas.prepare import PreparedDataset
-from eyas.tiny import build_tiny_target
+from eyas.data.prepare import PreparedDataset
+from eyas.targets.demo_data import generate_conversations
+from eyas.targets.tiny import build_tiny_target
 
 CALL = {"id": "functions.add:0", "type": "function",
         "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}  # fmt: skip
@@ -80,7 +80,7 @@ def _trained(tok, ds: PreparedDataset, i: int) -> list[str]:
 
 
 def test_twin_has_the_hub_shape(kimi):
-    from eyas.weights import weight_map
+    from eyas.targets.weights import weight_map
 
     cfg = json.loads((kimi / "config.json").read_text())
     assert cfg["model_type"] == "kimi_k25" and cfg["architectures"] == [
@@ -159,7 +159,7 @@ def test_a_turn_the_mask_cannot_place_is_an_error(kimi, tmp_path):
 def test_extract_train_export_evaluate_on_the_twin(kimi, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    from eyas.store import load_sample
+    from eyas.run.store import load_sample
 
     src = tmp_path / "kimi.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in _records()))
@@ -216,16 +216,16 @@ def test_61_layer_kimi_config_like_and_export_ids(kimi, tmp_path):
     """A real-sized Kimi-K2.5 config (no weights): sizes come from the text part, the aux ids
     are [2, 30, 58] for vLLM and [1, 29, 57] for SGLang, and `tiny-target --like` makes a twin
     of the same shape, saying that it leaves the quantization config out."""
-    from eyas.drafter import DrafterConfig
     from eyas.export import export_config
-    from eyas.target import default_aux_layers, target_facts
+    from eyas.targets.target import default_aux_layers, target_facts
+    from eyas.training.drafter import DrafterConfig
 
     real = tmp_path / "Kimi-K2.5"
     real.mkdir()
     for f in kimi.iterdir():
         if not f.name.startswith("model"):
             shutil.copy(f, real / f.name)
-    from eyas.weights import weight_map as names_of
+    from eyas.targets.weights import weight_map as names_of
 
     # The real checkpoint's index (names only; 61 layers' worth of the twin's names).
     real_names = {n.replace("layers.0.", f"layers.{k}."): "model-00001-of-00064.safetensors"
@@ -258,13 +258,13 @@ def test_61_layer_kimi_config_like_and_export_ids(kimi, tmp_path):
         and "quantization_config" not in twin["text_config"]
     )
     assert twin["text_config"]["routed_scaling_factor"] == 2.827
-    from eyas.weights import weight_map
+    from eyas.targets.weights import weight_map
 
     assert "language_model.model.layers.0.input_layernorm.weight" in weight_map(tmp_path / "twin")
 
 
 def test_quantized_untied_and_unknown_targets_are_one_line(kimi, tmp_path, conversations):
-    from eyas.weights import lm_head_weight
+    from eyas.targets.weights import lm_head_weight
 
     # An untied target whose head cannot be found is an error, never the embeddings.
     headless = shutil.copytree(kimi, tmp_path / "headless")
@@ -313,11 +313,11 @@ def test_vllm_states_of_wrong_shape_fail_the_sample(kimi):
     a sample fails with the cause named. vLLM itself is not needed to check the check."""
     import numpy as np
 
-    from eyas.backends import BackendSpec, StateShaper
-    from eyas.backends.vllm import VLLMBackend
-    from eyas.store import Layout
-    from eyas.target import target_facts
-    from eyas.weights import final_norm_weight
+    from eyas.run.store import Layout
+    from eyas.targets.backends import BackendSpec, StateShaper
+    from eyas.targets.backends.vllm import VLLMBackend
+    from eyas.targets.target import target_facts
+    from eyas.targets.weights import final_norm_weight
 
     b = VLLMBackend.__new__(VLLMBackend)  # the engine is not started: only the check runs
     b.facts = target_facts(kimi)

@@ -18,10 +18,10 @@ import pytest
 from conftest import eyas
 
 from eyas.extract import ExtractConfig, extract, plan_run
-from eyas.journal import journal_path, read_journal, rewrite_journal
-from eyas.lock import LockHeld, WriterLock, read_lock
-from eyas.runmeta import read_run_meta, write_run_meta
-from eyas.store import sample_relpath
+from eyas.run.journal import journal_path, read_journal, rewrite_journal
+from eyas.run.lock import LockHeld, WriterLock, read_lock
+from eyas.run.runmeta import read_run_meta, write_run_meta
+from eyas.run.store import sample_relpath
 from eyas.verify import verify
 
 
@@ -331,8 +331,8 @@ def test_kill_during_start_up_then_resume(tmp_path, targets, llama_dataset, refe
 
 def test_train_never_trains_on_damaged_samples(tmp_path, reference):
     """Six kinds of damage: each named, none trained on; training itself goes on."""
-    from eyas.runmeta import read_run_meta
-    from eyas.store import Sample, encode_sample, load_sample
+    from eyas.run.runmeta import read_run_meta
+    from eyas.run.store import Sample, encode_sample, load_sample
 
     run = _copy(reference, tmp_path)
     path = lambda i: run / sample_relpath(i)  # noqa: E731

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from conftest import eyas, mounted_tmpfs
 
-from eyas.demo_target import DEMO_TARGET
+from eyas.data.prepare import PreparedDataset
 from eyas.extract import ExtractConfig, extract
-from eyas.journal import journal_path, read_journal, rewrite_journal
-from eyas.lock import WriterLock
-from eyas.prepare import PreparedDataset
+from eyas.run.journal import journal_path, read_journal, rewrite_journal
+from eyas.run.lock import WriterLock
+from eyas.targets.demo_target import DEMO_TARGET
 
 CONV = [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5"}]
 
@@ -156,10 +156,10 @@ def test_status_shows_rate_only_while_a_writer_runs(tmp_path, targets, llama_dat
 
 
 def test_short_runs_warm_up_in_proportion(tmp_path):
-    from eyas.prepare import PrepareConfig, prepare
+    from eyas.data.prepare import PrepareConfig, prepare
 
     src = tmp_path / "c.jsonl"
-    from eyas.demo_target import DEMO_CONVERSATIONS
+    from eyas.targets.demo_target import DEMO_CONVERSATIONS
 
     src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:60]))
     prepare(PrepareConfig(model=str(DEMO_TARGET), data=(str(src),), out=str(tmp_path / "ds"), draft_vocab_size=300,
@@ -286,7 +286,7 @@ def test_prepare_refuses_to_replace_a_dataset_and_a_lost_one_is_rebuilt(
 def test_doctor_says_what_it_did_not_read_and_status_says_what_next(
     tmp_path, targets, llama_dataset
 ):
-    from eyas.store import sample_relpath
+    from eyas.run.store import sample_relpath
 
     run = tmp_path / "run"
     extract(
@@ -321,7 +321,7 @@ def test_estimate_small_runs_in_readable_units():
 
 def test_long_silent_work_says_it_goes_on(capsys, monkeypatch):
     """A model load or a first step of minutes prints a line every interval, and none after."""
-    from eyas.ui import still_working
+    from eyas.host.ui import still_working
 
     monkeypatch.delenv("EYAS_LOG_EVERY", raising=False)
     seen = ""

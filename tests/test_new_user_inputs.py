@@ -10,8 +10,8 @@ import os
 import pytest
 from conftest import eyas
 
+from eyas.data.prepare import PreparedDataset
 from eyas.evaluate import read_prompts
-from eyas.prepare import PreparedDataset
 
 QA = [{"from": "human", "value": "What is 2 plus 3?"}]
 

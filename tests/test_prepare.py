@@ -14,7 +14,7 @@ import pytest
 from conftest import eyas
 from transformers import AutoTokenizer
 
-from eyas.prepare import PrepareConfig, PreparedDataset, draft_vocab_from_counts, prepare
+from eyas.data.prepare import PrepareConfig, PreparedDataset, draft_vocab_from_counts, prepare
 
 CONV = [
     {"role": "system", "content": "Be brief."},

@@ -7,13 +7,13 @@ import json
 import torch
 from conftest import eyas
 
+from eyas.data.prepare import PreparedDataset
 from eyas.extract import ExtractConfig, extract
-from eyas.journal import committed
-from eyas.prepare import PreparedDataset
-from eyas.runmeta import read_run_meta
-from eyas.store import Layout, dequantize_fp8, load_sample, quantize_fp8, read_sample
+from eyas.run.journal import committed
+from eyas.run.runmeta import read_run_meta
+from eyas.run.store import Layout, dequantize_fp8, load_sample, quantize_fp8, read_sample
+from eyas.targets.weights import lm_head_weight
 from eyas.verify import verify
-from eyas.weights import lm_head_weight
 
 
 def test_fp8_scales_keep_an_outlier_to_its_own_token_and_layer():
@@ -76,7 +76,7 @@ def test_estimate_matches_a_real_run(tmp_path, targets, llama_dataset):
     s = extract(ExtractConfig(model=str(targets["llama"]), data=str(llama_dataset), out=str(run), storage="fp8",
                               target="topk:8", store_dtype="bfloat16", progress=False))  # fmt: skip
     ds = PreparedDataset.open(llama_dataset)
-    from eyas.store import projected_bytes
+    from eyas.run.store import projected_bytes
 
     want = projected_bytes(Layout("fp8", "topk:8"), 64, torch.bfloat16, len(ds), s.tokens / len(ds),
                            ds.meta["draft_vocab_size"])  # fmt: skip

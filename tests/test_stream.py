@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 from conftest import eyas, mounted_tmpfs
 
-from eyas.journal import ledger, read_journal
-from eyas.store import bytes_on_disk
-from eyas.train_data import split_samples
+from eyas.run.journal import ledger, read_journal
+from eyas.run.store import bytes_on_disk
+from eyas.training.train_data import split_samples
 
 BATCH = 1024  # extraction and training token budget per batch
 BUDGET = 2600 << 10  # about a quarter of the llama run's 9.9 MiB
@@ -155,7 +155,7 @@ def test_without_followers_nothing_is_deleted_and_the_writer_waits(
     assert not t.exists()
     assert eyas("verify", run).returncode == 0
     # A trainer that registered, checkpointed, and is not running now: both sides' commands.
-    from eyas.stream import publish
+    from eyas.run.stream import publish
 
     gone = tmp_path / "train-gone"
     first = sorted(led.present)[:3]
@@ -320,7 +320,7 @@ def test_a_full_disk_under_a_budget_recovers(targets, llama_dataset, tmp_path):
             train_idx = set(split_samples(list(range(120)), 0.05)[0])
 
             def published() -> set[int]:
-                from eyas.stream import from_ranges
+                from eyas.run.stream import from_ranges
 
                 return set().union(*(from_ranges(f["consumed"]) for f in follower()))
 
@@ -374,10 +374,10 @@ def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_pa
     each pass in its own order; retired samples are done, not missing, for verify, status and
     a resume; and the drafter's validation accuracy is that of offline training on the same
     data, within the spread of offline training over two seeds."""
-    from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.data.prepare import PrepareConfig, prepare
     from eyas.extract import ExtractConfig, extract
-    from eyas.prepare import PrepareConfig, prepare
-    from eyas.train import TrainConfig, train
+    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.training.train import TrainConfig, train
 
     src = tmp_path / "conv.jsonl"
     src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:200]))
@@ -489,7 +489,7 @@ def test_a_checkpoint_replaced_at_the_same_step_survives_a_kill(tmp_path):
     """A followed pass that ends right after the save made before waiting saves a new state
     at the same step: the old directory is set aside as step-N.old, the new one renamed in.
     A kill at any point leaves one whole step-N after the next start's clean-up."""
-    from eyas.checkpoint import MARKER, remove_stale_temp
+    from eyas.training.checkpoint import MARKER, remove_stale_temp
 
     def ckpt(name: str, state: str) -> None:
         d = tmp_path / "checkpoints" / name
@@ -519,7 +519,7 @@ def test_a_damaged_newest_checkpoint_loses_no_sample(targets, llama_dataset, tmp
     the extractor has deleted what it published, with its newest checkpoint then damaged, it
     falls back to the older one, whose samples are all still there; every sample is trained
     once."""
-    from eyas.checkpoint import _ckpt_dirs
+    from eyas.training.checkpoint import _ckpt_dirs
 
     run, out = tmp_path / "run", tmp_path / "train"
     ex = start(*extract_cmd(targets, llama_dataset, run))
@@ -559,8 +559,8 @@ def test_a_damaged_newest_checkpoint_loses_no_sample(targets, llama_dataset, tmp
 def test_a_sample_that_could_not_be_read_is_never_counted_as_consumed(
     targets, llama_dataset, tmp_path
 ):
-    from eyas.store import sample_relpath
-    from eyas.stream import from_ranges
+    from eyas.run.store import sample_relpath
+    from eyas.run.stream import from_ranges
 
     run, out = tmp_path / "run", tmp_path / "train"
     eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run, check=True)

@@ -10,7 +10,7 @@ import torch
 from conftest import eyas
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from eyas.target import default_aux_layers
+from eyas.targets.target import default_aux_layers
 
 
 @pytest.mark.parametrize(

@@ -16,13 +16,13 @@ import torch
 from conftest import eyas
 from safetensors.torch import load_file
 
-from eyas.checkpoint import latest_checkpoint
-from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.data.prepare import PrepareConfig, prepare
 from eyas.export import load_export
 from eyas.extract import ExtractConfig, extract
-from eyas.prepare import PrepareConfig, prepare
-from eyas.train import TrainConfig, train
-from eyas.weights import embed_weight
+from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.targets.weights import embed_weight
+from eyas.training.checkpoint import latest_checkpoint
+from eyas.training.train import TrainConfig, train
 
 TRAIN_ARGS = [
     "--lr",
@@ -238,7 +238,7 @@ def test_export_roundtrip_and_fields(trained, tmp_path, fmt):
     assert w["t2d"].dtype == torch.bool and w["t2d"].shape == (V,) and int(w["t2d"].sum()) == D
     assert torch.equal(w["embed_tokens.weight"], embed_weight(DEMO_TARGET))  # the target's, exactly
     # Reloaded, the export computes the same logits as the checkpoint it came from.
-    from eyas.drafter import Drafter, DrafterConfig
+    from eyas.training.drafter import Drafter, DrafterConfig
 
     orig = Drafter(DrafterConfig(**json.loads((trained / "drafter_config.json").read_text())))
     orig.load_state_dict(_weights(trained))
@@ -263,7 +263,7 @@ def test_evaluate_is_lossless_and_accepts(trained, tmp_path):
     ex = tmp_path / "ex"
     assert eyas("export", trained, "--format", "sglang", "--out", ex).returncode == 0
     held_out = tmp_path / "held.jsonl"
-    from eyas.demo_data import generate_conversations, write_jsonl
+    from eyas.targets.demo_data import generate_conversations, write_jsonl
 
     write_jsonl(held_out, generate_conversations(12, seed=4242))
     r = eyas(
@@ -347,7 +347,7 @@ def test_evaluate_sigterm_gives_the_partial_result(trained, tmp_path):
     """SIGTERM mid-evaluation: exit 75, and the figures over the prompts done, marked partial."""
     ex = tmp_path / "ex"
     assert eyas("export", trained, "--format", "sglang", "--out", ex).returncode == 0
-    from eyas.demo_data import generate_conversations, write_jsonl
+    from eyas.targets.demo_data import generate_conversations, write_jsonl
 
     held_out = tmp_path / "held.jsonl"
     write_jsonl(held_out, generate_conversations(300, seed=4243))
@@ -457,9 +457,9 @@ def test_golden_loss_curve(trained):
 def test_packed_batches_score_what_padded_batches_score(demo_run, tmp_path):
     """The same samples as one packed row and as padded rows: the same positions scored, the
     same loss and accuracy counts (the loss masks stop at each sample's end)."""
-    from eyas.runmeta import read_run_meta
-    from eyas.train import add_targets, build_drafter, ttt_loss
-    from eyas.train_data import SampleReader, to_device, usable_samples
+    from eyas.run.runmeta import read_run_meta
+    from eyas.training.train import add_targets, build_drafter, ttt_loss
+    from eyas.training.train_data import SampleReader, to_device, usable_samples
 
     meta = read_run_meta(demo_run)
     cfg = TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), ttt_steps=3, progress=False)
@@ -485,8 +485,8 @@ def test_sigterm_mid_step_drops_the_step_at_once(demo_run, tmp_path, monkeypatch
     """A SIGTERM that lands inside an optimizer step's forward pass stops there (not at the
     step's end): the step is dropped, the checkpoint holds the last complete step, and a
     resume redoes it to the same weights as an uninterrupted run."""
-    from eyas.train import TrainStopped
-    from eyas.trainer import Trainer
+    from eyas.training.train import TrainStopped
+    from eyas.training.trainer import Trainer
 
     cfg = dict(
         epochs=1, lr=3e-3, warmup_steps=5, batch_tokens=1024, ttt_steps=3, seed=3, progress=False

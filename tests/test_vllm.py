@@ -20,12 +20,12 @@ import pytest
 import torch
 from conftest import eyas
 
-from eyas.demo_data import generate_conversations, write_jsonl
-from eyas.journal import read_all_journals
-from eyas.prepare import PrepareConfig, PreparedDataset, prepare
-from eyas.runmeta import read_run_meta
-from eyas.store import load_sample
-from eyas.tiny import TinySizes, build_tiny_target
+from eyas.data.prepare import PrepareConfig, PreparedDataset, prepare
+from eyas.run.journal import read_all_journals
+from eyas.run.runmeta import read_run_meta
+from eyas.run.store import load_sample
+from eyas.targets.demo_data import generate_conversations, write_jsonl
+from eyas.targets.tiny import TinySizes, build_tiny_target
 from eyas.verify import verify
 
 pytestmark = pytest.mark.vllm
@@ -180,7 +180,7 @@ def test_vllm_two_ranks(vtargets, hf_runs, tmp_path):
 
 
 def test_engine_ids_that_differ_fail_the_sample():
-    from eyas.backends.vllm import VLLMBackend
+    from eyas.targets.backends.vllm import VLLMBackend
 
     b = object.__new__(VLLMBackend)  # the check alone; no engine needed
     why = b.states_of([5, 6, 7], torch.tensor([5, 9, 7]), torch.zeros(3, 4, 8))
@@ -189,7 +189,7 @@ def test_engine_ids_that_differ_fail_the_sample():
 
 @pytest.fixture(scope="module")
 def demo_drafter(tmp_path_factory) -> dict[str, Path]:
-    from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
 
     base = tmp_path_factory.mktemp("vdemo")
     eyas("prepare", "--model", DEMO_TARGET, "--data", DEMO_CONVERSATIONS, "--out", base / "ds",
@@ -208,7 +208,7 @@ def demo_drafter(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_vllm_judges_like_eyas_evaluate(demo_drafter):
-    from eyas.demo_target import DEMO_TARGET
+    from eyas.targets.demo_target import DEMO_TARGET
 
     def judge(engine: str, fmt: str) -> dict:
         p = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", demo_drafter[fmt], "--data", demo_drafter["prompts"],
@@ -276,7 +276,7 @@ def start_vllm_server(model: Path, name: str, log: Path) -> tuple[subprocess.Pop
 
 
 def test_generate_against_a_real_vllm_server(tmp_path):
-    from eyas.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
 
     src = tmp_path / "prompts.jsonl"
     src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:30]))

@@ -9,8 +9,8 @@ from conftest import eyas
 from transformers import AutoModelForCausalLM
 
 from eyas.extract import ExtractConfig, extract
-from eyas.journal import journal_path, read_journal, rewrite_journal
-from eyas.weights import INDEX, embed_weight, lm_head_weight, weight_layout
+from eyas.run.journal import journal_path, read_journal, rewrite_journal
+from eyas.targets.weights import INDEX, embed_weight, lm_head_weight, weight_layout
 
 
 def test_tensors_from_a_sharded_checkpoint(tmp_path, targets):

@@ -17,10 +17,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .cpu import pin_runtime_env
-from .fsutil import human_duration
-from .lock import LockHeld as LockHeldError
-from .ui import console
+from .host.cpu import pin_runtime_env
+from .host.ui import console
+from .run.fsutil import human_duration
+from .run.lock import LockHeld as LockHeldError
 
 pin_runtime_env()  # before torch loads
 report = Console(soft_wrap=True)  # reports go to stdout; progress and errors to stderr
@@ -83,7 +83,7 @@ def fail(msg: str, code: int = EXIT_PROBLEMS) -> typer.Exit:
 
 def _disk_full(exc: BaseException, then: str) -> None:
     """A full disk is a clean, resumable stop in every stage: exit 75 and one line."""
-    from .fsutil import is_disk_full
+    from .run.fsutil import is_disk_full
 
     if is_disk_full(exc):
         raise fail(f"disk full: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}. "
@@ -136,7 +136,7 @@ def tiny_target(
     Its weights are random: it rehearses the machinery (extract, train, export, evaluate),
     and a drafter trained on it learns nothing (accuracy about 0). `eyas demo`'s target is
     the one that learns."""
-    from .tiny import TinySizes, build_tiny_target
+    from .targets.tiny import TinySizes, build_tiny_target
 
     _quiet_transformers()
     heads = 4 if hidden_size % 4 == 0 else 1
@@ -190,8 +190,8 @@ def prepare(
     extra_data: list[Path] | None = typer.Argument(None, help="More input files."),
 ) -> None:
     """Render conversations with the model's chat template; write ids, loss masks, vocab counts."""
-    from .prepare import PrepareConfig
-    from .prepare import prepare as run
+    from .data.prepare import PrepareConfig
+    from .data.prepare import prepare as run
 
     _quiet_transformers()
     cfg = _config(
@@ -201,8 +201,8 @@ def prepare(
         trust_remote_code=trust_remote_code, force=force, chat_template_kwargs=_json_object(chat_template_kwargs),
         per_turn_samples=per_turn_samples,
     )  # fmt: skip
-    from .prepare import PrepareFailed
-    from .target import ModelDirError
+    from .data.prepare import PrepareFailed
+    from .targets.target import ModelDirError
 
     try:
         s = run(cfg)
@@ -223,7 +223,7 @@ def prepare(
 
 
 def _prepare_report(s, written: bool) -> None:
-    from .records import REASONS
+    from .data.records import REASONS
 
     def say(msg: str) -> None:
         console.print(msg, markup=False, highlight=False)
@@ -283,8 +283,8 @@ def generate(
     ),
 ) -> None:
     """Replace assistant turns with the target's own answers, through a serving endpoint, exactly once."""
-    from .generate import EndpointUnreachable, GenerateConfig, GenerateStopped
-    from .generate import generate as run_generate
+    from .data.generate import EndpointUnreachable, GenerateConfig, GenerateStopped
+    from .data.generate import generate as run_generate
 
     cfg = _config(
         GenerateConfig, endpoint=endpoint, model=model, data=tuple(str(p) for p in data), out=str(out),
@@ -315,7 +315,7 @@ def generate(
         markup=False, highlight=False,
     )  # fmt: skip
     if s.failed:
-        from .generate import state_dir
+        from .data.generate import state_dir
 
         raise fail(
             f"{s.failed} records failed; see {state_dir(out) / 'errors.jsonl'}; rerun the same command to retry them"
@@ -414,10 +414,10 @@ def extract(
     """Run the target over a prepared dataset; store aux and final hidden states, crash-safe."""
     from .extract import ExtractConfig, ExtractStopped, OutDirError
     from .extract import extract as run_extract
-    from .gpu import GpuBusy
-    from .lock import LockHeld
-    from .store import StoreError
-    from .target import ModelDirError
+    from .host.gpu import GpuBusy
+    from .run.lock import LockHeld
+    from .run.store import StoreError
+    from .targets.target import ModelDirError
 
     _quiet_transformers()
     layers = None
@@ -502,9 +502,9 @@ def estimate(
     draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size"),
 ) -> None:
     """Disk an extraction run will take, before there is a dataset or a GPU."""
-    from .fsutil import human_bytes
-    from .store import Layout, overhead_per_sample, projected_bytes
-    from .target import DTYPES, ModelDirError, target_facts
+    from .run.fsutil import human_bytes
+    from .run.store import Layout, overhead_per_sample, projected_bytes
+    from .targets.target import DTYPES, ModelDirError, target_facts
 
     try:
         H = hidden_size or (target_facts(model).hidden_size if model else None)
@@ -515,7 +515,7 @@ def estimate(
         raise fail(f"--device must be auto, cpu or cuda, got {device!r}", EXIT_USAGE)
     how = ""
     if store_dtype == "auto":  # as extract decides: its compute dtype on that device
-        from .target import resolve_device, resolve_dtype
+        from .targets.target import resolve_device, resolve_dtype
 
         where = resolve_device(device)
         store_dtype = str(resolve_dtype("auto", where)).removeprefix("torch.")
@@ -554,7 +554,7 @@ def verify(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check every committed sample; report missing, corrupt, orphan and duplicate samples."""
-    from .store import StoreError
+    from .run.store import StoreError
     from .verify import render as render_verify
     from .verify import verify as run_verify
 
@@ -576,9 +576,9 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """Done/remaining/failed samples, bytes, free space, throughput, ETA and the lock holder."""
-    from .generate import STATE_SUFFIX, format_generation, generation_status
+    from .data.generate import STATE_SUFFIX, format_generation, generation_status
+    from .run.store import StoreError
     from .status import describe_other, format_status, run_status
-    from .store import StoreError
 
     gen = run if (run / "generate.json").is_file() else run.with_name(run.name + STATE_SUFFIX)
     if (gen / "generate.json").is_file():
@@ -698,10 +698,10 @@ def train(
     ),  # fmt: skip
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
-    from .store import StoreError
-    from .target import ModelDirError
-    from .train import TrainConfig, TrainStopped
-    from .train import train as run_train
+    from .run.store import StoreError
+    from .targets.target import ModelDirError
+    from .training.train import TrainConfig, TrainStopped
+    from .training.train import train as run_train
 
     _quiet_transformers()
     opts = dict(
@@ -863,7 +863,7 @@ def evaluate(
     from .evaluate import evaluate as run_hf
     from .evaluate import evaluate_vllm
     from .export import ExportError
-    from .target import ModelDirError
+    from .targets.target import ModelDirError
 
     _quiet_transformers()
     if engine not in ("hf", "vllm"):

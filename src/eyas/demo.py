@@ -13,8 +13,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from .demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
-from .ui import console
+from .host.ui import console
+from .targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
 
 MARKER = ".eyas-demo"
 EVAL_SEED = 99
@@ -23,12 +23,12 @@ EVAL_SEED = 99
 def run_demo(
     workdir: Path, *, epochs: int = 10, ttt_steps: int = 5, eval_prompts: int = 1000
 ) -> dict:
-    from .demo_data import generate_conversations, write_jsonl
+    from .data.prepare import PrepareConfig, prepare
     from .evaluate import evaluate
     from .export import export
     from .extract import ExtractConfig, extract
-    from .prepare import PrepareConfig, prepare
-    from .train import TrainConfig, train
+    from .targets.demo_data import generate_conversations, write_jsonl
+    from .training.train import TrainConfig, train
     from .verify import verify
 
     workdir = Path(workdir)

@@ -13,12 +13,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fsutil import human_bytes
-from .gpu import GpuReport, query_gpus
-from .journal import read_errors
-from .runmeta import load_run_meta
+from .host.gpu import GpuReport, query_gpus
+from .run.fsutil import human_bytes
+from .run.journal import read_errors
+from .run.runmeta import load_run_meta
+from .run.store import StoreError
 from .status import ago, run_status
-from .store import StoreError
 
 FOREIGN_GPU_BYTES = 2 << 30  # what counts as "holding" a GPU, as in extract's preflight
 
@@ -98,9 +98,9 @@ def doctor(
 
 
 def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
-    from .generate import STATE_SUFFIX
-    from .prepare import PreparedDataset
-    from .target import model_fingerprint
+    from .data.generate import STATE_SUFFIX
+    from .data.prepare import PreparedDataset
+    from .targets.target import model_fingerprint
     from .verify import verify
 
     gen = run if (run / "generate.json").is_file() else run.with_name(run.name + STATE_SUFFIX)
@@ -151,15 +151,15 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
                 "error",
                 f"dataset: {data} changed (fingerprint {ds.fingerprint}, run made from {meta['dataset_fingerprint']})",
             )
-            from .prepare import prepare_command
+            from .data.prepare import prepare_command
 
             actions.append(Action(f"restore the prepared dataset at {data}, or start a new run"
                                   + (" (rebuild it from the same inputs:)" if meta.get("dataset_prepare") else ""),
                                   prepare_command(meta["dataset_prepare"]) + " --force"
                                   if meta.get("dataset_prepare") else None))  # fmt: skip
     except (OSError, ValueError, KeyError) as exc:
+        from .data.prepare import prepare_command
         from .extract import rebuild_hint
-        from .prepare import prepare_command
 
         rep.add("error", f"dataset: not usable at {data} ({exc})")
         if meta.get("dataset_prepare"):
@@ -181,7 +181,7 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
                 "starting or loading it); the resume starts again from loading")  # fmt: skip
 
     # Disk.
-    from .fsutil import filesystem_info
+    from .run.fsutil import filesystem_info
 
     fs = filesystem_info(run)
     margin = fs.free_bytes - st.bytes_needed
@@ -321,9 +321,9 @@ def _verify_cost(run: Path, total_bytes: int) -> str:
     """How long a full `eyas verify` would take, from checksumming a couple of samples."""
     import time
 
-    from .fsutil import human_duration
-    from .journal import committed
-    from .store import check_sample_file, sample_relpath
+    from .run.fsutil import human_duration
+    from .run.journal import committed
+    from .run.store import check_sample_file, sample_relpath
 
     done = committed(run)
     picked = [done[i] for i in sorted(done)[:: max(1, len(done) // 2)][:2]]
@@ -342,8 +342,8 @@ def _verify_cost(run: Path, total_bytes: int) -> str:
 
 def _check_generation(state: Path, actions: list[Action]) -> RunReport:
     """A generation directory (`eyas generate`): progress, failures, writer, what to run."""
-    from .generate import generation_status
-    from .lock import live_locks
+    from .data.generate import generation_status
+    from .run.lock import live_locks
 
     g = generation_status(state)
     rep = RunReport(str(state))

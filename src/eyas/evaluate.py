@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from .data.records import RecordError, iter_records, parse_record, to_messages
 from .export import load_export
-from .prepare import load_tokenizer
-from .records import RecordError, iter_records, parse_record, to_messages
-from .ui import Reporter, still_working
+from .host.ui import Reporter, still_working
+from .targets.target import load_tokenizer
 
 
 @dataclass
@@ -314,14 +314,14 @@ def evaluate(
     (checked every 25 prompts from 50 on; None: every prompt). `greedy_cache` keeps plain
     greedy decoding's output and time per prompt across calls with the same target (it
     does not depend on the drafter), so comparing drafters decodes each prompt greedily once."""
-    from .target import check_model_dir, load_causal_lm
+    from .targets.target import check_model_dir, load_causal_lm
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
     asked = read_prompts(Path(data), limit)  # before minutes of loading the model
     tok = load_tokenizer(model_dir, trust_remote_code)
     with still_working("loading the target", enabled=progress):
         model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval()
-    from .cpu import configure_threads
+    from .host.cpu import configure_threads
 
     configure_threads(model.config.hidden_size)
     drafter, aux_hf = load_export(drafter_dir)
@@ -451,11 +451,11 @@ def evaluate_vllm(
 
     import torch
 
-    from .backends import BackendSpec
-    from .backends.vllm import engine_kwargs, import_vllm
-    from .store import Layout
-    from .target import check_model_dir, resolve_dtype
-    from .ui import console
+    from .host.ui import console
+    from .run.store import Layout
+    from .targets.backends import BackendSpec
+    from .targets.backends.vllm import engine_kwargs, import_vllm
+    from .targets.target import check_model_dir, resolve_dtype
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
     asked = read_prompts(Path(data), limit)

@@ -28,16 +28,16 @@ import torch
 from safetensors.torch import load_file
 
 from . import __version__
-from .checkpoint import save_safetensors
-from .drafter import Drafter, DrafterConfig
-from .fsutil import (
+from .run.fsutil import (
     DiskFullError,
     atomic_write_json,
     fsync_dir,
     is_disk_full,
     read_json,
 )
-from .manifest import ManifestError, check_manifest, write_manifest
+from .run.manifest import ManifestError, check_manifest, write_manifest
+from .training.checkpoint import save_safetensors
+from .training.drafter import Drafter, DrafterConfig
 
 FORMATS = ("vllm", "sglang")
 MANIFEST = "eyas-manifest.json"  # the export's files and checksums, written last
@@ -57,7 +57,7 @@ class ExportUsage(ExportError):
 def trained_weights(train_dir: Path) -> tuple[dict, dict, dict]:
     """(state dict, drafter config dict, train.json) of a finished training directory, its
     final drafter checked against its manifest."""
-    from .checkpoint import FINAL_MANIFEST, load_final
+    from .training.checkpoint import FINAL_MANIFEST, load_final
 
     train_dir = Path(train_dir)
     if not (train_dir / "train.json").is_file():

@@ -36,19 +36,19 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .backends import BACKENDS, BackendSpec, open_backend
-from .fsutil import (
+from .data.prepare import PreparedDataset
+from .host.gpu import gpu_preflight
+from .host.ui import Reporter, console, still_working
+from .run.fsutil import (
     DiskFullError,
     filesystem_info,
     free_bytes,
     human_bytes,
     human_duration,
     is_disk_full,
-    is_temp_file,
     parse_size,
 )
-from .gpu import gpu_preflight
-from .journal import (
+from .run.journal import (
     Journal,
     Ledger,
     append_error,
@@ -60,21 +60,22 @@ from .journal import (
     scan_journals,
     set_aside_damaged_lines,
 )
-from .lock import LockHeld, WriterLock
-from .prepare import PreparedDataset
-from .recovery import check_journaled_files, recover
-from .runmeta import load_run_meta, write_run_meta
-from .status import RATE_WINDOW, recent_rate
-from .store import (
+from .run.lock import LockHeld, WriterLock
+from .run.recovery import check_journaled_files, recover
+from .run.runmeta import load_run_meta, write_run_meta
+from .run.store import (
     STORE_VERSION,
     Layout,
     Sample,
     StoreError,
+    check_subdirs_inside,
     commit_samples,
-    ensure_inside,
+    foreign_run_entries,
 )
-from .stream import Retirer
-from .target import (
+from .run.stream import Retirer
+from .status import RATE_WINDOW, recent_rate
+from .targets.backends import BACKENDS, BackendSpec, open_backend
+from .targets.target import (
     DTYPES,
     ModelDirError,
     check_layers_present,
@@ -87,7 +88,6 @@ from .target import (
     resolve_dtype,
     target_facts,
 )
-from .ui import Reporter, console, still_working
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,23 +308,9 @@ class OutDirError(ValueError):
     """--out is a directory that holds something else: a usage error (exit 2)."""
 
 
-RUN_ENTRIES = ("run.json", "run.backup.json", "samples", "journal", "errors", "locks", "quarantine",
-               "followers")  # fmt: skip
-
-
-def foreign_run_entries(run: Path) -> list[str]:
-    """What in `run` an extraction did not write (a user's files, a dataset's): a new run is
-    never mixed into them."""
-    if not run.is_dir():
-        return []
-    return sorted(
-        p.name for p in run.iterdir() if p.name not in RUN_ENTRIES and not is_temp_file(p)
-    )
-
-
 def rebuild_hint(meta: dict) -> str:
     """How to bring a run's dataset back: the exact `prepare` command, where run.json has it."""
-    from .prepare import prepare_command
+    from .data.prepare import prepare_command
 
     if not meta.get("dataset_prepare"):
         return f"Restore it at {meta['dataset_path']} (fingerprint {meta['dataset_fingerprint']})"
@@ -386,9 +372,7 @@ def extract(
     new_dir = not run.exists()
     if (w := filesystem_info(run).warning()) is not None:
         say(f"warning: {w}; a run of many hours should live on persistent storage")
-    for sub in ("samples", "journal", "errors", "locks", "quarantine"):
-        if (run / sub).is_symlink():
-            ensure_inside(run, run / sub)
+    check_subdirs_inside(run)
     lengths = ds.lengths().tolist()
     fresh = new_run_meta(cfg, ds) if not meta else None
     bpt = (meta or fresh)["bytes_per_token"]

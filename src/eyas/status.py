@@ -17,11 +17,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .fsutil import filesystem_info
-from .journal import ledger, pass_of, read_errors
-from .lock import all_locks, live_locks
-from .runmeta import load_run_meta
-from .store import stray_temp_files
+from .run.fsutil import filesystem_info
+from .run.journal import ledger, pass_of, read_errors
+from .run.lock import all_locks, live_locks
+from .run.runmeta import load_run_meta
+from .run.store import stray_temp_files
 
 RATE_WINDOW = 300.0  # seconds of commits that make the live rate
 
@@ -80,8 +80,8 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
     run = Path(run)
     mr = load_run_meta(run)
     meta = mr.meta
-    from .journal import scan_journals
-    from .stream import read_followers
+    from .run.journal import scan_journals
+    from .run.stream import read_followers
 
     scans = scan_journals(run)
     n = meta["samples"]
@@ -124,7 +124,7 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
                           "waiting": f.waiting, "rate": f.rate(), "updated": f.updated, "command": f.command,
                           "live": bool(f.out) and bool(live_locks(Path(f.out))), "problem": f.problem,
                           "path": str(f.path)})  # fmt: skip
-    from .fsutil import parse_size
+    from .run.fsutil import parse_size
 
     budget = parse_size(conf["max_store"], 1) if conf.get("max_store") else None
     store = sum(e["size"] for e in led.present.values())
@@ -159,14 +159,14 @@ def recent_rate(commits: list[tuple[float, int]], now: float, window: float = RA
 def ago(t: float | None) -> str:
     if t is None:
         return "never"
-    from .fsutil import human_duration
+    from .run.fsutil import human_duration
 
     return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))} ({human_duration(time.time() - t)} ago)"
 
 
 def format_status(st: RunStatus) -> str:
     """The status for people: one fact per line."""
-    from .fsutil import human_bytes, human_duration
+    from .run.fsutil import human_bytes, human_duration
 
     # Floored, so that a run one sample short never reads 100.0%.
     pct = math.floor(1000 * st.done / st.total) / 10 if st.total else 100.0
@@ -257,7 +257,7 @@ def bottleneck(st: RunStatus) -> str | None:
 
 
 def _stream_lines(st: RunStatus) -> list[str]:
-    from .fsutil import human_bytes
+    from .run.fsutil import human_bytes
 
     out = []
     if st.passes > 1:
@@ -282,9 +282,9 @@ def _stream_lines(st: RunStatus) -> list[str]:
 def describe_other(path: Path) -> str | None:
     """What a directory that is not an extraction run is, and which command reads it: a
     training directory, a prepared dataset or an exported drafter. None for anything else."""
-    from .checkpoint import latest_checkpoint
-    from .fsutil import read_json
-    from .lock import live_locks
+    from .run.fsutil import read_json
+    from .run.lock import live_locks
+    from .training.checkpoint import latest_checkpoint
 
     path = Path(path)
     if (path / "train.json").is_file():

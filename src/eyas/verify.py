@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fsutil import fsync_dir, is_temp_file
-from .journal import (
+from .run.fsutil import fsync_dir, is_temp_file
+from .run.journal import (
     journal_files,
     ledger,
     pass_of,
@@ -34,9 +34,9 @@ from .journal import (
     scan_journals,
     set_aside_damaged_lines,
 )
-from .lock import LockHeld, WriterLock
-from .runmeta import load_run_meta, restore_run_meta
-from .store import (
+from .run.lock import LockHeld, WriterLock
+from .run.runmeta import load_run_meta, restore_run_meta
+from .run.store import (
     Layout,
     StoreError,
     check_sample_file,
@@ -44,6 +44,7 @@ from .store import (
     iter_sample_files,
     sample_index_of,
     sample_relpath,
+    samples_dir,
     stray_temp_files,
 )
 
@@ -164,9 +165,9 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
                 rep.problems.append(Problem("duplicate", str(c.path), f"sample {idx} journaled {len(refs)} times ({ranks})", idx))  # fmt: skip
     rep.seconds = time.monotonic() - t0
 
-    if (run / "samples").is_symlink():
-        rep.problems.append(Problem("corrupt", str(run / "samples"), f"{run / 'samples'} is a symlink "
-                                    f"(to {(run / 'samples').resolve()}); eyas keeps samples inside the run"))  # fmt: skip
+    if (sd := samples_dir(run)).is_symlink():
+        rep.problems.append(Problem("corrupt", str(sd), f"{sd} is a symlink (to {sd.resolve()}); eyas keeps "
+                                    "samples inside the run"))  # fmt: skip
     for p in iter_sample_files(run):
         idx = sample_index_of(p)
         if is_temp_file(p) or (

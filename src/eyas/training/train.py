@@ -34,16 +34,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..host.cpu import choose_threads, configure_threads
+from ..host.ui import Reporter, console, still_working
+from ..run.fsutil import (
+    DiskFullError,
+    atomic_write_bytes,
+    atomic_write_json,
+    is_disk_full,
+    read_json,
+)
+from ..run.lock import WriterLock
+from ..run.runmeta import read_run_meta
 from .checkpoint import (
     latest_checkpoint,
     remove_stale_temp,
     save_final,
 )
-from .cpu import choose_threads, configure_threads
-from .fsutil import DiskFullError, atomic_write_bytes, atomic_write_json, is_disk_full, read_json
-from .lock import WriterLock
 from .loss import add_targets, loss_masks, summarize, target_view, ttt_loss
-from .runmeta import read_run_meta
 from .train_data import (
     SampleReader,
     StopRequested,
@@ -54,7 +61,6 @@ from .train_data import (
 )
 from .trainer import StepAbandoned, Trainer, all_reduce_cpu, build_drafter, draft_vocab_for
 from .ttt_attention import IMPLEMENTATIONS
-from .ui import Reporter, console, still_working
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,7 +247,7 @@ def _wait_for_run(run: Path) -> None:
 def _check_complete(run: Path, meta: dict, allow_partial: bool) -> dict[int, dict]:
     """Refuse a run whose extraction is unfinished unless asked: hours spent on part of
     the data should be a choice, never a surprise."""
-    from .journal import ledger, read_errors
+    from ..run.journal import ledger, read_errors
 
     led = ledger(run)
     if led.passes_seen() > 1 or any(led.retired):

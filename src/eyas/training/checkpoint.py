@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .drafter import Drafter
-from .fsutil import (
+from ..run.fsutil import (
     DiskFullError,
     atomic_write_json,
     fsync_dir,
@@ -27,7 +26,8 @@ from .fsutil import (
     is_disk_full,
     read_json,
 )
-from .manifest import ManifestError, check_manifest, write_manifest
+from ..run.manifest import ManifestError, check_manifest, write_manifest
+from .drafter import Drafter
 
 
 def save_safetensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:

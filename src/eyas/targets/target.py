@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .fsutil import read_json
+from ..run.fsutil import read_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -252,3 +252,44 @@ def plan_batches(lengths, indices: list[int], batch_tokens: int) -> list[list[in
     if cur:
         batches.append(cur)
     return batches
+
+
+def load_tokenizer(model: str, trust_remote_code: bool = False):
+    """The model's tokenizer: a fast one, or one that is Python code (then with the flag)."""
+    from transformers import AutoTokenizer
+
+    check_model_dir(model, tokenizer=True)
+    try:
+        return AutoTokenizer.from_pretrained(
+            model, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except (ValueError, OSError) as exc:
+        code = _tokenizer_code(model)
+        if not trust_remote_code and (code or "trust_remote_code" in str(exc)):
+            raise ModelDirError(
+                f"{model}: its tokenizer is Python code shipped with the model"
+                f"{f' ({code})' if code else ''}; let it run with --trust-remote-code"
+            ) from None
+        raise
+    except Exception as exc:  # the shipped code does not load (an import this transformers lacks)
+        code = _tokenizer_code(model)
+        if not (trust_remote_code and code):
+            raise
+        import transformers
+
+        raise ValueError(
+            f"{model}: its tokenizer code ({code}) does not load with transformers "
+            f"{transformers.__version__}: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _tokenizer_code(model: str) -> str | None:
+    """The tokenizer class a model directory ships as code (tokenizer_config.json's auto_map)."""
+    try:
+        auto = json.loads((Path(model) / "tokenizer_config.json").read_text()).get("auto_map", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    ref = auto.get("AutoTokenizer") if isinstance(auto, dict) else None
+    if isinstance(ref, list):
+        ref = next((r for r in ref if r), None)
+    return ref if isinstance(ref, str) else None

@@ -61,6 +61,11 @@ class StoreError(ValueError):
     """A store problem a user can act on; the message names the file."""
 
 
+def samples_dir(run: Path) -> Path:
+    """The directory under which a run keeps its sample files."""
+    return Path(run) / "samples"
+
+
 def sample_relpath(index: int) -> str:
     lo = index // SAMPLES_PER_DIR * SAMPLES_PER_DIR
     return f"samples/{lo:06d}-{lo + SAMPLES_PER_DIR - 1:06d}/{index:06d}.safetensors"
@@ -254,6 +259,28 @@ def ensure_inside(run: Path, path: Path) -> None:
             f"{path} leads outside the run directory (to {real}, through a symlink); eyas writes "
             f"only inside {root}: put the whole run directory on the disk you want instead"
         )
+
+
+# What a run directory holds: an extraction writes these names and nothing else.
+RUN_ENTRIES = ("run.json", "run.backup.json", "samples", "journal", "errors", "locks", "quarantine",
+               "followers")  # fmt: skip
+
+
+def check_subdirs_inside(run: Path) -> None:
+    """Refuse a run whose sub-directories a symlink leads out of it (see `ensure_inside`)."""
+    for sub in ("samples", "journal", "errors", "locks", "quarantine"):
+        if (run / sub).is_symlink():
+            ensure_inside(run, run / sub)
+
+
+def foreign_run_entries(run: Path) -> list[str]:
+    """What in `run` an extraction did not write (a user's files, a dataset's): a new run is
+    never mixed into them."""
+    if not run.is_dir():
+        return []
+    return sorted(
+        p.name for p in run.iterdir() if p.name not in RUN_ENTRIES and not is_temp_file(p)
+    )
 
 
 def _sample_dir(run: Path, index: int) -> Path:

@@ -97,7 +97,7 @@ class HFBackend(Backend):
     def __init__(self, spec: BackendSpec):
         self.spec = spec
         if spec.device == "cpu":
-            from ..cpu import configure_threads
+            from ...host.cpu import configure_threads
             from ..target import target_facts
 
             configure_threads(target_facts(spec.model).hidden_size)

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .fsutil import human_bytes, parse_size
-from .journal import Ledger, journal_files, ledger, pass_of, read_errors
-from .lock import all_locks, live_locks
-from .stream import from_ranges, publish, to_ranges
-from .target import plan_batches
+from ..run.fsutil import human_bytes, parse_size
+from ..run.journal import Ledger, journal_files, ledger, pass_of, read_errors
+from ..run.lock import all_locks, live_locks
+from ..run.stream import from_ranges, publish, to_ranges
+from ..targets.target import plan_batches
 from .train_data import SampleReader, StopRequested, StoreSource, pack_batches, split_samples
 
 POLL = 0.5  # seconds between looks at the journals while waiting
@@ -40,7 +40,7 @@ class FollowSource:
 
     def __init__(self, cfg, run: Path, out: Path, meta: dict, rank: int, world: int,
                  reader: SampleReader, log):  # fmt: skip
-        from .prepare import PreparedDataset
+        from ..data.prepare import PreparedDataset
 
         self.cfg, self.run, self.out, self.rank, self.world = cfg, Path(run), Path(out), rank, world
         self.reader, self.log = reader, log

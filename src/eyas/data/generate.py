@@ -31,9 +31,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import __version__
-from .fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
-from .lock import WriterLock
+from .. import __version__
+from ..host.ui import Reporter
+from ..run.fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
+from ..run.lock import WriterLock
 from .records import (
     RawRecord,
     RecordError,
@@ -43,7 +44,6 @@ from .records import (
     record_tools,
     to_messages,
 )
-from .ui import Reporter
 
 STATE_SUFFIX = ".eyas-gen"
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -614,7 +614,7 @@ def _write_out(out: Path, recs: list[RawRecord], done: dict[int, dict]) -> None:
 
 def generation_status(state: Path) -> dict:
     """What `status` and `doctor` say about a generation directory."""
-    from .lock import all_locks
+    from ..run.lock import all_locks
 
     job = read_json(state / "generate.json")
     done = read_log(state / "log.jsonl") if (state / "log.jsonl").exists() else {}

@@ -281,7 +281,7 @@ _SIZE_KEYS = {
 def _like_config(like: Path, sizes: TinySizes, vocab_size: int, tokenizer=None):
     from transformers import AutoConfig
 
-    from .fsutil import read_json
+    from ..run.fsutil import read_json
 
     raw = read_json(like / "config.json")
     if isinstance(raw.get("text_config"), dict) and "vision_config" in raw:  # a wrapper (Kimi-K2.5)
@@ -371,7 +371,7 @@ def build_tiny_target(
         like = Path(like)
         if not (like / "config.json").exists():
             raise FileNotFoundError(f"--like {like}: no config.json there")
-        from .prepare import load_tokenizer
+        from .target import load_tokenizer
 
         tokenizer = load_tokenizer(str(like), trust_remote_code)
         if not tokenizer.chat_template:
@@ -409,7 +409,7 @@ def build_tiny_target(
 
 
 def _quantization_of(like: Path) -> str | None:
-    from .fsutil import read_json
+    from ..run.fsutil import read_json
     from .target import _quantization
 
     return _quantization(read_json(like / "config.json"))
@@ -439,7 +439,7 @@ def _as_on_the_hub(out: Path, model_type: str, like: Path | None) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    from .fsutil import read_json
+    from ..run.fsutil import read_json
 
     renames = _HUB_NAMES.get(model_type, [])
     for shard in sorted(out.glob("*.safetensors")):

@@ -16,18 +16,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..targets.weights import embed_weight, final_norm_weight, lm_head_weight
 from .checkpoint import resume_checkpoint, save_checkpoint
 from .drafter import Drafter, DrafterConfig
 from .loss import add_targets, loss_masks, summarize, ttt_loss
 from .train_data import SampleReader, prefetch, to_device
-from .weights import embed_weight, final_norm_weight, lm_head_weight
 
 
 def build_drafter(cfg, meta: dict) -> tuple[Drafter, torch.Tensor | None]:
     """Drafter sized from the target, with the target's frozen embeddings; returns the
     target's lm_head too (None when the run stores the target's top-K: not needed)."""
-    from .prepare import PreparedDataset
-    from .target import check_model_dir, model_fingerprint, text_config
+    from ..data.prepare import PreparedDataset
+    from ..targets.target import check_model_dir, model_fingerprint, text_config
 
     model_dir = cfg.model or meta["model_path"]
     check_model_dir(model_dir, weights=True)

@@ -20,7 +20,7 @@ import torch
 from .demo_data import corpus_text, generate_conversations, write_jsonl
 from .tiny import LLAMA3_TEMPLATE, TinySizes, build_tiny_target, train_tokenizer
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"  # the package's data, beside the layers
 DEMO_TARGET = ASSETS / "demo-target"
 DEMO_CONVERSATIONS = ASSETS / "demo_conversations.jsonl"
 DEMO_SIZES = TinySizes(

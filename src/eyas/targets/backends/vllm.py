@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..fsutil import read_json
+from ...run.fsutil import read_json
 from ..target import PLAIN_RMSNORM, rms_norm, target_facts
 from ..weights import final_norm_weight
 from . import Backend, BackendSpec, Pending, StateShaper
@@ -46,7 +46,7 @@ def engine_kwargs(spec: BackendSpec) -> dict:
     if spec.max_model_len:
         kw["max_model_len"] = spec.max_model_len
     if on_cpu:  # corrects vLLM's CPU rope op for MLA queries; see the module
-        kw["worker_extension_cls"] = "eyas.backends.vllm_cpu_fixes.CPUFixes"
+        kw["worker_extension_cls"] = "eyas.targets.backends.vllm_cpu_fixes.CPUFixes"
         if spec.dtype != torch.bfloat16 and _uses_mla(spec.model):
             # On a CPU with AMX tiles vLLM picks its AMX MLA kernels, which take bf16 alone
             # (a float32 engine fails at start); its reference CPU MLA takes every dtype.
@@ -176,7 +176,7 @@ class VLLMBackend(Backend):
             },
             kv_transfer_config={
                 "kv_connector": "EyasHiddenStatesConnector",
-                "kv_connector_module_path": "eyas.backends.vllm_connector",
+                "kv_connector_module_path": "eyas.targets.backends.vllm_connector",
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": str(self.staging)},
             },

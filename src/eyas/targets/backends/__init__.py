@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..store import Layout, quantize_fp8
+from ...run.store import Layout, quantize_fp8
 
 BACKENDS = ("hf", "vllm")
 

@@ -27,8 +27,9 @@ import numpy as np
 from safetensors.numpy import load_file as np_load_file
 from safetensors.numpy import save as np_save
 
-from . import __version__
-from .fsutil import (
+from .. import __version__
+from ..host.ui import Reporter
+from ..run.fsutil import (
     atomic_write,
     atomic_write_bytes,
     atomic_write_json,
@@ -37,6 +38,7 @@ from .fsutil import (
     read_json,
     sha256_file,
 )
+from ..targets.target import load_tokenizer
 from .records import (
     RawRecord,
     RecordError,
@@ -46,7 +48,6 @@ from .records import (
     record_tools,
     to_messages,
 )
-from .ui import Reporter
 
 FORMAT_VERSION = 1
 
@@ -357,49 +358,6 @@ _TOK = None
 def _init_worker(model: str, trust_remote_code: bool) -> None:
     global _TOK
     _TOK = load_tokenizer(model, trust_remote_code)
-
-
-def load_tokenizer(model: str, trust_remote_code: bool = False):
-    """The model's tokenizer: a fast one, or one that is Python code (then with the flag)."""
-    from transformers import AutoTokenizer
-
-    from .target import ModelDirError, check_model_dir
-
-    check_model_dir(model, tokenizer=True)
-    try:
-        return AutoTokenizer.from_pretrained(
-            model, local_files_only=True, trust_remote_code=trust_remote_code
-        )
-    except (ValueError, OSError) as exc:
-        code = _tokenizer_code(model)
-        if not trust_remote_code and (code or "trust_remote_code" in str(exc)):
-            raise ModelDirError(
-                f"{model}: its tokenizer is Python code shipped with the model"
-                f"{f' ({code})' if code else ''}; let it run with --trust-remote-code"
-            ) from None
-        raise
-    except Exception as exc:  # the shipped code does not load (an import this transformers lacks)
-        code = _tokenizer_code(model)
-        if not (trust_remote_code and code):
-            raise
-        import transformers
-
-        raise ValueError(
-            f"{model}: its tokenizer code ({code}) does not load with transformers "
-            f"{transformers.__version__}: {type(exc).__name__}: {exc}"
-        ) from None
-
-
-def _tokenizer_code(model: str) -> str | None:
-    """The tokenizer class a model directory ships as code (tokenizer_config.json's auto_map)."""
-    try:
-        auto = json.loads((Path(model) / "tokenizer_config.json").read_text()).get("auto_map", {})
-    except (OSError, ValueError, AttributeError):
-        return None
-    ref = auto.get("AutoTokenizer") if isinstance(auto, dict) else None
-    if isinstance(ref, list):
-        ref = next((r for r in ref if r), None)
-    return ref if isinstance(ref, str) else None
 
 
 def _prepare_one(rec: RawRecord, cfg: PrepareConfig) -> list[Prepared] | tuple[str, str, str]:

@@ -1,0 +1,106 @@
+"""The layout's rule, read from the source: lower layers never import higher ones, and only
+`eyas.run` names the run directory's sample and journal paths."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).parents[1] / "src" / "eyas"
+# Bottom to top; a module may import its own layer and those below it.
+LAYERS = ["run", "host", "targets", "data", "training"]  # then the stages at eyas's top
+
+
+def _module(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in LAYERS:
+        return LAYERS.index(parts[1])
+    return (
+        len(LAYERS) if len(parts) > 1 else -1
+    )  # a stage; `eyas` itself (its version) is below all
+
+
+def _imports(path: Path, src: Path = SRC) -> list[tuple[int, str]]:
+    """(line, module) of every eyas module `path` imports, at its top or inside functions."""
+    me = _module(path, src).split(".")
+    pkg = me if path.name == "__init__.py" else me[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                mod = node.module or ""
+            if mod == "eyas" or mod.startswith("eyas."):
+                names = [a.name for a in node.names]
+                subs = [f"{mod}.{n}" for n in names if (src.parent / f"{mod}.{n}".replace(".", "/")).exists()
+                        or (src.parent / (f"{mod}.{n}".replace(".", "/") + ".py")).exists()]  # fmt: skip
+                out += [(node.lineno, m) for m in (subs or [mod])]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("eyas")]
+    return out
+
+
+def _sources() -> list[Path]:
+    return sorted(p for p in SRC.rglob("*.py"))
+
+
+def test_lower_layers_never_import_higher_ones():
+    bad = []
+    for path in _sources():
+        mine = _layer(_module(path))
+        for line, mod in _imports(path):
+            if _layer(mod) > mine:
+                bad.append(f"{path.relative_to(SRC)}:{line} ({LAYERS[mine] if mine < len(LAYERS) else 'stage'}) "
+                           f"imports {mod}")  # fmt: skip
+    assert not bad, "\n".join(bad)
+    assert len(_sources()) > 40  # the rule read every module, not an empty tree
+
+
+def test_the_rule_sees_a_violation(tmp_path):
+    """The reader of imports finds an upward import, relative or absolute, at the top or in a
+    function (so the rule above can fail)."""
+    src = tmp_path / "eyas"
+    (src / "run").mkdir(parents=True)
+    (src / "training").mkdir()
+    (src / "training" / "train.py").write_text("")
+    bad = src / "run" / "store.py"
+    bad.write_text(
+        "from ..training.train import x\n\ndef f():\n    from eyas.training import train\n"
+    )
+    got = _imports(bad, src)
+    assert got == [(1, "eyas.training.train"), (4, "eyas.training.train")], got
+    assert all(_layer(m) > _layer(_module(bad, src)) for _, m in got)
+    assert (
+        _layer("eyas.training.train") > _layer("eyas.data.prepare") > _layer("eyas.targets.target")
+    )
+    assert _layer("eyas.extract") == len(LAYERS) and _layer("eyas") == -1
+
+
+def test_only_the_run_layer_names_sample_and_journal_paths():
+    """Outside eyas.run, no `... / "samples"` or `... / "journal"` and no list of the run's
+    sub-directories: every sample file and journal is reached through eyas.run's functions."""
+    bad = []
+    for path in _sources():
+        if _module(path).startswith("eyas.run"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+                if isinstance(node.right, ast.Constant) and node.right.value in (
+                    "samples",
+                    "journal",
+                ):
+                    bad.append(f"{path.relative_to(SRC)}:{node.lineno}: / {node.right.value!r}")
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                values = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+                if {"samples", "journal"} <= values:
+                    bad.append(
+                        f"{path.relative_to(SRC)}:{node.lineno}: a list of the run's sub-directories"
+                    )
+    assert not bad, "\n".join(bad)
