@@ -99,9 +99,6 @@ def doctor(
 
 def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
     from .data.generate import STATE_SUFFIX
-    from .data.prepare import PreparedDataset
-    from .targets.target import model_fingerprint
-    from .verify import verify
 
     gen = run if (run / "generate.json").is_file() else run.with_name(run.name + STATE_SUFFIX)
     if (gen / "generate.json").is_file():
@@ -124,7 +121,46 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
         rep.add("ok", f"config: run.json intact (eyas {meta.get('eyas_version')}, created {meta.get('created')}, "
                 f"backend {meta.get('backend', 'hf')})")  # fmt: skip
 
-    # Inputs still in place and unchanged?
+    _check_inputs(meta, rep, actions)
+    st = run_status(run)
+    rep.facts = {"done": st.done, "total": st.total, "remaining": st.remaining, "failed": st.failed,
+                 "bytes_needed": st.bytes_needed, "free_bytes": st.free_bytes}  # fmt: skip
+    rep.add(
+        "ok",
+        f"progress: {st.done}/{st.total} samples done, {st.remaining} remaining, {st.failed} failed; last commit {ago(st.last_commit)}",
+    )
+    if not st.model_loaded and not st.live_writer and any(lk["phase"] for lk in st.locks):
+        rep.add("warn", "progress: the model never finished loading (the last writer stopped while "
+                "starting or loading it); the resume starts again from loading")  # fmt: skip
+
+    _check_disk(run, st, rep, actions)
+    _check_leftovers(run, st, rep)
+    _check_stream(run, st, rep, actions)
+    kinds = _check_integrity(run, st, deep, rep, actions)
+    live = [lk for lk in st.locks if lk["live"]]
+    if live:
+        actions.append(
+            Action(
+                f"{len(live)} writer(s) running on {run} ({'; '.join(lk['describe'] for lk in live)}); "
+                "let them finish, then resume whatever is left",
+                None,
+                blocking=False,
+            )
+        )
+    elif st.remaining > 0 or any(k in kinds for k in ("missing", "corrupt", "journal", "orphan")):
+        actions.append(
+            Action(
+                f"resume the extraction of {run}", f"eyas extract --resume {run}", blocking=False
+            )
+        )
+    return rep
+
+
+def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:
+    """The run's target and prepared dataset: still in place, and unchanged."""
+    from .data.prepare import PreparedDataset
+    from .targets.target import model_fingerprint
+
     model = Path(meta["model_path"])
     try:
         fp = model_fingerprint(model)
@@ -169,18 +205,9 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
         else:
             actions.append(Action(f"{rebuild_hint(meta)} (it was moved, deleted or replaced)"))
 
-    st = run_status(run)
-    rep.facts = {"done": st.done, "total": st.total, "remaining": st.remaining, "failed": st.failed,
-                 "bytes_needed": st.bytes_needed, "free_bytes": st.free_bytes}  # fmt: skip
-    rep.add(
-        "ok",
-        f"progress: {st.done}/{st.total} samples done, {st.remaining} remaining, {st.failed} failed; last commit {ago(st.last_commit)}",
-    )
-    if not st.model_loaded and not st.live_writer and any(lk["phase"] for lk in st.locks):
-        rep.add("warn", "progress: the model never finished loading (the last writer stopped while "
-                "starting or loading it); the resume starts again from loading")  # fmt: skip
 
-    # Disk.
+def _check_disk(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
+    """Free space against what the run still needs, and the filesystem's own warning."""
     from .run.fsutil import filesystem_info
 
     fs = filesystem_info(run)
@@ -199,7 +226,9 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
     if (w := fs.warning()) is not None:
         rep.add("warn", f"disk: {w}")
 
-    # Last session's errors, temp files, locks.
+
+def _check_leftovers(run: Path, st, rep: RunReport) -> None:
+    """What the last session left: its failed samples, temp files and locks."""
     errors = read_errors(run)
     if errors:
         reasons = Counter(e.get("reason", "?") for e in errors).most_common(3)
@@ -212,16 +241,18 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
         rep.add(
             "warn", f"temp files: {st.temp_files} left by an interrupted write (removed on resume)"
         )
-    live = [lk for lk in st.locks if lk["live"]]
     for lk in st.locks:
         rep.add(
             "warn" if not lk["live"] else "ok",
             f"lock: {lk['describe']}" + ("" if lk["live"] else "; it is taken over on resume"),
         )
 
-    _check_stream(run, st, rep, actions)
 
-    # Integrity.
+def _check_integrity(run: Path, st, deep: bool, rep: RunReport, actions: list[Action]) -> dict:
+    """verify's findings (headers and sizes, or every checksum with `deep`), and what repairs
+    them; the count of each kind of problem."""
+    from .verify import verify
+
     v = verify(run, quick=not deep)
     kinds = {
         k: v.count(k)
@@ -256,23 +287,7 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
         if not any(a.command == f"eyas verify --repair {run}" for a in actions):
             actions.append(Action(f"quarantine damaged samples and set aside damaged journal lines of {run} "
                                   "so they are re-extracted", f"eyas verify --repair {run}"))  # fmt: skip
-
-    if live:
-        actions.append(
-            Action(
-                f"{len(live)} writer(s) running on {run} ({'; '.join(lk['describe'] for lk in live)}); "
-                "let them finish, then resume whatever is left",
-                None,
-                blocking=False,
-            )
-        )
-    elif st.remaining > 0 or any(k in kinds for k in ("missing", "corrupt", "journal", "orphan")):
-        actions.append(
-            Action(
-                f"resume the extraction of {run}", f"eyas extract --resume {run}", blocking=False
-            )
-        )
-    return rep
+    return kinds
 
 
 def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
