@@ -130,10 +130,17 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
         lr=args.lr, warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens,
         val_fraction=0.05, save_every=200, head_init=args.head_init, progress=True)))  # fmt: skip
     drafter = timed("export", lambda: export(w / "train", "vllm", w / "drafter"))
-    e = timed("evaluate", lambda: evaluate(
-        model, str(drafter), str(real / "mtbench.jsonl"), k=args.k, max_new_tokens=args.max_new_tokens,
-        limit=args.eval_prompts, precision=args.precision or None, progress=False,
-        greedy_cache=GREEDY))  # fmt: skip
+    if args.engine == "vllm":  # vLLM as the judge: far faster than the hf loop on a CPU
+        from eyas.evaluate import evaluate_vllm
+
+        e = timed("evaluate", lambda: evaluate_vllm(
+            model, str(drafter), str(real / "mtbench.jsonl"), k=args.k, max_new_tokens=args.max_new_tokens,
+            limit=args.eval_prompts, progress=False))  # fmt: skip
+    else:
+        e = timed("evaluate", lambda: evaluate(
+            model, str(drafter), str(real / "mtbench.jsonl"), k=args.k, max_new_tokens=args.max_new_tokens,
+            limit=args.eval_prompts, precision=args.precision or None, progress=False,
+            greedy_cache=GREEDY))  # fmt: skip
     d = e.to_dict()
     return {
         "conversations": n, "tokens": p.tokens, "trainable_tokens": p.trainable_tokens,
@@ -167,6 +174,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--eval-prompts", type=int, default=80)
+    ap.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                    help="the judge: eyas's hf decoder, or vLLM (where it is installed)")  # fmt: skip
     ap.add_argument(
         "--precision", type=float, default=0.0, help="stop evaluating at +- this (0: all)"
     )
