@@ -341,6 +341,34 @@ def test_a_full_disk_under_a_budget_recovers(targets, llama_dataset, tmp_path):
         assert_each_once(out, 120, 1)
 
 
+def test_two_extractor_ranks_under_one_budget(targets, llama_dataset, tmp_path):
+    """--world 2 with --max-store: each rank keeps its share of the budget plus its own batch,
+    so the store stays under the budget plus two batches (the bound the README states); a
+    follower trains every sample once."""
+    run, out = tmp_path / "run", tmp_path / "train"
+    exs = [
+        start(*extract_cmd(targets, llama_dataset, run, "--rank", r, "--world", 2)) for r in (0, 1)
+    ]
+    tr = None
+    try:
+        while not (run / "run.json").exists() and all(e.poll() is None for e in exs):
+            time.sleep(0.02)
+        sampler = StoreSampler(run)
+        tr = start(*train_cmd(run, out, "--epochs", 1))
+        for e in exs:
+            finish(e, 600)
+        finish(tr, 600)
+        tr = None
+        sampler.stop()
+    finally:
+        kill_running(*exs, tr)
+    assert sampler.samples > 10
+    assert BUDGET // 2 < sampler.peak <= BUDGET + 2 * batch_bytes(run), (sampler.peak, BUDGET)
+    assert_each_once(out, 120, 1)
+    v = json.loads(eyas("verify", run, "--json", check=True).stdout)
+    assert v["clean"], v
+
+
 def test_follow_without_a_budget_under_torchrun(targets, llama_dataset, tmp_path):
     """No --max-store, two ranks: epoch 1 follows the extraction (rank 0 decides every window
     and sends it to rank 1, and both wait together), epoch 2 reads the full store; nothing is
