@@ -346,9 +346,8 @@ def test_two_extractor_ranks_under_one_budget(targets, llama_dataset, tmp_path):
     so the store stays under the budget plus two batches (the bound the README states); a
     follower trains every sample once."""
     run, out = tmp_path / "run", tmp_path / "train"
-    exs = [
-        start(*extract_cmd(targets, llama_dataset, run, "--rank", r, "--world", 2)) for r in (0, 1)
-    ]
+    cmds = [extract_cmd(targets, llama_dataset, run, "--rank", r, "--world", 2) for r in (0, 1)]
+    exs = [start(*c) for c in cmds]  # both commands made before either writes run.json
     tr = None
     try:
         while not (run / "run.json").exists() and all(e.poll() is None for e in exs):
