@@ -502,6 +502,9 @@ def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_pa
     said = r.stderr.find("were deleted before this trainer consumed them")
     assert said >= 0, r.stderr
     assert "train: " not in r.stderr[:said], r.stderr
+    # with nothing left to train it ends with the reason (exit 1), and saves no untrained drafter
+    assert r.returncode == 1 and "no optimizer step was taken" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "late" / "drafter.safetensors").exists()
     r = eyas("train", "--data", run, "--out", tmp_path / "offline")  # refused, naming --follow
     assert r.returncode == 1 and "train --follow" in r.stderr
     # As good as offline.
@@ -510,6 +513,20 @@ def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_pa
     print(f"val acc0: offline {offline}, streamed {followed:.4f}")
     assert min(offline) > 0.2  # the recipe learns: a broken follower could not pass by luck
     assert abs(followed - statistics.mean(offline)) <= 2 * noise, (followed, offline)
+    # A trainer that resumed from nothing after its pass's samples were deleted: status and
+    # doctor say how many its pass lacks.
+    from eyas.run.stream import publish
+
+    ghost = tmp_path / "ghost"
+    publish(
+        run, ghost, 1, set(), 0, command=f"eyas train --follow --resume --data {run} --out {ghost}"
+    )
+    lacking = n  # the run is finished: every sample of pass 2 is retired
+    st = eyas("status", run, check=True).stdout
+    assert f"warning    {lacking} sample(s) of pass 2 were deleted before {ghost}" in st, st
+    assert (
+        f"follower: {lacking} sample(s) of pass 2 were deleted before" in eyas("doctor", run).stdout
+    )
 
 
 def test_a_checkpoint_replaced_at_the_same_step_survives_a_kill(tmp_path):

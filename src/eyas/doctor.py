@@ -300,6 +300,10 @@ def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
         rep.add("ok", f"store: {human_bytes(st.store_bytes)} of samples on disk{budget}; {st.retired} retired "
                 "(consumed by training and deleted: done, not missing)")  # fmt: skip
     for f in st.followers:
+        if f.get("lost"):
+            rep.add("warn", f"follower: {f['lost']} sample(s) of pass {f['pass'] + 1} were deleted before {f['out']} "
+                    "consumed them (it resumed from an older checkpoint than it had published, or came late): "
+                    "that pass trains without them")  # fmt: skip
         if f["problem"]:
             rep.add("error", f"follower: {f['describe']}")
             actions.append(Action(f"resume the trainer that follows {run} (it rewrites its file), or remove "

@@ -120,10 +120,13 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
     )
     followers = []
     for f in read_followers(run):
+        # Deleted in its pass but not consumed by it: it resumed from an older checkpoint than
+        # it had published, or registered after others had passed them. Its pass lacks them.
+        lost = 0 if f.finished or f.problem else len(led.pass_retired(f.pass_) - f.consumed)
         followers.append({"describe": f.describe(), "out": f.out, "pass": f.pass_, "finished": f.finished,
                           "waiting": f.waiting, "rate": f.rate(), "updated": f.updated, "command": f.command,
                           "live": bool(f.out) and bool(live_locks(Path(f.out))), "problem": f.problem,
-                          "path": str(f.path)})  # fmt: skip
+                          "path": str(f.path), "lost": lost})  # fmt: skip
     from .run.fsutil import parse_size
 
     budget = parse_size(conf["max_store"], 1) if conf.get("max_store") else None
@@ -274,6 +277,9 @@ def _stream_lines(st: RunStatus) -> list[str]:
     for f in st.followers:
         state = "running" if f["live"] else ("finished" if f["finished"] else "not running")
         out.append(f"follower   {f['describe']} ({state}{rate})")
+        if f.get("lost"):
+            out.append(f"warning    {f['lost']} sample(s) of pass {f['pass'] + 1} were deleted before {f['out']} "
+                       "consumed them: that pass trains without them")  # fmt: skip
     if (b := bottleneck(st)) is not None:
         out.append(f"bottleneck {b}")
     return out

@@ -503,6 +503,10 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
             if source.saves_each_epoch:
                 checkpoint(state)  # the extractor may delete this pass once it is durable
         loop_seconds = time.monotonic() - t0  # the training itself, without the final saves
+        if state["step"] == 0:  # an untrained drafter is no result: say why instead of saving one
+            raise ValueError(f"no optimizer step was taken on {source.describe()}: no training sample could be "
+                             "read (see the warnings above; a follower that comes after the extractor deleted "
+                             "its passes' samples has nothing to train: follow a run from its start)")  # fmt: skip
         checkpoint(state)
         if rank == 0:
             save_final(out, trainer.drafter)
