@@ -191,17 +191,3 @@ def test_packed_rows_equal_padded_rows(attention):
     torch.testing.assert_close(results["packed"][0], results["padded"][0], atol=1e-10, rtol=1e-8)
     for k, g in results["padded"][1].items():
         torch.testing.assert_close(results["packed"][1][k], g, atol=1e-10, rtol=1e-8)
-
-
-def test_the_target_head_start_spreads_as_a_random_head():
-    """Scaled by head_start_scale, the target's head and norm give an unrelated unit-RMS
-    state logits with a random head's spread (std 1/sqrt(3)), not the target's confident one."""
-    from eyas.training.trainer import head_start_scale
-
-    g = torch.Generator().manual_seed(0)
-    rows = torch.randn(4096, 96, generator=g) * 0.12  # (D, H), rows like a trained head's
-    w = 1.8 + 0.3 * torch.randn(96, generator=g)  # a final norm's weight
-    h = torch.randn(2000, 96, generator=g)  # unit RMS per dimension, no particular direction
-    before = ((h * w) @ rows.T).std().item()
-    after = ((h * w * head_start_scale(rows, w)) @ rows.T).std().item()
-    assert before > 1.5 and abs(after - 3**-0.5) < 0.05, (before, after)

@@ -687,9 +687,8 @@ def train(
     head_init: str = typer.Option(
         "random",
         "--head-init",
-        help="Drafter head at the start: random, target (the target's lm_head rows and final norm, "
-        "scaled to a random head's spread; helps the demo, level with random on a real target) or "
-        "target-frozen.",
+        help="Drafter head at the start: random, target (the target's lm_head rows; helps tiny "
+        "targets, hurt a real one) or target-frozen.",
     ),
     report_to: str = typer.Option(
         "none",

@@ -48,28 +48,11 @@ def build_drafter(cfg, meta: dict) -> tuple[Drafter, torch.Tensor | None]:
     head = lm_head_weight(model_dir).float() if from_target or not topk else None
     if from_target:
         # The drafter's last state stands in for the target's pre-norm state, so the target's
-        # head rows and final norm are where the drafter's head and norm start, the norm
-        # scaled down to the spread a random head gives (see `head_start_scale`).
-        rows, g = head[draft_ids], final_norm_weight(model_dir).float()  # (D, H), (H,)
-        drafter.lm_head.weight.data.copy_(rows)
-        drafter.norm.weight.data.copy_(g * head_start_scale(rows, g))
+        # final norm and head rows are where the drafter's norm and head should start.
+        drafter.lm_head.weight.data.copy_(head[draft_ids])  # (D, H)
+        drafter.norm.weight.data.copy_(final_norm_weight(model_dir).float())  # (H,)
         drafter.lm_head.weight.requires_grad_(cfg.head_init != "target-frozen")
     return drafter, None if topk else head
-
-
-def head_start_scale(rows: torch.Tensor, g: torch.Tensor) -> float:
-    """The factor on the target's norm weight `g` (H,) that gives the head `rows` (D, H) the
-    logit spread of a freshly initialised linear head (std 1/sqrt(3)) while the drafter's
-    state is still unrelated to the target's.
-
-    An untrained drafter's normed state is a unit-RMS vector of no particular direction; under
-    the target's own norm and head its logits spread with std sqrt(mean_d sum_h W_dh^2 g_h^2),
-    about 5.6 on SmolLM2-135M, and the first loss is 14-18 nats against ln D = 9.0: the
-    confident wrong answers take most of training to unlearn. Scaled, the head starts as
-    uncertain as a random one and keeps the target's directions; the norm weight is trained
-    and grows back as the drafter's state comes to look like the target's."""
-    spread = ((rows.double() ** 2) @ (g.double() ** 2)).mean().sqrt().item()
-    return (1 / 3**0.5) / spread if spread > 0 else 1.0
 
 
 def draft_vocab_for(requested: int | None, meta: dict) -> int | None:
