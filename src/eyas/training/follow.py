@@ -79,6 +79,7 @@ class FollowSource:
         self._wait: str | None = None
         self._led: tuple[tuple, Ledger] | None = None
         self._windows = 0
+        self._whole: int | None = None  # steps_per_epoch, once planned
         self._lost_said: set[tuple[int, int]] = set()  # (pass, count) of losses already said
         self._store: StoreSource | None = None
         self._live_checked = (0.0, True)
@@ -95,8 +96,10 @@ class FollowSource:
     def steps_per_epoch(self) -> int:
         """Batches of one pass planned over the whole set: a lower bound, as each window ends
         in a part-filled batch (`steps_after` corrects the total as windows come)."""
-        plan = pack_batches if self.cfg.pack else plan_batches
-        return len(plan(self.lengths, self.train_idx, self.cfg.batch_tokens))
+        if self._whole is None:  # the same every call: planned once (`steps_after` asks per window)
+            plan = pack_batches if self.cfg.pack else plan_batches
+            self._whole = len(plan(self.lengths, self.train_idx, self.cfg.batch_tokens))
+        return self._whole
 
     def steps_after(self, epoch: int, groups: list) -> int:
         """Optimizer steps left once the window `groups` of pass `epoch` is trained: the rest
