@@ -106,10 +106,12 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def train_vs_bare(args) -> float:
-    """Ratio of `eyas train`'s tokens/s to a bare loop over the same batches in memory."""
+def bare_train(cfg, run: Path, epochs: int, batch_tokens: int, ttt_steps: int) -> float:
+    """tokens/s of a bare training loop: `eyas train`'s drafter, batches and math over
+    batches already collated in memory, without its reading, checks and bookkeeping."""
     from eyas.host.cpu import configure_threads
-    from eyas.training.train import TrainConfig, add_targets, build_drafter, train, ttt_loss
+    from eyas.run.runmeta import read_run_meta
+    from eyas.training.train import add_targets, build_drafter, ttt_loss
     from eyas.training.train_data import (
         SampleReader,
         epoch_batches,
@@ -117,6 +119,41 @@ def train_vs_bare(args) -> float:
         to_device,
         usable_samples,
     )
+
+    meta = read_run_meta(run)
+    device = torch.device(cfg.device if cfg.device != "auto" else "cpu")
+    d, lm_head = build_drafter(cfg, meta)
+    d.attention = "chunked" if device.type == "cpu" else "flex"
+    d.to(device)
+    lm_head = lm_head.to(device)
+    entries, _ = usable_samples(run, meta["hidden_size"], lambda m: None)
+    reader = SampleReader(run, entries, False)
+    lengths = {i: e["tokens"] for i, e in entries.items()}
+    idx, _ = split_samples(sorted(entries), 0.0)
+    batches = [
+        reader.batch(b)
+        for ep in range(epochs)
+        for b in epoch_batches(lengths, idx, batch_tokens, 0, ep)
+    ]
+    batches = [to_device(b, device) for b in batches]
+    if device.type == "cpu":
+        configure_threads()  # the thread count `eyas train` runs with: like for like
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-4)
+    tokens, t0 = 0, time.perf_counter()
+    for b in batches:
+        add_targets(b, d, lm_head)
+        loss, _ = ttt_loss(d, b, ttt_steps, 0.8)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(d.parameters(), 0.5)
+        opt.step()
+        tokens += int(b["valid"].sum())
+    return tokens / (time.perf_counter() - t0)
+
+
+def train_vs_bare(args) -> float:
+    """Ratio of `eyas train`'s tokens/s to a bare loop over the same batches in memory."""
+    from eyas.training.train import TrainConfig, train
 
     work = Path(tempfile.mkdtemp(prefix="eyas-trainbench-", dir=args.workdir))
     try:
@@ -127,36 +164,7 @@ def train_vs_bare(args) -> float:
         for r in range(args.repeats):
             shutil.rmtree(work / "out", ignore_errors=True)
             eyas_tps = train(cfg)["tokens_per_s"]
-            # The bare loop: same drafter, batches and math; data already collated in memory.
-            from eyas.run.runmeta import read_run_meta
-
-            meta = read_run_meta(work / "run")
-            device = torch.device(args.device)
-            d, lm_head = build_drafter(cfg, meta)
-            d.attention = "chunked" if device.type == "cpu" else "flex"
-            d.to(device)
-            lm_head = lm_head.to(device)
-            entries, _ = usable_samples(work / "run", meta["hidden_size"], lambda m: None)
-            reader = SampleReader(work / "run", entries, False)
-            lengths = {i: e["tokens"] for i, e in entries.items()}
-            idx, _ = split_samples(sorted(entries), 0.0)
-            batches = [
-                reader.batch(b) for ep in range(2) for b in epoch_batches(lengths, idx, 2048, 0, ep)
-            ]
-            batches = [to_device(b, device) for b in batches]
-            if device.type == "cpu":
-                configure_threads()  # the thread count `eyas train` runs with: like for like
-            opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-4)
-            tokens, t0 = 0, time.perf_counter()
-            for b in batches:
-                add_targets(b, d, lm_head)
-                loss, _ = ttt_loss(d, b, args.ttt_steps, 0.8)
-                opt.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(d.parameters(), 0.5)
-                opt.step()
-                tokens += int(b["valid"].sum())
-            bare_tps = tokens / (time.perf_counter() - t0)
+            bare_tps = bare_train(cfg, work / "run", 2, 2048, args.ttt_steps)
             ratios.append(eyas_tps / bare_tps)
             print(f"  round {r + 1}: eyas train {eyas_tps:,.0f} tok/s, bare loop {bare_tps:,.0f} tok/s, ratio "
                   f"{eyas_tps / bare_tps:.2f}", file=sys.stderr, flush=True)  # fmt: skip

@@ -646,11 +646,17 @@ def train(
     step_decay: float = typer.Option(
         0.8, "--step-decay", help="Loss weight of step i is decay**i."
     ),
-    lr: float = typer.Option(1e-4, "--lr"),
+    lr: float | None = typer.Option(
+        None, "--lr", help="Peak learning rate (default: from the run's size; train prints it)."
+    ),
     warmup_steps: int | None = typer.Option(
         None, "--warmup-steps", help="Linear warmup (default: a tenth of the steps, at most 50)."
     ),
-    batch_tokens: int = typer.Option(8192, "--batch-tokens", help="Tokens per micro-batch."),
+    batch_tokens: int | None = typer.Option(
+        None,
+        "--batch-tokens",
+        help="Tokens per micro-batch (default: 2048, or 8192 where that still makes 2,000 steps).",
+    ),
     grad_accum: int = typer.Option(1, "--grad-accum"),
     val_fraction: float = typer.Option(0.05, "--val-fraction"),
     eval_every: int = typer.Option(0, "--eval-every", help="Also evaluate every N steps."),

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -76,15 +77,17 @@ class TrainConfig:
     """Unrolled training-time-test steps k."""
     step_decay: float = 0.8
     """Weight of step i's loss is step_decay ** i."""
-    lr: float = 1e-4
+    lr: float | None = None
+    """Peak learning rate; default: chosen from the run's size (see `auto_schedule`)."""
     min_lr_ratio: float = 0.1
     """Cosine schedule ends at lr * min_lr_ratio."""
     warmup_steps: int | None = None
     """Linear warmup; default: a tenth of the run's optimizer steps, at most 50."""
     weight_decay: float = 0.0
     grad_clip: float = 0.5
-    batch_tokens: int = 8192
-    """Token budget of one micro-batch (summed over ranks)."""
+    batch_tokens: int | None = None
+    """Token budget of one micro-batch (summed over ranks); default: chosen from the run's
+    size (see `auto_schedule`)."""
     grad_accum: int = 1
     val_fraction: float = 0.05
     eval_every: int = 0
@@ -199,6 +202,49 @@ def _identity(meta: dict) -> dict:
     }
 
 
+# The schedule's anchors. Small: on the real target (SmolLM2-135M, 100 to 2,000 of its own
+# answers) and the demo, 2,048-token batches at lr 3e-3 learn, where 8,192 at 1e-4 give a
+# few hundred conversations a handful of steps and learn nothing; 1,000 conversations over
+# 6 epochs are ~850 such steps. Large: published drafters trained on hundreds of thousands
+# of samples use 5e-5 to 1e-4. lr falls as 1/sqrt(steps) between them, which meets both.
+SMALL_BATCH, LARGE_BATCH, LARGE_FROM_STEPS = 2048, 8192, 2000
+ANCHOR_LR, ANCHOR_STEPS, MIN_AUTO_LR = 3e-3, 800, 5e-5
+
+
+def lr_for_steps(steps: float) -> float:
+    """The peak learning rate for a run of `steps` optimizer steps: ANCHOR_LR up to
+    ANCHOR_STEPS, then falling as 1/sqrt(steps), never under MIN_AUTO_LR."""
+    lr = min(ANCHOR_LR, max(MIN_AUTO_LR, ANCHOR_LR * math.sqrt(ANCHOR_STEPS / max(steps, 1.0))))
+    return float(f"{lr:.2g}")
+
+
+def auto_schedule(
+    tokens: int, epochs: int, grad_accum: int = 1, batch: int | None = None
+) -> tuple[int, float]:
+    """(batch tokens, peak lr) for a run of `tokens` tokens trained `epochs` times: small
+    batches until large ones would still make LARGE_FROM_STEPS optimizer steps, and the
+    learning rate for the steps the batch makes (padding ignored). A given `batch` is kept."""
+    seen = max(1, tokens) * max(1, epochs)
+    if batch is None:
+        large = seen / (LARGE_BATCH * grad_accum) >= LARGE_FROM_STEPS
+        batch = LARGE_BATCH if large else SMALL_BATCH
+    return batch, lr_for_steps(seen / (batch * grad_accum))
+
+
+def _resolve_schedule(cfg: TrainConfig, meta: dict, rank: int) -> TrainConfig:
+    """Fill a left-out --batch-tokens or --lr from the run's size, and say what was chosen."""
+    if cfg.batch_tokens is not None and cfg.lr is not None:
+        return cfg
+    tokens = int(meta.get("tokens") or 0) * int((meta.get("config") or {}).get("passes") or 1)
+    batch, lr = auto_schedule(tokens, cfg.epochs, cfg.grad_accum, cfg.batch_tokens)
+    chosen = {k: v for k, v in (("batch_tokens", batch), ("lr", lr)) if getattr(cfg, k) is None}
+    if rank == 0 and cfg.progress:
+        said = ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in chosen.items())
+        console.print(f"{said}: chosen for {tokens:,} tokens x {cfg.epochs} epoch(s); pass them to choose",
+                      markup=False, highlight=False)  # fmt: skip
+    return replace(cfg, **chosen)
+
+
 def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     """Train (or resume) a drafter; returns the last validation summary. Rank 0 holds the
     training directory's writer lock throughout: one training per directory."""
@@ -207,6 +253,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     if cfg.follow:
         _wait_for_run(run)
     meta = read_run_meta(run)
+    cfg = _resolve_schedule(cfg, meta, rank)
     done = None if cfg.follow else _check_complete(run, meta, cfg.allow_partial)
     if rank != 0:
         return _train(cfg, resume, rank, world, run, out, meta, done)
@@ -373,8 +420,8 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
     if rank == 0 and cfg.progress and total_steps < 20:
         log(f"warning: only {total_steps} optimizer steps ({source.describe()}, "
             f"--batch-tokens {cfg.batch_tokens}): the drafter will learn little. Lower --batch-tokens "
-            f"(more steps per epoch; 2048 suits a few hundred conversations) with --lr 3e-3, or add "
-            "epochs or data")  # fmt: skip
+            f"(more steps per epoch; 2048 suits a few hundred conversations) with --lr 3e-3 (or leave "
+            "both out: train picks them from the run's size), or add epochs or data")  # fmt: skip
 
     stop: list[str] = []
     handlers = {}
