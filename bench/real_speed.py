@@ -52,6 +52,20 @@ def matmul_gflops(m: int, k: int, n: int, threads: int, repeats: int = 20) -> fl
     return 2 * m * k * n / best / 1e9
 
 
+def stream_gbs(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of reading a float32 tensor of `gib` GiB once (a sum), best of `repeats`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    torch.set_num_threads(before)
+    return x.numel() * 4 / best / 1e9
+
+
 def _median_pairs(ours: list[float], bare: list[float]) -> float:
     return statistics.median(o / b for o, b in zip(ours, bare, strict=True))
 
@@ -128,21 +142,25 @@ def train_flops_per_token(args, work: Path) -> float:
     return 2 * lm_head.numel() + 6 * fc + args.ttt_steps * 6 * per_step
 
 
-def _timed(fn, into: dict, name: str):
-    """`fn`, adding its wall time to `into[name]`; its signature stays visible (evaluate
+def _timed(fn, now: list[dict], name: str, longest: int | None = None):
+    """`fn`, adding its wall time to `now[0][name]`, or to `now[0]["prefill"]` for a call on
+    more than `longest` tokens (a prompt's first pass); its signature stays visible (evaluate
     picks the cache argument's name from it)."""
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
+        ids = None if longest is None else (a[0] if a else kw["input_ids"])
         t0 = time.perf_counter()
         out = fn(*a, **kw)
-        into[name] = into.get(name, 0.0) + time.perf_counter() - t0
+        key, into = "prefill" if ids is not None and ids.shape[-1] > longest else name, now[0]
+        into[key] = into.get(key, 0.0) + time.perf_counter() - t0
         return out
 
     return wrapper
 
 
 def part_decode(args, model_dir: str, drafter_dir: str) -> dict:
+    """Per greedy step and per speculative round, prompts' prefills left out of both (the speedup, end to end, keeps them)."""
     from eyas.evaluate import AuxTap, EvalResult, greedy, read_prompts, render_prompts, speculative
     from eyas.export import load_export
     from eyas.host.cpu import configure_threads
@@ -155,51 +173,50 @@ def part_decode(args, model_dir: str, drafter_dir: str) -> dict:
     eos = {tok.eos_token_id} - {None}
     prompts = render_prompts(tok, read_prompts(args.real / "mtbench.jsonl", args.decode_prompts))
     k = args.k
-    parts: dict[str, float] = {}
+    g: dict[str, float] = {}  # greedy's forwards
+    r: dict[str, float] = {}  # the rounds' parts
+    now = [r]  # where the wrappers add: greedy's or the rounds'
     # nn.Module.__call__ finds these instance attributes before the class's methods
-    model.forward = _timed(model.forward, parts, "target forward")
-    drafter.draft = _timed(drafter.draft, parts, "drafter drafts")
-    drafter.prefix_kv = _timed(drafter.prefix_kv, parts, "drafter prefix")
+    model.forward = _timed(model.forward, now, "target forward", k + 1)
+    drafter.draft = _timed(drafter.draft, now, "drafter drafts")
+    drafter.prefix_kv = _timed(drafter.prefix_kv, now, "drafter prefix", k + 1)
     tap = AuxTap(model, aux_hf)
     res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)])
-    g_sec, g_tok, s_sec, s_tok, g_fwd = 0.0, 0, 0.0, 0, 0.0
+    g_sec, g_tok, s_sec, s_tok = 0.0, 0, 0.0, 0
     try:
         for i, p in enumerate(prompts):
             for which in (0, 1) if i % 2 == 0 else (1, 0):
-                if which == 0:  # greedy: its forwards are timed apart from the rounds'
-                    before = parts.get("target forward", 0.0)
-                    t0 = time.perf_counter()
-                    out = greedy(model, p, args.max_new_tokens, eos)
+                t0 = time.perf_counter()
+                if which == 0:
+                    now[0] = g
+                    g_tok += len(greedy(model, p, args.max_new_tokens, eos))
                     g_sec += time.perf_counter() - t0
-                    g_fwd += parts.get("target forward", 0.0) - before
-                    parts["target forward"] = before
-                    g_tok += len(out)
                 else:
-                    t0 = time.perf_counter()
+                    now[0] = r
                     s_tok += len(
                         speculative(model, tap, drafter, p, args.max_new_tokens, k, eos, res)
                     )
                     s_sec += time.perf_counter() - t0
     finally:
         tap.remove()
-    rounds = res.rounds
-    step = g_sec / g_tok
-    rnd = s_sec / rounds
-    # The prefill of each prompt is in both totals; per round and per step it is noise at
-    # max_new_tokens >= 64, and it is counted, not removed.
-    split = {name: round(v / rounds * 1e3, 2) for name, v in parts.items()}
+    rounds, n = res.rounds, len(prompts)
+    step = (g_sec - g.get("prefill", 0.0)) / (g_tok - n)  # the first token comes from the prefill
+    rnd = (s_sec - r.get("prefill", 0.0)) / rounds
+    split = {name: round(v / rounds * 1e3, 2) for name, v in r.items() if name != "prefill"}
     split["rest (Python, cache crop, concatenation)"] = round(
-        (s_sec - sum(parts.values())) / rounds * 1e3, 2
+        (s_sec - sum(r.values())) / rounds * 1e3, 2
     )
-    tpf = res.tokens_per_forward
+    g_fwd = g.get("target forward", 0.0) / (g_tok - n)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
     return {
-        "prompts": len(prompts), "k": k, "threads": threads, "max_new_tokens": args.max_new_tokens,
-        "greedy_ms_per_step": round(step * 1e3, 2), "greedy_forward_ms_per_step": round(g_fwd / g_tok * 1e3, 2),
+        "prompts": n, "k": k, "threads": threads, "max_new_tokens": args.max_new_tokens,
+        "greedy_ms_per_step": round(step * 1e3, 2), "greedy_forward_ms_per_step": round(g_fwd * 1e3, 2),
         "speculative_ms_per_round": round(rnd * 1e3, 2), "round_over_step": round(rnd / step, 3),
-        "round_ms_by_part": split, "tokens_per_forward": round(tpf, 3),
+        "round_ms_by_part": split, "tokens_per_forward": round(res.tokens_per_forward, 3),
         "speedup_measured": round(s_tok / s_sec / (g_tok / g_sec), 3),
         "speedup_at_1.8_tokens_per_forward": round(1.8 / (rnd / step), 3),
         "break_even_tokens_per_forward": round(rnd / step, 3),
+        "weights_gb": round(weights / 1e9, 3), "greedy_weights_gb_per_s": round(weights / g_fwd / 1e9, 1),
     }  # fmt: skip
 
 
@@ -269,6 +286,7 @@ def main() -> None:
             out["decode"]["one_token_matvec_gflops"] = round(
                 matmul_gflops(1, H, inter, out["decode"]["threads"], 200), 1
             )
+            out["decode"]["stream_gb_per_s"] = round(stream_gbs(out["decode"]["threads"]), 1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
@@ -301,9 +319,13 @@ def main() -> None:
             f"speculative {d['speculative_ms_per_round']} ms/round = {d['round_over_step']:.2f} steps"
         )
         print("  a round: " + ", ".join(f"{k} {v} ms" for k, v in d["round_ms_by_part"].items()))
-        print(f"  tokens/forward {d['tokens_per_forward']:.2f}: speedup {d['speedup_measured']:.2f} measured; it breaks "
-              f"even at {d['break_even_tokens_per_forward']:.2f} tokens/forward, and 1.8 would give "
-              f"{d['speedup_at_1.8_tokens_per_forward']:.2f}; a one-token matvec reaches "
+        print(
+            f"  tokens/forward {d['tokens_per_forward']:.2f}: speedup {d['speedup_measured']:.2f} measured; it breaks "
+            f"even at {d['break_even_tokens_per_forward']:.2f} tokens/forward, and 1.8 would give "
+            f"{d['speedup_at_1.8_tokens_per_forward']:.2f}"
+        )
+        print(f"  a greedy step reads the {d['weights_gb']} GB of weights at {d['greedy_weights_gb_per_s']} GB/s; "
+              f"reading 1 GiB runs at {d['stream_gb_per_s']} GB/s, a one-token matvec at "
               f"{d['one_token_matvec_gflops']} GFLOP/s")  # fmt: skip
 
 
