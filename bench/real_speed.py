@@ -14,7 +14,8 @@ In one run, each part alternating the two things it compares and giving the medi
    round and per step do not depend on it).
 
 Each part ends with the arithmetic: FLOPs per token against what one float32 matmul of a
-similar shape delivers on this machine with the same threads. Run from the repo root:
+similar shape delivers on this machine with the same threads; for decoding, also the
+target's linear layers alone at 1 row and at K+1 rows (what a verifying forward adds). Run from the repo root:
 
     python bench/real_speed.py --real /data/real [--samples 50] [--drafter DIR] [--json]
 """
@@ -64,6 +65,25 @@ def stream_gbs(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
         best = min(best, time.perf_counter() - t0)
     torch.set_num_threads(before)
     return x.numel() * 4 / best / 1e9
+
+
+def linear_ms(shapes: list[tuple[int, int]], rows: list[int], threads: int, repeats: int = 7):
+    """Milliseconds of one pass of `rows`-row inputs through float32 weights of `shapes`
+    ((in, out) each, as the target's linear layers and head), per row count: the median of
+    `repeats` passes, the row counts alternated within each."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    weights = [torch.randn(o, i) for i, o in shapes]
+    xs = {m: [torch.randn(m, i) for i, _ in shapes] for m in rows}
+    times: dict[int, list[float]] = {m: [] for m in rows}
+    for _ in range(repeats + 1):  # the first pass warms up
+        for m in rows:
+            t0 = time.perf_counter()
+            for x, w in zip(xs[m], weights, strict=True):
+                torch.nn.functional.linear(x, w)
+            times[m].append(time.perf_counter() - t0)
+    torch.set_num_threads(before)
+    return {m: round(statistics.median(t[1:]) * 1e3, 2) for m, t in times.items()}
 
 
 def _median_pairs(ours: list[float], bare: list[float]) -> float:
@@ -287,6 +307,14 @@ def main() -> None:
                 matmul_gflops(1, H, inter, out["decode"]["threads"], 200), 1
             )
             out["decode"]["stream_gb_per_s"] = round(stream_gbs(out["decode"]["threads"]), 1)
+            kv = c.num_key_value_heads * hd
+            layer = [(H, H), (H, kv), (H, kv), (H, H), (H, inter), (H, inter), (inter, H)]
+            shapes = layer * c.num_hidden_layers + [(H, c.vocab_size)]
+            rows = linear_ms(shapes, [1, args.k + 1], out["decode"]["threads"])
+            out["decode"]["linear_ms_by_rows"] = rows
+            out["decode"]["linear_gflops_at_k1_rows"] = round(
+                2 * (args.k + 1) * sum(i * o for i, o in shapes) / rows[args.k + 1] / 1e6, 1
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
@@ -327,6 +355,11 @@ def main() -> None:
         print(f"  a greedy step reads the {d['weights_gb']} GB of weights at {d['greedy_weights_gb_per_s']} GB/s; "
               f"reading 1 GiB runs at {d['stream_gb_per_s']} GB/s, a one-token matvec at "
               f"{d['one_token_matvec_gflops']} GFLOP/s")  # fmt: skip
+        r = d["linear_ms_by_rows"]
+        k1 = d["k"] + 1
+        print(f"  the target's linear layers and head alone: {r[1]} ms for 1 row, {r[k1]} ms for {k1} rows "
+              f"(x{r[k1] / r[1]:.2f}; {d['linear_gflops_at_k1_rows']} GFLOP/s at {k1} rows): "
+              "what verifying K drafts costs over one greedy step")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -599,3 +599,41 @@ def test_left_out_lr_and_batch_come_from_the_run_and_are_kept_on_resume(demo_run
     again = eyas("train", "--resume", "--out", out)
     assert again.returncode == 0 and "config differs" not in again.stderr, again.stderr
     assert "chosen for" not in again.stderr  # the saved values, not a new choice
+
+
+def test_feature_noise_scales_per_state_and_only_trains(demo_run, tmp_path):
+    """--feature-noise adds noise sized to each fused state's own RMS at each token, changes
+    what training learns, leaves validation's inputs clean, and is kept on resume."""
+    from eyas.training.trainer import noisy
+
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([0.01, 1.0, 100.0])  # three states of very different sizes
+    aux = (torch.randn(2, 500, 3, 64, generator=g) * scales[:, None]).reshape(2, 500, 192)
+    torch.manual_seed(1)
+    diff = (noisy(aux, 0.2) - aux).view(2, 500, 3, 64)
+    rms = aux.view(2, 500, 3, 64).pow(2).mean(-1, keepdim=True).sqrt()
+    rel = (diff / rms).transpose(0, 2).reshape(3, -1)  # per state
+    assert torch.allclose(rel.std(-1), torch.full((3,), 0.2), rtol=0.05), rel.std(-1)
+    assert torch.equal(noisy(aux, 0.0), aux)
+
+    # At an lr too small to move a float32 weight, the two runs hold the same weights
+    # throughout: the noise must show in training's loss and nowhere in validation's.
+    args = ["--epochs", "1", "--ttt-steps", "1", "--batch-tokens", "1024", "--lr", "1e-12",
+            "--val-fraction", "0.1", "--save-every", "1"]  # fmt: skip
+    logs = {}
+    for name, extra in (("clean", []), ("noisy", ["--feature-noise", "0.5"])):
+        p = eyas("train", "--data", demo_run, "--out", tmp_path / name, *args, *extra)
+        assert p.returncode == 0, p.stderr
+        logs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+    split = {n: {s: [r["loss"] for r in recs if r["split"] == s] for s in ("train", "val")}
+             for n, recs in logs.items()}  # fmt: skip
+    assert split["clean"]["val"] and split["clean"]["val"] == split["noisy"]["val"]
+    assert split["clean"]["train"] != split["noisy"]["train"]
+    cfg = json.loads((tmp_path / "noisy" / "train.json").read_text())["config"]
+    assert cfg["feature_noise"] == 0.5
+    again = eyas("train", "--resume", "--out", tmp_path / "noisy")
+    assert again.returncode == 0 and "config differs" not in again.stderr, again.stderr
+    assert (
+        json.loads((tmp_path / "noisy" / "train.json").read_text())["config"]["feature_noise"]
+        == 0.5
+    )

@@ -658,6 +658,12 @@ def train(
         help="Tokens per micro-batch (default: 2048, or 8192 where that still makes 2,000 steps).",
     ),
     grad_accum: int = typer.Option(1, "--grad-accum"),
+    weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
+    feature_noise: float = typer.Option(
+        0.0,
+        "--feature-noise",
+        help="Gaussian noise on the fused target states in training, as a fraction of their RMS.",
+    ),
     val_fraction: float = typer.Option(0.05, "--val-fraction"),
     eval_every: int = typer.Option(0, "--eval-every", help="Also evaluate every N steps."),
     save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
@@ -712,7 +718,7 @@ def train(
     opts = dict(
         data=str(data) if data else None, model=str(model) if model else None, epochs=epochs,
         ttt_steps=ttt_steps, step_decay=step_decay, lr=lr, warmup_steps=warmup_steps, batch_tokens=batch_tokens,
-        grad_accum=grad_accum, val_fraction=val_fraction, eval_every=eval_every, save_every=save_every,
+        grad_accum=grad_accum, weight_decay=weight_decay, feature_noise=feature_noise, val_fraction=val_fraction, eval_every=eval_every, save_every=save_every,
         keep_checkpoints=keep_checkpoints, draft_vocab_size=draft_vocab_size, dtype=dtype, device=device,
         seed=seed, verify_data=verify_data, intermediate_size=intermediate_size, attention=attention,
         allow_partial=allow_partial, head_init=head_init, pack=pack, follow=follow, report_to=report_to,

@@ -84,6 +84,10 @@ class TrainConfig:
     warmup_steps: int | None = None
     """Linear warmup; default: a tenth of the run's optimizer steps, at most 50."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
+    feature_noise: float = 0.0
+    """Training only: Gaussian noise added to each of the three fused target states, with a
+    standard deviation of this fraction of that state's RMS at its token (0: none)."""
     grad_clip: float = 0.5
     batch_tokens: int | None = None
     """Token budget of one micro-batch (summed over ranks); default: chosen from the run's
@@ -143,6 +147,8 @@ class TrainConfig:
             raise ValueError(
                 f"--head-init must be target, target-frozen or random, got {self.head_init!r}"
             )
+        if self.feature_noise < 0 or self.weight_decay < 0:
+            raise ValueError("--feature-noise and --weight-decay must not be negative")
         if self.ttt_steps < 1 or self.epochs < 1 or self.grad_accum < 1:
             raise ValueError("--ttt-steps, --epochs and --grad-accum must be at least 1")
         if not 0 <= self.val_fraction < 1:
@@ -162,7 +168,7 @@ _RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "
 
 
 # What a training directory made before these options existed was trained with.
-_BEFORE = {"head_init": "random", "pack": False, "follow": False}
+_BEFORE = {"head_init": "random", "pack": False, "follow": False, "feature_noise": 0.0}
 
 
 class TrainStopped(Exception):
