@@ -90,10 +90,12 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 def test_sigkill_and_sigterm_then_resume_give_identical_weights(demo_run, tmp_path):
     """Killed, resumed, SIGTERMed, moved to another directory and resumed to the end, with
-    a CPU hog competing throughout: weights bit-identical to an uninterrupted run."""
+    a CPU hog competing throughout: weights bit-identical to an uninterrupted run. With
+    --feature-noise, so that the resumed steps must also draw the same noise."""
+    opts = ("--epochs", "2", "--save-every", "4", "--feature-noise", "0.1")
     ref = tmp_path / "ref"
     subprocess.run(
-        _train_cmd(demo_run, ref, "--epochs", "2", "--save-every", "4"),
+        _train_cmd(demo_run, ref, *opts),
         check=True,
         capture_output=True,
     )
@@ -102,7 +104,7 @@ def test_sigkill_and_sigterm_then_resume_give_identical_weights(demo_run, tmp_pa
         out = tmp_path / "out"
         # 1. SIGKILL once a checkpoint beyond step 8 exists (mid-epoch, between checkpoints).
         p = subprocess.Popen(
-            _train_cmd(demo_run, out, "--epochs", "2", "--save-every", "4"),
+            _train_cmd(demo_run, out, *opts),
             stderr=subprocess.DEVNULL,
         )
         while p.poll() is None and not (
@@ -115,7 +117,7 @@ def test_sigkill_and_sigterm_then_resume_give_identical_weights(demo_run, tmp_pa
         p.wait()
         killed_at = int(latest_checkpoint(out).name.split("-")[1])
         # 2. Resume, then SIGTERM: it saves a checkpoint and exits 75.
-        p = subprocess.Popen(_train_cmd(demo_run, out, "--epochs", "2", "--save-every", "4", "--resume"),
+        p = subprocess.Popen(_train_cmd(demo_run, out, *opts, "--resume"),
                              stderr=subprocess.PIPE, text=True)  # fmt: skip
         while p.poll() is None and int(latest_checkpoint(out).name.split("-")[1]) <= killed_at + 4:
             time.sleep(0.005)
@@ -126,7 +128,7 @@ def test_sigkill_and_sigterm_then_resume_give_identical_weights(demo_run, tmp_pa
         # 3. Move the training directory, then resume it to the end.
         moved = tmp_path / "moved"
         shutil.move(out, moved)
-        r = eyas(*_train_cmd(demo_run, moved, "--epochs", "2", "--save-every", "4", "--resume")[3:])
+        r = eyas(*_train_cmd(demo_run, moved, *opts, "--resume")[3:])
     finally:
         for h in hogs:
             h.kill()

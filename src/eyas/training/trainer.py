@@ -64,14 +64,15 @@ def draft_vocab_for(requested: int | None, meta: dict) -> int | None:
     return fixed or requested
 
 
-def noisy(aux: torch.Tensor, scale: float) -> torch.Tensor:
+def noisy(aux: torch.Tensor, scale: float, gen: torch.Generator | None = None) -> torch.Tensor:
     """aux (B, T, 3H) plus Gaussian noise whose std is `scale` times the RMS of each of its
     three states at each token. A regulariser: on a few thousand conversations the drafter
     otherwise learns them by heart (training accuracy twice validation's)."""
     B, T, H3 = aux.shape
     parts = aux.view(B, T, 3, H3 // 3)
     rms = parts.pow(2).mean(-1, keepdim=True).sqrt()  # (B, T, 3, 1)
-    return (parts + torch.randn_like(parts) * rms * scale).view(B, T, H3)
+    noise = torch.randn(parts.shape, generator=gen, device=aux.device, dtype=aux.dtype)
+    return (parts + noise * rms * scale).view(B, T, H3)
 
 
 class Trainer:
@@ -136,13 +137,18 @@ class Trainer:
     def _done(self, batch: dict) -> None:
         self.reader.release(batch.pop("_host"), batch.pop("_copied", None))
 
-    def _micro(self, batch: dict, train: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _micro(
+        self, batch: dict, noise_key: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Loss (normalised by the global token counts per step), stats and tokens. In
-        training, the fused states get `--feature-noise` first (after the targets, which
-        come from the clean final state)."""
+        training (`noise_key` given), the fused states get `--feature-noise` first (after the
+        targets, which come from the clean final state), drawn from a generator seeded by the
+        key: a resumed training draws the same noise as an unbroken one."""
         add_targets(batch, self.drafter, self.lm_head)
-        if train and self.cfg.feature_noise > 0:
-            batch["aux"] = noisy(batch["aux"], self.cfg.feature_noise)
+        if noise_key is not None and self.cfg.feature_noise > 0:
+            gen = torch.Generator(device=batch["aux"].device)
+            gen.manual_seed(noise_key)
+            batch["aux"] = noisy(batch["aux"], self.cfg.feature_noise, gen)
         steps = self.cfg.ttt_steps
         counts = torch.tensor(
             [float(lm.sum()) for _, lm in loss_masks(batch, steps)], dtype=torch.float64
@@ -165,12 +171,14 @@ class Trainer:
         stats, tokens = torch.zeros(self.cfg.ttt_steps, 6, dtype=torch.float64), 0
         # Until the optimizer moves, a signal handler may abandon the step (`interruptible`).
         self.interruptible = self.world == 1
+        done = self._steps_done()  # restored with the optimizer on a resume
         try:
-            for _ in range(n):
+            for micro in range(n):
                 if stopping is not None and self.world == 1 and stopping():
                     raise StepAbandoned
                 batch = next(loaded)[1]
-                loss, st, tok = self._micro(batch, train=True)
+                key = (((self.cfg.seed * 1_000_003 + done) * 64 + micro) * 4096 + self.rank) % 2**63
+                loss, st, tok = self._micro(batch, noise_key=key)
                 (loss * self.world / n).backward()  # all_reduce averages: undo it: grads are sums
                 self._done(batch)
                 stats += st
@@ -189,6 +197,11 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.opt.step()
         return stats, tokens
+
+    def _steps_done(self) -> int:
+        """Optimizer steps taken so far, as AdamW counts them (0 before the first)."""
+        state = self.opt.state.get(self.params[0], {})
+        return int(state["step"]) if "step" in state else 0
 
     def evaluate(self, batches: list[list[int]]) -> dict:
         """Validation summary over `batches` (every rank takes its share of each)."""
