@@ -496,12 +496,12 @@ def test_sigterm_mid_step_drops_the_step_at_once(demo_run, tmp_path, monkeypatch
     train(TrainConfig(data=str(demo_run), out=str(tmp_path / "ref"), **cfg))
     real_micro, calls, after = Trainer._micro, [0], []
 
-    def micro(self, batch):
+    def micro(self, batch, **kw):
         calls[0] += 1
         if calls[0] == 4 and self.drafter.training:  # inside step 4's forward
             os.kill(os.getpid(), signal.SIGTERM)
             after.append("the forward went on")  # the handler raises before this line
-        return real_micro(self, batch)
+        return real_micro(self, batch, **kw)
 
     monkeypatch.setattr(Trainer, "_micro", micro)
     with pytest.raises(TrainStopped, match="at step 3"):
