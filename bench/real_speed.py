@@ -288,6 +288,8 @@ def main() -> None:
             e["gflop_per_token"] = round(base_flops / 1e9, 3)
             e["bare_gflops"] = round(e["bare_tok_s"] * base_flops / 1e9, 1)
             e["matmul_gflops_same_threads"] = round(peak, 1)
+            if not args.json:
+                show(out, "extract")
         if "train" in parts:
             out["train"] = t = part_train(args, work)
             d = args.draft_vocab
@@ -297,6 +299,8 @@ def main() -> None:
             t["matmul_gflops_same_threads"] = round(
                 matmul_gflops(args.batch_tokens, H, d, choose_threads()), 1
             )
+            if not args.json:
+                show(out, "train")
         if "decode" in parts:
             drafter = args.drafter
             if drafter is None:
@@ -315,12 +319,17 @@ def main() -> None:
             out["decode"]["linear_gflops_at_k1_rows"] = round(
                 2 * (args.k + 1) * sum(i * o for i, o in shapes) / rows[args.k + 1] / 1e6, 1
             )
+            if not args.json:
+                show(out, "decode")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps(out, indent=2))
-        return
-    if "extract" in out:
+
+
+def show(out: dict, part: str) -> None:
+    """Print one part's lines as soon as it is measured (a later part that fails keeps them)."""
+    if part == "extract":
         e = out["extract"]
         print(
             f"extract: {e['samples']} samples, {e['tokens']:,} tokens: eyas {e['eyas_tok_s']:,.0f} tok/s, bare forward "
@@ -328,7 +337,7 @@ def main() -> None:
         )
         print(f"  {e['gflop_per_token']} GFLOP/token -> the bare forward runs at {e['bare_gflops']} GFLOP/s; one "
               f"(batch, 576) x (576, 1536) matmul reaches {e['matmul_gflops_same_threads']} GFLOP/s")  # fmt: skip
-    if "train" in out:
+    if part == "train":
         t = out["train"]
         print(
             f"train: TTT {t['ttt_steps']}, draft vocab {t['draft_vocab']:,}, batch {t['batch_tokens']:,}: eyas "
@@ -339,7 +348,7 @@ def main() -> None:
             f"  {t['gflop_per_token']} GFLOP/token -> the bare loop runs at {t['bare_gflops']} GFLOP/s; one "
             f"(batch, 576) x (576, {t['draft_vocab']}) matmul reaches {t['matmul_gflops_same_threads']} GFLOP/s"
         )
-    if "decode" in out:
+    if part == "decode":
         d = out["decode"]
         print(
             f"decode (hf, {d['threads']} thread(s), K={d['k']}, {d['prompts']} prompts x {d['max_new_tokens']} tokens): "
