@@ -43,7 +43,9 @@ class DrafterConfig:
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
     norm_before_residual: bool = False
-    """If true the residual of the decoder layer is hidden_norm(fused), else fused itself."""
+    """If true the residual of the decoder layer is hidden_norm(fused), else fused itself.
+    False trains better on a real target (SmolLM2-135M, 600 conversations: val acc/step
+    after one epoch [0.232 0.184 0.162] against [0.164 0.157 0.154]; bench/RESULTS.md)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
