@@ -121,6 +121,20 @@ def test_evaluate_reads_prompts_before_any_model(tmp_path):
         read_prompts(src, None)
 
 
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="the refusal is for a machine with no GPU"
+)
+def test_evaluate_on_a_gpu_that_is_not_there_says_so(tmp_path):
+    """--device cuda without a GPU stops before the target loads, in one line."""
+    from eyas.targets.demo_target import DEMO_TARGET
+
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "Write a haiku."}) + "\n")
+    r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "none", "--data", src,
+             "--device", "cuda")  # fmt: skip
+    assert r.returncode == 1 and "--device cuda: this machine has no GPU" in r.stderr, r.stderr
+
+
 def test_extract_never_mixes_a_run_into_a_directory_of_inputs(tmp_path, targets, llama_dataset):
     out = tmp_path / "inputs"
     out.mkdir()

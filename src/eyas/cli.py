@@ -868,6 +868,9 @@ def evaluate(
     trust_remote_code: bool = typer.Option(
         False, "--trust-remote-code", help="Let the model directory's code run."
     ),
+    device: str = typer.Option(
+        "auto", "--device", help="hf: auto (a GPU where there is one), cpu, cuda or cuda:K."
+    ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check."""
@@ -884,7 +887,7 @@ def evaluate(
     if engine == "vllm":
         kw["tensor_parallel_size"] = tensor_parallel_size
     else:
-        kw["precision"] = precision or None
+        kw.update(precision=precision or None, device=device)
     try:
         res = (evaluate_vllm if engine == "vllm" else run_hf)(
             str(model), str(drafter), str(data), **kw

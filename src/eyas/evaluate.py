@@ -229,11 +229,12 @@ def greedy(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
 
     cache = DynamicCache(config=model.config)
     kw = _cache_kw(model, cache)
-    out = model(torch.tensor([prompt]), **kw)
+    dev = model.device
+    out = model(torch.tensor([prompt], device=dev), **kw)
     tok = int(out.logits[0, -1].argmax())
     gen = [tok]
     while len(gen) < max_new and tok not in eos:
-        out = model(torch.tensor([[tok]]), **kw)
+        out = model(torch.tensor([[tok]], device=dev), **kw)
         tok = int(out.logits[0, -1].argmax())
         gen.append(tok)
     return gen
@@ -256,17 +257,18 @@ def speculative(
     kw = _cache_kw(model, cache)
     mine = [0, 0, 0]  # this prompt's rounds, accepted drafts, tokens emitted by those rounds
     res.per_prompt.append(mine)
-    out = model(torch.tensor([prompt]), **kw)
+    dev = model.device
+    out = model(torch.tensor([prompt], device=dev), **kw)
     aux = tap.aux()  # (1, P, 3H)
     x_next = int(out.logits[0, -1].argmax())
     gen = [x_next]
     n_ctx = len(prompt)  # positions with target KV and states
     # Drafter prefix: root t pairs the target state f_t with the next token x_{t+1}.
-    pk, pv = drafter.prefix_kv(torch.tensor([prompt[1:] + [x_next]]), aux, 0)
+    pk, pv = drafter.prefix_kv(torch.tensor([prompt[1:] + [x_next]], device=dev), aux, 0)
     last_aux = aux[:, -1:]
     while len(gen) < max_new and x_next not in eos:
         drafts = drafter.draft(pk, pv, x_next, last_aux, root=n_ctx - 1, k=k)
-        out = model(torch.tensor([[x_next, *drafts]]), **kw)
+        out = model(torch.tensor([[x_next, *drafts]], device=dev), **kw)
         preds = out.logits[0].argmax(-1).tolist()  # (k+1,)
         new_aux = tap.aux()  # (1, k+1, 3H)
         n = 0
@@ -282,7 +284,7 @@ def speculative(
             res.per_position[j][0] += int(j < n)
         _crop(cache, n_ctx + 1 + n)
         new = drafts[:n] + [preds[n]]
-        kv = drafter.prefix_kv(torch.tensor([new]), new_aux[:, : n + 1], n_ctx)
+        kv = drafter.prefix_kv(torch.tensor([new], device=dev), new_aux[:, : n + 1], n_ctx)
         pk, pv = torch.cat([pk, kv[0]], 2), torch.cat([pv, kv[1]], 2)
         last_aux = new_aux[:, n : n + 1]
         n_ctx += n + 1
@@ -308,23 +310,33 @@ def evaluate(
     trust_remote_code: bool = False,
     progress: bool = True,
     greedy_cache: dict | None = None,
+    device: str = "auto",
 ) -> EvalResult:
     """Speculative against greedy decoding over the prompts of `data` (at most `limit`),
     stopping early once the 95% interval of tokens per forward is within +-`precision`
     (checked every 25 prompts from 50 on; None: every prompt). `greedy_cache` keeps plain
     greedy decoding's output and time per prompt across calls with the same target (it
-    does not depend on the drafter), so comparing drafters decodes each prompt greedily once."""
+    does not depend on the drafter), so comparing drafters decodes each prompt greedily once.
+    `device`: `auto` (the first GPU where there is one), `cpu`, `cuda` or `cuda:K`; target
+    and drafter both run there, in float32."""
     from .targets.target import check_model_dir, load_causal_lm
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
     asked = read_prompts(Path(data), limit)  # before minutes of loading the model
+    dev = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    )
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no GPU that torch can use")
     tok = load_tokenizer(model_dir, trust_remote_code)
     with still_working("loading the target", enabled=progress):
-        model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval()
-    from .host.cpu import configure_threads
+        model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval().to(dev)
+    if dev.type == "cpu":
+        from .host.cpu import configure_threads
 
-    configure_threads(model.config.hidden_size)
+        configure_threads(model.config.hidden_size)
     drafter, aux_hf = load_export(drafter_dir)
+    drafter.to(dev)
     if (
         drafter.config.hidden_size != model.config.hidden_size
         or drafter.config.vocab_size != model.config.vocab_size
