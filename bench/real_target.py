@@ -94,6 +94,102 @@ def regenerate(
     return [got[r["id"]] for r in recs if r["id"] in got]
 
 
+def generate_hf(
+    recs: list[dict],
+    model_dir: str,
+    out: Path,
+    turns: str,
+    max_new: int,
+    batch: int,
+    max_prompt: int,
+    device: str,
+) -> list[dict]:
+    """The target's own greedy answers in place of ShareGPT's, with transformers in this
+    process (batched, left-padded; a GPU where there is one): the first answer of each
+    conversation, or with `turns="all"` every answer, turn by turn, each asked with the
+    target's own earlier answers in the history. A conversation ends at the first turn whose
+    prompt is over `max_prompt` tokens. Written to `out` and reused when it is complete."""
+    import torch
+
+    from eyas.targets.target import load_causal_lm, load_tokenizer
+
+    if out.is_file():  # written whole at the end: a file there is complete
+        got = [json.loads(x) for x in out.read_text(encoding="utf-8").split("\n") if x.strip()]
+        print(f"generate: {len(got)} conversations from {out}", flush=True)
+        return got
+    dev = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    )
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tok = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir, dtype).eval().to(dev)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eos = model.generation_config.eos_token_id
+    stop = {pad, *(eos if isinstance(eos, list) else [eos])}
+    users = []  # per conversation: its user turns, up to the first assistant turn or all
+    for r in recs:
+        us, answered = [], 0
+        for t in r["conversations"]:
+            role = _role(t)
+            if role == "user":
+                us.append(t["value"])
+            elif role == "assistant" and us and len(us) > answered:
+                answered = len(us)
+                if turns == "first":
+                    break
+        users.append(us[:answered])
+    history = [[] for _ in recs]  # messages so far, the target answering
+    alive = list(range(len(recs)))
+    t0, made = time.monotonic(), 0
+    for turn in range(max(len(u) for u in users)):
+        todo = []
+        for i in alive:
+            if turn < len(users[i]):
+                msgs = history[i] + [{"role": "user", "content": users[i][turn]}]
+                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+                if len(ids) <= max_prompt:
+                    todo.append((i, msgs, list(ids)))
+        alive = [i for i, _, _ in todo]
+        todo.sort(key=lambda x: len(x[2]))
+        for a in range(0, len(todo), batch):
+            part = todo[a : a + batch]
+            width = max(len(x[2]) for x in part)
+            ids = torch.tensor([[pad] * (width - len(x[2])) + x[2] for x in part], device=dev)
+            mask = torch.tensor(
+                [[0] * (width - len(x[2])) + [1] * len(x[2]) for x in part], device=dev
+            )
+            with torch.no_grad():
+                gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                                     do_sample=False, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
+            for (i, msgs, _), row in zip(part, gen[:, width:].tolist(), strict=True):
+                row = row[: next((j for j, x in enumerate(row) if x in stop), len(row))]
+                made += len(row)
+                history[i] = msgs + [
+                    {"role": "assistant", "content": tok.decode(row, skip_special_tokens=True)}
+                ]
+        print(f"generate: turn {turn + 1}: {len(todo)} answers, {made:,} tokens so far, "
+              f"{time.monotonic() - t0:.0f} s", flush=True)  # fmt: skip
+    got = []
+    for r, h in zip(recs, history, strict=True):
+        if h:
+            conv = [
+                {"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
+                for m in h
+            ]
+            got.append({"id": r.get("id"), "conversations": conv})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in got))
+    tmp.replace(out)
+    print(
+        f"generate: {len(got)} conversations, {made:,} answer tokens in {time.monotonic() - t0:.0f} s",
+        flush=True,
+    )
+    del model
+    return got
+
+
 GREEDY: dict = {}  # plain greedy decoding does not depend on the drafter: once per prompt
 
 
@@ -128,7 +224,8 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
     tr = timed("train", lambda: train(TrainConfig(
         data=str(w / "run"), out=str(w / "train"), epochs=args.epochs, ttt_steps=args.ttt_steps,
         lr=args.lr, warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens,
-        val_fraction=0.05, save_every=200, head_init=args.head_init, progress=True)))  # fmt: skip
+        val_fraction=0.05, save_every=200, head_init=args.head_init, dtype=args.train_dtype,
+        progress=True)))  # fmt: skip
     drafter = timed("export", lambda: export(w / "train", "vllm", w / "drafter"))
     if args.engine == "vllm":  # vLLM as the judge: far faster than the hf loop on a CPU
         from eyas.evaluate import evaluate_vllm
@@ -140,7 +237,7 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
         e = timed("evaluate", lambda: evaluate(
             model, str(drafter), str(real / "mtbench.jsonl"), k=args.k, max_new_tokens=args.max_new_tokens,
             limit=args.eval_prompts, precision=args.precision or None, progress=False,
-            greedy_cache=GREEDY))  # fmt: skip
+            greedy_cache=GREEDY, device=args.device))  # fmt: skip
     d = e.to_dict()
     return {
         "conversations": n, "tokens": p.tokens, "trainable_tokens": p.trainable_tokens,
@@ -155,7 +252,7 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
     }  # fmt: skip
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--real", type=Path, required=True, help="scripts/real_target.py's --out")
     ap.add_argument("--work", type=Path, default=None, help="work directory (default: REAL/bench)")
@@ -197,8 +294,24 @@ def main() -> None:
     )
     ap.add_argument("--served-model", default="target", help="the model name the endpoint serves")
     ap.add_argument("--gen-max-tokens", type=int, default=320)
-    args = ap.parse_args()
+    ap.add_argument("--generate", choices=("none", "hf"), default="none",
+                    help="hf: the target's own greedy answers, made in this process with "
+                         "transformers (a GPU where there is one)")  # fmt: skip
+    ap.add_argument("--turns", choices=("first", "all"), default="first",
+                    help="--generate hf: answer the first user turn or every one")  # fmt: skip
+    ap.add_argument("--gen-batch", type=int, default=64)
+    ap.add_argument("--gen-max-prompt", type=int, default=1536,
+                    help="--generate hf: a conversation ends at a longer prompt")  # fmt: skip
+    ap.add_argument("--device", default="auto", help="evaluate (hf) and --generate hf")
+    ap.add_argument("--train-dtype", choices=("float32", "bfloat16"), default="float32")
+    return ap
 
+
+def main() -> None:
+    run(parser().parse_args())
+
+
+def run(args) -> list[dict]:
     from eyas.real_target import build
 
     build(args.real)
@@ -208,15 +321,19 @@ def main() -> None:
         from eyas.targets.target import load_tokenizer
 
         tok = load_tokenizer(str(args.real / "model"))
+    first = args.first_turn or bool(args.endpoint) or (args.generate, args.turns) == ("hf", "first")
     recs = pick_conversations(args.data or args.real / "sharegpt.jsonl", sizes[-1], args.seed,
-                              first_turn=args.first_turn or bool(args.endpoint), tokenizer=tok,
-                              max_prompt_tokens=args.max_prompt_tokens)  # fmt: skip
+                              first_turn=first, tokenizer=tok, max_prompt_tokens=args.max_prompt_tokens)  # fmt: skip
     work = args.work or args.real / "bench"
     if args.endpoint:
         recs = regenerate(
             recs, work / "generate", args.endpoint, args.served_model, args.gen_max_tokens
         )
-        sizes = [min(n, len(recs)) for n in sizes]
+    elif args.generate == "hf":
+        name = f"hf-{args.turns}-{len(recs)}-{args.gen_max_tokens}.jsonl"
+        recs = generate_hf(recs, str(args.real / "model"), work / "generate" / name, args.turns,
+                           args.gen_max_tokens, args.gen_batch, args.gen_max_prompt, args.device)  # fmt: skip
+    sizes = [min(n, len(recs)) for n in sizes]
     print(f"settings: {json.dumps(vars(args), default=str)}", flush=True)
     rows = []
     for n in sizes:
@@ -234,6 +351,7 @@ def main() -> None:
         print(f"\nn={r['conversations']}: per category (tokens/forward)")
         for cat, c in r["by_category"].items():
             print(f"  {cat:<12} {c['tokens_per_forward']:.2f} {c['tokens_per_forward_ci95']}")
+    return rows
 
 
 if __name__ == "__main__":
