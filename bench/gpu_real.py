@@ -13,7 +13,7 @@ calls, the second right after the first (the machine stays warm about 30 s betwe
     python3 bench/gpu_real.py stage --pack .gpu
     # device call 2, carry [".gpu/part1", ".gpu/data"]:
     python3 bench/gpu_real.py run --pack .gpu --out $OUT -- --sizes 500,1000,2000 \\
-        --generate hf --turns all --epochs 3 --train-dtype bfloat16
+        --generate hf --gen-batch 256 --turns all --epochs 3 --train-dtype bfloat16
 
 `stage` keeps part 0 outside the working tree (/root/eyas-gpu-real); `run` joins the parts,
 checks the GGUF's sha256, installs the wheel into a scratch directory, builds the model
