@@ -446,6 +446,16 @@ def test_deepseek_v3_target_end_to_end(targets, conversations, tmp_path):
 def test_train_refuses_mismatched_directory(demo_run, trained, tmp_path):
     r = eyas("train", "--data", demo_run, "--out", trained, "--epochs", "3", "--lr", "1")
     assert r.returncode == 1 and "config differs" in r.stderr
+    # Made by an eyas with an option this one lacks: the message names it, never "differs ()".
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    saved = json.loads((trained / "train.json").read_text())
+    saved["config"]["made_up_option"] = 1
+    (newer / "train.json").write_text(json.dumps(saved))
+    r = eyas("train", "--data", demo_run, "--out", newer, "--epochs", "3", "--lr", "3e-3",
+             "--warmup-steps", "5", "--batch-tokens", "1024", "--ttt-steps", "3", "--head-init", "target")  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert "(--made-up-option 1 saved, an option this eyas does not have)" in r.stderr, r.stderr
     r = eyas("train", "--data", tmp_path / "nope", "--out", tmp_path / "t")
     assert r.returncode == 2 and "no such extraction run directory" in r.stderr
     assert (trained / "loss.png").stat().st_size > 1000 and (

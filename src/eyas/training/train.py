@@ -336,8 +336,12 @@ def _record_config(cfg: TrainConfig, resume: bool, rank: int, world: int, run: P
         mine = {k: v for k, v in asdict(cfg).items() if k not in _RESUMABLE}
         theirs = {**_BEFORE, **{k: v for k, v in prev["config"].items() if k not in _RESUMABLE}}
         if mine != theirs:
-            diff = ", ".join(f"--{k.replace('_', '-')} {theirs.get(k)} saved, {mine[k]} given"
-                             for k in sorted(mine) if mine[k] != theirs.get(k))  # fmt: skip
+            diff = ", ".join(
+                f"--{k.replace('_', '-')} {theirs.get(k)} saved, "
+                + (f"{mine[k]} given" if k in mine else "an option this eyas does not have")
+                for k in sorted(mine.keys() | theirs.keys())
+                if k not in mine or mine[k] != theirs.get(k)
+            )
             raise ValueError(f"{saved}: config differs ({diff}); leave the option out to resume with "
                              "the saved value, or use another --out")  # fmt: skip
         if not resume and latest_checkpoint(out) is not None:
