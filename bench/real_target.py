@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -190,6 +192,7 @@ def generate_hf(
     return got
 
 
+STARTED = time.monotonic()
 GREEDY: dict = {}  # plain greedy decoding does not depend on the drafter: once per prompt
 
 
@@ -234,10 +237,17 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
             model, str(drafter), str(real / "mtbench.jsonl"), k=args.k, max_new_tokens=args.max_new_tokens,
             limit=args.eval_prompts, progress=False))  # fmt: skip
     else:
+        left = args.deadline - (time.monotonic() - STARTED) if args.deadline else 0
+        if args.deadline and left < 30:
+            raise SystemExit(f"--deadline {args.deadline} s: no time left to evaluate n={n}")
+        if left:  # SIGTERM at the deadline: evaluate returns the prompts done, marked partial
+            signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+            signal.alarm(int(left))
         e = timed("evaluate", lambda: evaluate(
             model, str(drafter), str(real / "mtbench.jsonl"), k=args.k, max_new_tokens=args.max_new_tokens,
             limit=args.eval_prompts, precision=args.precision or None, progress=False,
             greedy_cache=GREEDY, device=args.device))  # fmt: skip
+    signal.alarm(0)
     d = e.to_dict()
     return {
         "conversations": n, "tokens": p.tokens, "trainable_tokens": p.trainable_tokens,
@@ -246,7 +256,7 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
         "acceptance_length": d["acceptance_length"], "acceptance_length_ci95": d["acceptance_length_ci95"],
         "per_position_acceptance": d["per_position_acceptance"], "prompts": d["prompts"],
         "speculative_tok_s": d["spec_tokens_per_s"], "greedy_tok_s": d["greedy_tokens_per_s"],
-        "lossless": d["lossless"], "by_category": d.get("by_category", {}), "seconds": t,
+        "lossless": d["lossless"], "partial": d.get("partial", False), "by_category": d.get("by_category", {}), "seconds": t,
         "extract_tok_s": round(x.tokens / t["extract"], 1) if t["extract"] else None,
         "train_tok_s": tr.get("tokens_per_s"),
     }  # fmt: skip
@@ -304,6 +314,9 @@ def parser() -> argparse.ArgumentParser:
                     help="--generate hf: a conversation ends at a longer prompt")  # fmt: skip
     ap.add_argument("--device", default="auto", help="evaluate (hf) and --generate hf")
     ap.add_argument("--train-dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--deadline", type=int, default=0,
+                    help="seconds from the start: the hf evaluation then stops and reports "
+                         "the prompts done (partial); 0: none")  # fmt: skip
     return ap
 
 
