@@ -133,6 +133,9 @@ def test_evaluate_on_a_gpu_that_is_not_there_says_so(tmp_path):
     r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "none", "--data", src,
              "--device", "cuda")  # fmt: skip
     assert r.returncode == 1 and "--device cuda: this machine has no GPU" in r.stderr, r.stderr
+    r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "none", "--data", src,
+             "--device", "gpu0")  # fmt: skip
+    assert r.returncode == 1 and "--device gpu0: not a device" in r.stderr, r.stderr
 
 
 def test_extract_never_mixes_a_run_into_a_directory_of_inputs(tmp_path, targets, llama_dataset):

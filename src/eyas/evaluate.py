@@ -323,9 +323,16 @@ def evaluate(
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
     asked = read_prompts(Path(data), limit)  # before minutes of loading the model
-    dev = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    )
+    try:
+        dev = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        )
+    except RuntimeError:
+        raise ValueError(
+            f"--device {device}: not a device; give auto, cpu, cuda or cuda:K"
+        ) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: evaluate runs on cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: this machine has no GPU that torch can use")
     tok = load_tokenizer(model_dir, trust_remote_code)
