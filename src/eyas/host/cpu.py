@@ -13,7 +13,10 @@ another job has preempted makes the whole step wait (greedy decoding of the demo
 
 The runtimes may not change the count behind our back under load (OMP_DYNAMIC and
 MKL_DYNAMIC are off, set by the CLI before torch loads): a fixed count keeps float sums in
-a fixed order, so CPU training is reproducible bit for bit.
+a fixed order. With one thread, CPU training is reproducible bit for bit; with more, two
+processes of the same training may still differ in the last bits (MKL's parallel matrix
+products: two unbroken trainings of the demo ended 1e-5 apart, now and then, with two
+threads; bench/reproducible.py counts it), as float sums on a GPU may.
 """
 
 from __future__ import annotations
