@@ -1,6 +1,7 @@
 """Is CPU training bit-reproducible from one process to the next? One thread against two.
 
-A resumed training is promised the weights of an unbroken one. Each round trains the same
+A resumed training is promised the weights of an unbroken one; that holds only where two
+unbroken trainings agree. Each round trains the same
 drafter twice in fresh `eyas train` processes, once with EYAS_THREADS=1 and once with 2
 (alternating which goes first), on the same small extraction run of the demo target (150
 conversations, 2 epochs, feature noise on, a CPU hog beside them with --hogs 1). It prints,

@@ -98,9 +98,8 @@ def test_sigkill_and_sigterm_then_resume_give_identical_weights(demo_run, tmp_pa
     """Killed, resumed, SIGTERMed, moved to another directory and resumed to the end, with
     a CPU hog competing throughout: weights bit-identical to an uninterrupted run. With
     --feature-noise, so that the resumed steps must also draw the same noise. Every run uses
-    one thread, so that only the interruptions differ: with two, MKL's matrix products may
-    differ in the last bits from one process to the next (two unbroken runs of this command
-    ended 1e-5 apart, now and then; bench/reproducible.py)."""
+    one thread, so that only the interruptions differ: with two, two unbroken runs of this
+    command end a few 1e-5 apart now and then (bench/reproducible.py; eyas.host.cpu)."""
     opts = ("--epochs", "2", "--save-every", "4", "--feature-noise", "0.1")
     env = {**os.environ, "EYAS_THREADS": "1"}
     said: dict[str, list[str]] = {}

@@ -13,10 +13,12 @@ another job has preempted makes the whole step wait (greedy decoding of the demo
 
 The runtimes may not change the count behind our back under load (OMP_DYNAMIC and
 MKL_DYNAMIC are off, set by the CLI before torch loads): a fixed count keeps float sums in
-a fixed order. With one thread, CPU training is reproducible bit for bit; with more, two
-processes of the same training may still differ in the last bits (MKL's parallel matrix
-products: two unbroken trainings of the demo ended 1e-5 apart, now and then, with two
-threads; bench/reproducible.py counts it), as float sums on a GPU may.
+a fixed order. With one thread, CPU training is reproducible bit for bit; with two, two
+processes of the same training still differ in the last bits now and then (3 distinct
+final weights over 8 unbroken trainings of the demo, 5e-5 apart; the first optimizer step
+of a process is where they part; neither MKL's strict mode, MKL_CBWR=AUTO,STRICT, nor
+torch's deterministic algorithms removed it), as float sums on a GPU may.
+bench/reproducible.py counts it.
 """
 
 from __future__ import annotations
