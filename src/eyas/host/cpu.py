@@ -13,12 +13,11 @@ another job has preempted makes the whole step wait (greedy decoding of the demo
 
 The runtimes may not change the count behind our back under load (OMP_DYNAMIC and
 MKL_DYNAMIC are off, set by the CLI before torch loads): a fixed count keeps float sums in
-a fixed order. With one thread, CPU training is reproducible bit for bit; with two, two
-processes of the same training still differ in the last bits now and then (3 distinct
-final weights over 8 unbroken trainings of the demo, 5e-5 apart; the first optimizer step
-of a process is where they part; neither MKL's strict mode, MKL_CBWR=AUTO,STRICT, nor
-torch's deterministic algorithms removed it), as float sums on a GPU may.
-bench/reproducible.py counts it.
+a fixed order, so CPU training is reproducible bit for bit: with two threads, 8 fresh
+processes of the same training of the demo ended with the same weights
+(bench/reproducible.py). `--feature-noise` once broke that: torch made the noisy states
+differently now and then with two threads (2 or 3 of 8 processes parted, 5e-5 apart); they
+are made in numpy on a CPU now (`trainer.noisy`).
 """
 
 from __future__ import annotations

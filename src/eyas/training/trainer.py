@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -69,6 +70,17 @@ def noisy(aux: torch.Tensor, scale: float, gen: torch.Generator | None = None) -
     three states at each token: a regulariser against learning a small set by heart (at
     1,000 real conversations it changed nothing measurable; bench/RESULTS.md)."""
     B, T, H3 = aux.shape
+    if aux.device.type == "cpu":
+        # In numpy, serially: in torch with two CPU threads, the same batch and seed gave
+        # other noisy states now and then (2 or 3 of 8 trainings parted in the last bits,
+        # only with --feature-noise; bench/reproducible.py), and a resume must redo exactly
+        # what an unbroken training did.
+        a = aux.detach().float().numpy().reshape(B, T, 3, H3 // 3)
+        seed = gen.initial_seed() if gen is not None else int(torch.randint(0, 2**62, (1,)))
+        noise = np.random.default_rng(seed).standard_normal(a.shape, dtype=np.float32)
+        rms = np.sqrt(np.mean(a * a, axis=-1, keepdims=True, dtype=np.float32))
+        out = a + noise * rms * np.float32(scale)
+        return torch.from_numpy(out.reshape(B, T, H3)).to(aux.dtype)
     parts = aux.view(B, T, 3, H3 // 3)
     rms = parts.pow(2).mean(-1, keepdim=True).sqrt()  # (B, T, 3, 1)
     noise = torch.randn(parts.shape, generator=gen, device=aux.device, dtype=aux.dtype)
