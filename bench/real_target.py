@@ -84,9 +84,18 @@ def regenerate(
     src, out = work / "to_generate.jsonl", work / "generated.jsonl"
     src.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-m", "eyas.cli", "generate", "--endpoint", endpoint, "--model", served,
-                    "--data", str(src), "--out", str(out), "--max-tokens", str(max_tokens),
-                    "--concurrency", "16"], check=False)  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "eyas.cli", "generate", "--endpoint", endpoint, "--model", served,
+                        "--data", str(src), "--out", str(out), "--max-tokens", str(max_tokens),
+                        "--concurrency", "16"], check=False)  # fmt: skip
+    if r.returncode != 0 and not out.is_file():  # its own message, above, says why
+        raise SystemExit(
+            f"stopped: eyas generate failed (exit {r.returncode}), so there are no answers to train on"
+        )
+    if r.returncode != 0:
+        print(
+            f"warning: eyas generate exited {r.returncode} (above); training on the answers it made",
+            flush=True,
+        )
     got = {}
     for line in out.read_text(encoding="utf-8").split("\n"):
         if line.strip():
@@ -218,6 +227,9 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
     p = timed("prepare", lambda: prepare(PrepareConfig(
         model=model, data=(str(data),), out=str(w / "ds"), max_length=args.max_length,
         draft_vocab_size=args.draft_vocab, max_error_rate=1.0, force=True, progress=False)))  # fmt: skip
+    left = {k: v for k, v in p.reasons.items()}
+    print(f"[n={n}] conversations {n}: {p.samples} samples kept, {n - p.prepared} left out"
+          + (f" ({', '.join(f'{v} {k}' for k, v in left.items())})" if left else ""), flush=True)  # fmt: skip
     x = timed("extract", lambda: extract(ExtractConfig(
         model=model, data=str(w / "ds"), out=str(w / "run"), batch_tokens=args.extract_batch_tokens,
         store_dtype="bfloat16", min_free="1G", progress=False)))  # fmt: skip
@@ -247,7 +259,7 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
     signal.alarm(0)
     d = e.to_dict()
     return {
-        "conversations": n, "tokens": p.tokens, "trainable_tokens": p.trainable_tokens,
+        "conversations": n, "samples_kept": p.samples, "left_out": dict(p.reasons), "tokens": p.tokens, "trainable_tokens": p.trainable_tokens,
         "samples": x.done_before + x.committed, "val_acc": [round(a, 3) for a in tr["val"]["acc"]],
         "tokens_per_forward": d["tokens_per_forward"], "tokens_per_forward_ci95": d["tokens_per_forward_ci95"],
         "acceptance_length": d["acceptance_length"], "acceptance_length_ci95": d["acceptance_length_ci95"],

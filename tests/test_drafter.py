@@ -29,7 +29,9 @@ def slow_reference(
     layer, attn = d.midlayer, d.midlayer.self_attn
     T = ids.shape[0]
     tok = lambda j: int(ids[j]) if j < T else 0  # noqa: E731
-    hidden = {t: d.fc(aux[t])[None, None] for t in range(T)}  # step-0 input state per root
+    rms = lambda x, w: w * x / (x.pow(2).mean(-1, keepdim=True) + d.config.rms_norm_eps).sqrt()  # noqa: E731
+    fin = aux if d.input_norm is None else rms(aux, d.input_norm.weight)  # norm_before_fc
+    hidden = {t: d.fc(fin[t])[None, None] for t in range(T)}  # step-0 input state per root
     keys: dict[tuple[int, int], tuple] = {}  # (step, root) -> (k, v), each (h, d)
     logits = []
     for i in range(steps):
@@ -48,8 +50,10 @@ def slow_reference(
                 (K @ q[:, :, None]).squeeze(-1) / math.sqrt(q.shape[-1]), -1
             )  # (h, n)
             o = (w[:, :, None] * V).sum(1).reshape(1, 1, -1)  # (1, 1, h*d)
-            out_h[t] = layer.finish(attn.o_proj(o), res)
-            out_l.append(d.logits(out_h[t])[0, 0])
+            h = layer.finish(attn.o_proj(o), res)
+            normed = rms(h, d.norm.weight)
+            out_h[t] = normed if d.config.norm_output else h
+            out_l.append(d.lm_head(normed)[0, 0])
         hidden = out_h
         logits.append(torch.stack(out_l))
     return logits
@@ -58,8 +62,10 @@ def slow_reference(
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("attention", ["reference", "chunked", "flex"])
 def test_ttt_matches_slow_reference(attention):
-    for norm_before_residual in (False, True):
-        d = _drafter(norm_before_residual=norm_before_residual)
+    for norms in (dict(norm_before_residual=False), dict(norm_before_residual=True),
+                  dict(norm_before_fc=True, norm_before_residual=True, norm_output=True),
+                  dict(norm_output=True)):  # fmt: skip
+        d = _drafter(**norms)
         d.attention = attention
         torch.manual_seed(1)
         ids, aux = torch.randint(0, 50, (2, 9)), torch.randn(2, 9, 96, dtype=torch.float64)
@@ -85,8 +91,11 @@ def test_ttt_step_sees_its_chain_not_other_roots():
         assert not torch.allclose(a[i][0][0, 7 - i], b[i][0][0, 7 - i])
 
 
-def test_inference_chain_equals_training_unroll():
-    d = _drafter()
+@pytest.mark.parametrize(
+    "norms", [{}, dict(norm_before_fc=True, norm_before_residual=True, norm_output=True)]
+)
+def test_inference_chain_equals_training_unroll(norms):
+    d = _drafter(**norms)
     M, k = 7, 4
     torch.manual_seed(3)
     ids, aux = torch.randint(0, 50, (1, M + 1)), torch.randn(1, M, 96, dtype=torch.float64)

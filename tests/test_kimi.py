@@ -337,11 +337,11 @@ def test_vllm_states_of_wrong_shape_fail_the_sample(kimi):
 
 
 def test_the_readme_rehearsal_runs_as_written(tmp_path):
-    """The README's Kimi-K2.5 rehearsal, every command as printed, on the shipped data."""
+    """The Kimi-K2.5 rehearsal of docs/scale.md, every command as printed, on the shipped data."""
     import shlex
     import shutil as sh
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "scale.md").read_text()
     block = (
         readme.split("Rehearse on a twin first", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     )

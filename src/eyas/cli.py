@@ -17,10 +17,13 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from .data.config import PrepareConfig
 from .host.cpu import pin_runtime_env
 from .host.ui import console
+from .options import OPTS, config_options
 from .run.fsutil import human_duration
 from .run.lock import LockHeld as LockHeldError
+from .training.config import TrainConfig
 
 pin_runtime_env()  # before torch loads
 report = Console(soft_wrap=True)  # reports go to stdout; progress and errors to stderr
@@ -70,14 +73,28 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def _need(path, what: str) -> None:
-    """A path the command reads must be there: a missing one is a usage error (exit 2)."""
-    if path is not None and not Path(path).exists():
-        raise fail(f"{path}: no such {what}", EXIT_USAGE)
+_KIND_NAMES = {"run": "extraction run directory", "dataset": "prepared dataset directory",
+               "training": "training directory", "export": "exported drafter directory"}  # fmt: skip
+
+
+def _need(path, kind: str) -> None:
+    """A directory the command reads must be there, and not an eyas directory of another
+    kind (`kind`: run, dataset, training, export): either is a usage error (exit 2) that
+    says what the path is and which command reads it."""
+    from .status import wrong_kind
+
+    if path is None:
+        return
+    if not Path(path).exists():
+        raise fail(f"{path}: no such {_KIND_NAMES[kind]}", EXIT_USAGE)
+    if (msg := wrong_kind(Path(path), kind)) is not None:
+        raise fail(msg, EXIT_USAGE)
 
 
 def fail(msg: str, code: int = EXIT_PROBLEMS) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
+    """Say why the command ends (a clean, resumable stop is no error) and exit with `code`."""
+    label = "[bold yellow]stopped:[/]" if code == EXIT_STOPPED else "[bold red]error:[/]"
+    console.print(f"{label} {escape(msg)}", highlight=False)
     return typer.Exit(code)
 
 
@@ -126,7 +143,7 @@ def tiny_target(
         "--hidden-size",
         help="Hidden size H (4 heads of H/4; vLLM's CPU kernels need heads of 64: --hidden-size 256).",
     ),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
     trust_remote_code: bool = typer.Option(
         False, "--trust-remote-code", help="Let --like's tokenizer code run."
     ),
@@ -155,51 +172,28 @@ def tiny_target(
 
 
 @app.command()
+@config_options(PrepareConfig, skip={"progress"})
 def prepare(
     model: Path = typer.Option(..., "--model", help="Model dir with tokenizer and chat template."),
     data: list[Path] = typer.Option(
         ..., "--data", help="Input JSONL/JSON file(s); repeat for more."
     ),
     out: Path = typer.Option(..., "--out", help="Dataset directory to write."),
-    max_length: int | None = typer.Option(None, "--max-length", help="Longest sample in tokens."),
-    overlong: str = typer.Option("truncate", "--overlong", help="truncate or skip."),
-    last_turn_only: bool = typer.Option(
-        False, "--last-turn-only", help="Train on the last assistant turn only."
-    ),
-    draft_vocab_size: int = typer.Option(
-        32000, "--draft-vocab-size", help="Draft vocabulary size D."
-    ),
-    max_error_rate: float = typer.Option(
-        0.01, "--max-error-rate", help="Failed fraction that makes exit 1."
-    ),
-    num_workers: int = typer.Option(1, "--num-workers", help="Tokenizer processes."),
-    trust_remote_code: bool = typer.Option(
-        False, "--trust-remote-code", help="Let the model directory's tokenizer code run."
-    ),
-    force: bool = typer.Option(False, "--force", help="Replace an existing dataset at --out."),
     chat_template_kwargs: str | None = typer.Option(
         None,
         "--chat-template-kwargs",
-        help="JSON object of chat-template variables, e.g. '{\"thinking\": false}'.",
-    ),
-    per_turn_samples: bool = typer.Option(
-        False,
-        "--per-turn-samples",
-        help="One sample per assistant turn (keeps each turn's reasoning as the target produced it).",
+        help="JSON object of chat-template variables, e.g. '{\"thinking\": false}'; kept in dataset.json.",
     ),
     extra_data: list[Path] | None = typer.Argument(None, help="More input files."),
+    opts: dict = OPTS,
 ) -> None:
     """Render conversations with the model's chat template; write ids, loss masks, vocab counts."""
-    from .data.prepare import PrepareConfig
     from .data.prepare import prepare as run
 
     _quiet_transformers()
     cfg = _config(
         PrepareConfig, model=str(model), data=tuple(str(p) for p in [*data, *(extra_data or [])]),
-        out=str(out), max_length=max_length, overlong=overlong, last_turn_only=last_turn_only,
-        draft_vocab_size=draft_vocab_size, max_error_rate=max_error_rate, num_workers=num_workers,
-        trust_remote_code=trust_remote_code, force=force, chat_template_kwargs=_json_object(chat_template_kwargs),
-        per_turn_samples=per_turn_samples,
+        out=str(out), chat_template_kwargs=_json_object(chat_template_kwargs), **opts,
     )  # fmt: skip
     from .data.prepare import PrepareFailed
     from .targets.target import ModelDirError
@@ -233,6 +227,9 @@ def _prepare_report(s, written: bool) -> None:
         + f", {s.tokens} tokens ({s.trainable_tokens} trainable), {s.truncated} truncated, "
         f"{s.skipped_overlong} skipped as overlong, {len(s.emptied)} emptied by truncation, "
         f"{s.failed} failed" + (f" -> {s.out}" if written else ""))  # fmt: skip
+    for f, n in sorted(s.dropped.items()):
+        say(f"  {n:6d}  assistant turns whose {f.replace('_', ' ')} the chat template does not render "
+            f"(in {s.dropped_records} records): not trained on")  # fmt: skip
     for code, n in s.reasons.items():
         extra = ""
         if code == "unknown-role" and s.unknown_roles:
@@ -241,6 +238,8 @@ def _prepare_report(s, written: bool) -> None:
     if s.emptied:
         say(f"  {len(s.emptied)} record(s) begin their first answer past --max-length; "
             f"--max-length {s.max_length_keeping()} would keep 90% of them")  # fmt: skip
+    for note in s.notes:
+        say(f"note: {note}")
     if written and (s.failed or s.emptied or s.skipped_overlong):
         say(f"  details: {Path(s.out) / 'errors.jsonl'}")
 
@@ -258,9 +257,13 @@ def generate(
         ..., "--out", help="Output JSONL (state next to it in OUT.eyas-gen/)."
     ),
     concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight."),
-    max_tokens: int = typer.Option(2048, "--max-tokens"),
+    max_tokens: int = typer.Option(
+        2048, "--max-tokens", help="Longest answer in tokens (longer ones are cut and marked)."
+    ),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy."),
-    seed: int | None = typer.Option(None, "--seed"),
+    seed: int | None = typer.Option(
+        None, "--seed", help="Sampling seed sent with every request (default: none)."
+    ),
     timeout: float = typer.Option(
         600.0, "--timeout", help="Seconds one request may take in all before a retry."
     ),
@@ -339,9 +342,15 @@ def extract(
         help="Three 0-based decoder layers, e.g. 1,15,28 (default [1, n//2-1, n-4]).",
     ),
     device: str | None = typer.Option(
-        None, "--device", help="auto, cpu, cuda, cuda:K or multi (hf: device_map=auto)."
+        None,
+        "--device",
+        help="auto (default: a GPU where there is one), cpu, cuda, cuda:K or multi (hf: device_map=auto).",
     ),
-    dtype: str | None = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
+    dtype: str | None = typer.Option(
+        None,
+        "--dtype",
+        help="Compute dtype: auto (default: bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 or float16.",
+    ),
     store_dtype: str | None = typer.Option(
         None, "--store-dtype", help="Dtype of stored states (default: compute dtype)."
     ),
@@ -438,8 +447,8 @@ def extract(
         max_store=max_store, passes=passes,
     )  # fmt: skip
     opts = {k: v for k, v in opts.items() if v is not None}
-    _need(resume, "extraction run directory")
-    _need(data, "prepared dataset directory")
+    _need(resume, "run")
+    _need(data, "dataset")
     try:
         if resume is not None:
             if model or data or out:
@@ -499,7 +508,9 @@ def estimate(
     ),  # fmt: skip
     storage: str = typer.Option("dense", "--storage", help="dense or fp8."),
     target: str = typer.Option("last", "--target", help="last or topk:K."),
-    draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size"),
+    draft_vocab_size: int = typer.Option(
+        32000, "--draft-vocab-size", help="Draft vocabulary size D (sizes --target topk:K's ids)."
+    ),
 ) -> None:
     """Disk an extraction run will take, before there is a dataset or a GPU."""
     from .run.fsutil import human_bytes
@@ -520,9 +531,13 @@ def estimate(
         where = resolve_device(device)
         store_dtype = str(resolve_dtype("auto", where)).removeprefix("torch.")
         how = f" (what extract stores on {'a GPU' if where == 'cuda' else 'a CPU'} unless --store-dtype)"
-    if H is None or store_dtype not in DTYPES:
+    if H is None:
         raise fail(
-            "need --hidden-size or --model, and --store-dtype float32, bfloat16 or float16",
+            "need the target's hidden size: --model MODEL_DIR or --hidden-size H", EXIT_USAGE
+        )
+    if store_dtype not in DTYPES:
+        raise fail(
+            f"--store-dtype must be auto, float32, bfloat16 or float16, got {store_dtype!r}",
             EXIT_USAGE,
         )
     if samples < 1 or tokens_per_sample <= 0:
@@ -544,7 +559,7 @@ def estimate(
 
 @app.command()
 def verify(
-    run: Path = typer.Argument(..., help="Extraction run directory."),
+    run: Path = typer.Argument(..., help="Extraction run directory (from eyas extract)."),
     quick: bool = typer.Option(
         False, "--quick", help="Headers, shapes and sizes only; skip checksums."
     ),
@@ -558,6 +573,7 @@ def verify(
     from .verify import render as render_verify
     from .verify import verify as run_verify
 
+    _need(run, "run")
     try:
         rep = run_verify(run, quick=quick, repair=repair)
     except (StoreError, OSError) as exc:
@@ -572,7 +588,10 @@ def verify(
 
 @app.command()
 def status(
-    run: Path = typer.Argument(..., help="Extraction run directory."),
+    run: Path = typer.Argument(
+        ...,
+        help="Any eyas directory: an extraction run, a training, a dataset, an exported drafter, or generate's output.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """Done/remaining/failed samples, bytes, free space, throughput, ETA and the lock holder."""
@@ -580,6 +599,8 @@ def status(
     from .run.store import StoreError
     from .status import describe_other, format_status, run_status
 
+    if not run.exists() and not run.with_name(run.name + STATE_SUFFIX).exists():
+        raise fail(f"{run}: no such run, training, dataset, drafter or generation", EXIT_USAGE)
     gen = run if (run / "generate.json").is_file() else run.with_name(run.name + STATE_SUFFIX)
     if (gen / "generate.json").is_file():
         g = generation_status(gen)
@@ -627,6 +648,7 @@ def doctor(
 
 
 @app.command()
+@config_options(TrainConfig, skip={"progress", "data", "out", "model"})
 def train(
     ctx: typer.Context,
     data: Path | None = typer.Option(
@@ -641,95 +663,23 @@ def train(
         "--resume",
         help="Continue from the latest checkpoint in --out, with the options it was started with.",
     ),
-    epochs: int = typer.Option(3, "--epochs"),
-    ttt_steps: int = typer.Option(7, "--ttt-steps", help="Unrolled training-time-test steps."),
-    step_decay: float = typer.Option(
-        0.8, "--step-decay", help="Loss weight of step i is decay**i."
-    ),
-    lr: float | None = typer.Option(
-        None, "--lr", help="Peak learning rate (default: from the run's size; train prints it)."
-    ),
-    warmup_steps: int | None = typer.Option(
-        None, "--warmup-steps", help="Linear warmup (default: a tenth of the steps, at most 50)."
-    ),
-    batch_tokens: int | None = typer.Option(
-        None,
-        "--batch-tokens",
-        help="Tokens per micro-batch (default: 2048, or 8192 where that still makes 2,000 steps).",
-    ),
-    grad_accum: int = typer.Option(1, "--grad-accum"),
-    weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
-    feature_noise: float = typer.Option(
-        0.0,
-        "--feature-noise",
-        help="Gaussian noise on the fused target states in training, as a fraction of their RMS.",
-    ),
-    val_fraction: float = typer.Option(0.05, "--val-fraction"),
-    eval_every: int = typer.Option(0, "--eval-every", help="Also evaluate every N steps."),
-    save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
-    keep_checkpoints: int = typer.Option(2, "--keep-checkpoints"),
-    draft_vocab_size: int | None = typer.Option(None, "--draft-vocab-size"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    device: str = typer.Option("auto", "--device"),
-    seed: int = typer.Option(0, "--seed"),
-    verify_data: bool = typer.Option(
-        True,
-        "--verify-data/--no-verify-data",
-        help="Check tensor checksums on each sample's first read.",
-    ),
-    intermediate_size: int | None = typer.Option(
-        None, "--intermediate-size", help="Drafter MLP width (default: the target's)."
-    ),
-    attention: str = typer.Option(
-        "auto",
-        "--attention",
-        help="TTT attention: auto, reference, chunked (O(T) memory) or flex (GPU).",
-    ),
-    allow_partial: bool = typer.Option(
-        False, "--allow-partial", help="Train on a run whose extraction is not finished."
-    ),
-    pack: bool = typer.Option(
-        False, "--pack", help="Pack samples into rows of --batch-tokens instead of padding them."
-    ),
-    follow: bool = typer.Option(
-        False,
-        "--follow",
-        help="Train while the run is extracted: samples as they are committed, once per pass.",
-    ),
-    head_init: str = typer.Option(
-        "random",
-        "--head-init",
-        help="Drafter head at the start: random, target (the target's lm_head rows; helps tiny "
-        "targets, hurt a real one) or target-frozen.",
-    ),
-    report_to: str = typer.Option(
-        "none",
-        "--report-to",
-        help="tensorboard: the metrics also as TensorBoard events in OUT/tensorboard (pip install -e '.[tensorboard]').",
-    ),  # fmt: skip
+    opts: dict = OPTS,
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
     from .run.store import StoreError
     from .targets.target import ModelDirError
-    from .training.train import TrainConfig, TrainStopped
+    from .training.train import TrainStopped
     from .training.train import train as run_train
 
     _quiet_transformers()
-    opts = dict(
-        data=str(data) if data else None, model=str(model) if model else None, epochs=epochs,
-        ttt_steps=ttt_steps, step_decay=step_decay, lr=lr, warmup_steps=warmup_steps, batch_tokens=batch_tokens,
-        grad_accum=grad_accum, weight_decay=weight_decay, feature_noise=feature_noise, val_fraction=val_fraction, eval_every=eval_every, save_every=save_every,
-        keep_checkpoints=keep_checkpoints, draft_vocab_size=draft_vocab_size, dtype=dtype, device=device,
-        seed=seed, verify_data=verify_data, intermediate_size=intermediate_size, attention=attention,
-        allow_partial=allow_partial, head_init=head_init, pack=pack, follow=follow, report_to=report_to,
-    )  # fmt: skip
+    opts = {"data": str(data) if data else None, "model": str(model) if model else None, **opts}
     if resume:
         opts = _saved_options(opts, out, ctx)
     if not opts["data"]:
         raise fail("need --data RUN (or --resume with an --out that holds a training)", EXIT_USAGE)
     data, follow = Path(opts["data"]), opts["follow"]
     if not follow:  # a follower may start before its run exists, and waits for it
-        _need(data, "extraction run directory")
+        _need(data, "run")
     cfg = _config(TrainConfig, out=str(out), **opts)
     try:
         res = run_train(cfg, resume=resume)
@@ -747,6 +697,10 @@ def train(
     if dist.is_available() and dist.is_initialized():  # ranks leave together, the group closed
         dist.barrier()
         dist.destroy_process_group()
+    if resume and res.get("steps_now") == 0:
+        console.print(f"already trained: {res['steps']} steps, nothing left to do; the drafter is in {out} "
+                      f"(eyas export {out} --format vllm --out DRAFTER_DIR)", markup=False, highlight=False)  # fmt: skip
+        return
     v = res["val"]
     tail = (
         f"; val acc/step {[round(a, 3) for a in v['acc']]}, est. acceptance {v['accept_len'][-1]:.2f}"
@@ -811,7 +765,7 @@ def export(
     from .export import ExportError, ExportUsage
     from .export import export as run_export
 
-    _need(train_dir, "training directory")
+    _need(train_dir, "training")
     try:
         path = run_export(
             train_dir,
@@ -852,7 +806,11 @@ def evaluate(
         "their last assistant turn; a category field gives a table per category.",
     ),
     draft_tokens: int = typer.Option(3, "--draft-tokens", help="Chain length K."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    max_new_tokens: int = typer.Option(
+        64,
+        "--max-new-tokens",
+        help="Tokens generated per prompt (each reply stops earlier at its end).",
+    ),
     limit: int = typer.Option(1000, "--limit", help="Prompts to use at most (0: all)."),
     precision: float = typer.Option(
         0.05,
@@ -871,7 +829,17 @@ def evaluate(
     device: str = typer.Option(
         "auto", "--device", help="hf: auto (a GPU where there is one), cpu, cuda or cuda:K."
     ),
-    as_json: bool = typer.Option(False, "--json"),
+    chat_template_kwargs: str | None = typer.Option(
+        None,
+        "--chat-template-kwargs",
+        help="JSON object of chat-template variables (default: those the drafter's training data was prepared with).",
+    ),  # fmt: skip
+    max_error_rate: float = typer.Option(
+        0.01,
+        "--max-error-rate",
+        help="Share of --data records that cannot be prompts above which nothing is evaluated (exit 1).",
+    ),  # fmt: skip
+    as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check."""
     from .evaluate import evaluate as run_hf
@@ -882,8 +850,10 @@ def evaluate(
     _quiet_transformers()
     if engine not in ("hf", "vllm"):
         raise fail(f"--engine must be hf or vllm, got {engine!r}", EXIT_USAGE)
+    _need(drafter, "export")
     kw = dict(k=draft_tokens, max_new_tokens=max_new_tokens, limit=limit or None,
-              trust_remote_code=trust_remote_code)  # fmt: skip
+              trust_remote_code=trust_remote_code, max_error_rate=max_error_rate,
+              chat_template_kwargs=_json_object(chat_template_kwargs))  # fmt: skip
     if engine == "vllm":
         kw["tensor_parallel_size"] = tensor_parallel_size
     else:
@@ -900,6 +870,11 @@ def evaluate(
     if as_json:
         _print_json(d)
     else:
+        if res.inputs.get("skipped"):
+            why = "; ".join(f"{v['count']} {v['reason']} (first at line {v['first_lines'][0]})"
+                            for v in res.inputs["skipped"].values())  # fmt: skip
+            report.print(f"{data}: {res.inputs['used']} of {res.inputs['records']} records used as prompts; "
+                         f"left out: {why}", markup=False, highlight=False)  # fmt: skip
         pos = ", ".join(f"{a:.2f}" if a is not None else "-" for a in d["per_position_acceptance"])
 
         def ci(key: str) -> str:
@@ -944,7 +919,7 @@ def demo(
     workdir: Path = typer.Option(
         Path("eyas-demo"), "--workdir", help="Where the demo writes everything (rebuilt each time)."
     ),
-    epochs: int = typer.Option(10, "--epochs"),
+    epochs: int = typer.Option(10, "--epochs", help="Training epochs of the demo's drafter."),
     as_json: bool = typer.Option(False, "--json", help="Also print the summary as JSON."),
 ) -> None:
     """Run the whole pipeline on the built-in demo target and conversations."""

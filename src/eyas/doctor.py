@@ -104,6 +104,12 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
     if (gen / "generate.json").is_file():
         return _check_generation(gen, actions)
     rep = RunReport(str(run))
+    from .status import describe_other, kind_of
+
+    if kind_of(run) not in (None, "run") and (other := describe_other(run)) is not None:
+        for line in other.splitlines():  # not an extraction run, and nothing wrong with it
+            rep.add("ok", line)
+        return rep
     try:
         mr = load_run_meta(run)
     except (StoreError, OSError, ValueError) as exc:

@@ -19,8 +19,16 @@ from pathlib import Path
 
 import torch
 
-from .data.records import RecordError, iter_records, parse_record, to_messages
-from .export import load_export
+from .data.prepare import chat_text
+from .data.records import (
+    REASONS,
+    RecordError,
+    iter_records,
+    parse_record,
+    prompt_of,
+    read_conversation,
+)
+from .export import export_rendering, load_export
 from .host.ui import Reporter, still_working
 from .targets.target import load_tokenizer
 
@@ -45,6 +53,7 @@ class EvalResult:
     )  # per prompt, where the data names one
     stopped_by: str | None = None  # a signal's name: a partial result over the prompts done
     planned: int = 0  # the prompts asked for
+    inputs: dict = field(default_factory=dict)  # records read, used, left out and why
 
     def compare(self, prompt: int, spec: list[int], base: list[int], tok) -> None:
         """Record where speculative decoding's output first differs from greedy's, if it does."""
@@ -121,6 +130,7 @@ class EvalResult:
             **({"partial": True, "stopped_by": self.stopped_by, "prompts_planned": self.planned}
                if self.stopped_by else {}),
             **({"by_category": self.by_category()} if any(c is not None for c in self.categories) else {}),
+            **({"inputs": self.inputs} if self.inputs else {}),
         }  # fmt: skip
 
 
@@ -152,12 +162,47 @@ class AuxTap:
 class Prompt:
     messages: list[dict]
     category: str | None = None
+    tools: list | None = None
 
 
-def read_prompts(path: Path, limit: int | None) -> list[Prompt]:
+@dataclass
+class PromptSet:
+    """The prompts of a file, and what was left out of it and why."""
+
+    prompts: list[Prompt]
+    records: int
+    """Records read (up to the one that filled `limit`)."""
+    skipped: dict[str, list[int]] = field(default_factory=dict)
+    """Per reason code, the lines (JSON elements) of the records left out."""
+
+    def summary(self) -> str:
+        """One line: kept, left out and why (each reason with its first lines)."""
+        out = f"{len(self.prompts)} of {self.records} records used as prompts"
+        if self.skipped:
+            parts = [f"{len(lines)} {REASONS.get(code, code)} (line{'s' if len(lines) > 1 else ''} "
+                     f"{', '.join(map(str, lines[:3]))}{', ...' if len(lines) > 3 else ''})"
+                     for code, lines in sorted(self.skipped.items())]  # fmt: skip
+            out += "; left out: " + "; ".join(parts)
+        return out
+
+    def __iter__(self):
+        return iter(self.prompts)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def to_dict(self) -> dict:
+        return {"records": self.records, "used": len(self.prompts),
+                "skipped": {code: {"count": len(lines), "reason": REASONS.get(code, code), "first_lines": lines[:5]}
+                            for code, lines in sorted(self.skipped.items())}}  # fmt: skip
+
+
+def read_prompts(path: Path, limit: int | None, max_error_rate: float = 1.0) -> PromptSet:
     """The prompts of `path`, checked before any model loads: a record whose last turn is
     the user's is a prompt as it is, as is `{"prompt": "..."}`; a conversation is cut before
-    its last assistant turn. A `category` field is kept for the per-category figures."""
+    its last assistant turn. A `category` field is kept for the per-category figures, the
+    record's `tools` for the chat template. Records that cannot be prompts are counted by
+    reason; more than `max_error_rate` of them is an error, as in `prepare`."""
     path = Path(path)
     if path.is_dir():
         raise FileNotFoundError(
@@ -165,46 +210,60 @@ def read_prompts(path: Path, limit: int | None) -> list[Prompt]:
         )
     if not path.is_file():
         raise FileNotFoundError(f"--data {path}: no such file")
-    prompts, skipped = [], {}
+    got = PromptSet([], 0)
     for rec in iter_records(path):
+        got.records += 1
         try:
             obj = parse_record(rec)
-            if (
-                isinstance(obj.get("prompt"), str)
-                and "messages" not in obj
-                and "conversations" not in obj
-            ):
-                msgs = [{"role": "user", "content": obj["prompt"]}]
-            else:
-                fmt, msgs = to_messages(obj, prompt=True)
-                if fmt == "text":
-                    raise RecordError("plain text has no turns to prompt with", "text")
-                if msgs[-1]["role"] != "user":
-                    last = max(
-                        (i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=0
-                    )
-                    msgs = msgs[:last]
-                if not msgs or msgs[-1]["role"] not in ("user", "tool"):
-                    raise RecordError("no user turn to answer", "no-user")
+            conv = prompt_of(read_conversation(obj, prompt=True))
         except RecordError as exc:
-            skipped[exc.code] = skipped.get(exc.code, 0) + 1
+            got.skipped.setdefault(exc.code, []).append(rec.line)
             continue
         cat = obj.get("category")
-        prompts.append(Prompt(msgs, str(cat) if cat is not None else None))
-        if limit and len(prompts) >= limit:
+        got.prompts.append(Prompt(conv.messages, str(cat) if cat is not None else None, conv.tools))
+        if limit and len(got.prompts) >= limit:
             break
-    if not prompts:
-        why = ", ".join(f"{n} {code}" for code, n in skipped.items()) or "the file is empty"
-        raise ValueError(f"{path}: no usable prompts ({why}); give records with a last user turn, "
-                         '{"prompt": ...} or conversations with an assistant turn')  # fmt: skip
-    return prompts
+    if not got.prompts:
+        raise ValueError(f"{path}: no usable prompts ({got.summary() if got.records else 'the file is empty'}); "
+                         'give records with a last user turn, {"prompt": ...} or conversations with an assistant turn')  # fmt: skip
+    left = sum(len(v) for v in got.skipped.values())
+    if left > max_error_rate * got.records:
+        raise PromptsRefused(f"{path}: {got.summary()}: more than --max-error-rate {max_error_rate:g} "
+                             f"({left / got.records:.1%}); fix the records or raise --max-error-rate")  # fmt: skip
+    return got
 
 
-def render_prompts(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
-    """Each prompt rendered with the model's chat template and a generation prompt."""
+def _tokenizer_for(model_dir: str, drafter_dir: str, trust_remote_code: bool,
+                   template_kwargs: dict | None) -> tuple[object, dict | None]:  # fmt: skip
+    """The target's tokenizer, refused when the drafter's training data was made with
+    another one; and the template variables to render with (given, or the data's)."""
+    from .data.prepare import TokenizerMismatch, tokenizer_fingerprint
+
+    tok = load_tokenizer(model_dir, trust_remote_code)
+    made = export_rendering(drafter_dir)
+    want, got = made.get("tokenizer_fingerprint"), tokenizer_fingerprint(tok)
+    if want and want != got:
+        raise TokenizerMismatch(
+            f"{drafter_dir} was trained on data made with another tokenizer or chat template "
+            f"(fingerprint {want}) than {model_dir}'s (fingerprint {got}): it would be judged on "
+            "prompts it never saw the like of. Give the target it was trained for"
+        )
+    return tok, template_kwargs if template_kwargs is not None else made.get("chat_template_kwargs")
+
+
+class PromptsRefused(ValueError):
+    """Too many records of --data cannot be prompts (exit 1, before the model loads)."""
+
+
+def render_prompts(
+    tokenizer, prompts: list[Prompt], template_kwargs: dict | None = None
+) -> list[list[int]]:
+    """Each prompt rendered as `prepare` renders a conversation (the record's tools, the
+    dataset's template variables), with a generation prompt, and tokenized as `prepare` does."""
     out = []
     for p in prompts:
-        text = tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
+        text = chat_text(tokenizer, p.messages, tools=p.tools, template_kwargs=template_kwargs,
+                         generation_prompt=True)  # fmt: skip
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return out
 
@@ -311,6 +370,8 @@ def evaluate(
     progress: bool = True,
     greedy_cache: dict | None = None,
     device: str = "auto",
+    chat_template_kwargs: dict | None = None,
+    max_error_rate: float = 0.01,
 ) -> EvalResult:
     """Speculative against greedy decoding over the prompts of `data` (at most `limit`),
     stopping early once the 95% interval of tokens per forward is within +-`precision`
@@ -318,11 +379,16 @@ def evaluate(
     greedy decoding's output and time per prompt across calls with the same target (it
     does not depend on the drafter), so comparing drafters decodes each prompt greedily once.
     `device`: `auto` (the first GPU where there is one), `cpu`, `cuda` or `cuda:K`; target
-    and drafter both run there, in float32."""
+    and drafter both run there, in float32. Prompts are rendered as the drafter's training
+    data was (its template variables unless `chat_template_kwargs` is given), and a target
+    whose tokenizer is not the one that data was made with is refused."""
     from .targets.target import check_model_dir, load_causal_lm, resolve_device
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
-    asked = read_prompts(Path(data), limit)  # before minutes of loading the model
+    asked = read_prompts(Path(data), limit, max_error_rate)  # before minutes of loading the model
+    tok, template_kwargs = _tokenizer_for(
+        model_dir, drafter_dir, trust_remote_code, chat_template_kwargs
+    )
     try:
         dev = torch.device(resolve_device(device))
     except RuntimeError:
@@ -333,7 +399,6 @@ def evaluate(
         raise ValueError(f"--device {device}: evaluate runs on cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: this machine has no GPU that torch can use")
-    tok = load_tokenizer(model_dir, trust_remote_code)
     with still_working("loading the target", enabled=progress):
         model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval().to(dev)
     if dev.type == "cpu":
@@ -350,9 +415,9 @@ def evaluate(
                          f"fit target {model_dir} (H={model.config.hidden_size}, V={model.config.vocab_size})")  # fmt: skip
     eos = {tok.eos_token_id} | set(_as_list(model.config.eos_token_id))
     eos.discard(None)
-    prompts = render_prompts(tok, asked)
+    prompts = render_prompts(tok, asked.prompts, template_kwargs)
     res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)],
-                     categories=[p.category for p in asked])  # fmt: skip
+                     categories=[p.category for p in asked.prompts], inputs=asked.to_dict())  # fmt: skip
     tap = AuxTap(model, aux_hf)
 
     def extra() -> str:
@@ -460,6 +525,8 @@ def evaluate_vllm(
     tensor_parallel_size: int = 1,
     trust_remote_code: bool = False,
     progress: bool = True,
+    chat_template_kwargs: dict | None = None,
+    max_error_rate: float = 0.01,
 ) -> EvalResult:
     """The same measurement with vLLM as the judge: greedy generation without and with the
     exported drafter (EAGLE-3, chain of `k`), vLLM's own speculative-decoding counters for
@@ -475,14 +542,16 @@ def evaluate_vllm(
     from .targets.target import check_model_dir, resolve_dtype
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
-    asked = read_prompts(Path(data), limit)
+    asked = read_prompts(Path(data), limit, max_error_rate)
     load_export(drafter_dir)  # a clear error for a directory that is not an export
+    tok, template_kwargs = _tokenizer_for(
+        model_dir, drafter_dir, trust_remote_code, chat_template_kwargs
+    )
     import_vllm()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    tok = load_tokenizer(model_dir, trust_remote_code)
-    prompts = render_prompts(tok, asked)
+    prompts = render_prompts(tok, asked.prompts, template_kwargs)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = resolve_dtype("auto", device)
     spec = BackendSpec(model=model_dir, aux_layers=(), device=device, dtype=dtype, store_dtype=dtype,
@@ -491,7 +560,9 @@ def evaluate_vllm(
                        max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 8)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)])
+    res = EvalResult(
+        prompts=len(prompts), per_position=[[0, 0] for _ in range(k)], inputs=asked.to_dict()
+    )
 
     def run(speculative: dict | None) -> tuple[list[list[int]], float, object]:
         if progress:

@@ -6,9 +6,15 @@
 Both carry `fc`, the layer, `norm`, `lm_head` [D, H], `d2t` (int64) and `t2d` (bool), and the
 target's token embeddings copied exactly (never random ones). A draft vocabulary that is the
 whole vocabulary (D = V) maps every id to itself: then `d2t` and `t2d` are left out, because
-vLLM has no place for them and refuses to load a drafter that carries them. `norm_before_residual` is
-written explicitly because loaders disagree on its default. `load_export` reads either
-format back.
+vLLM has no place for them and refuses to load a drafter that carries them.
+
+Where the states are normalised (`norm_before_fc`, `norm_before_residual`, `norm_output`)
+is written explicitly in the vLLM format, since loaders disagree on the defaults. SGLang's
+EAGLE-3 model has none of the three (its residual is the raw fused state, its next step
+reads the raw state, nothing norms the target states), so a drafter trained with any of
+them is refused for `sglang` rather than written in a form SGLang would run differently.
+`load_export` reads either format back in the architecture it declares, and refuses a field
+that would change the architecture which it does not know.
 
 Aux layer ids follow each engine's reading of `eagle_aux_hidden_state_layer_ids`:
 - vLLM reads them as HF `hidden_states` indices (id k = input of decoder layer k), so the
@@ -43,6 +49,11 @@ FORMATS = ("vllm", "sglang")
 MANIFEST = "eyas-manifest.json"  # the export's files and checksums, written last
 _ARCHS = {"vllm": "Eagle3Speculator", "sglang": "LlamaForCausalLMEagle3"}
 _LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
+_SGLANG_LACKS = ("norm_before_fc", "norm_before_residual", "norm_output")
+# Fields of an export's config that change the network; a loader that ignored one would run
+# another drafter than the one trained. Their values that eyas's drafter can run:
+_ARCH_FIELDS = {"fc_norm": (False, None), "norm_before_fc": (False, True, None),
+                "norm_before_residual": (False, True, None), "norm_output": (False, True, None)}  # fmt: skip
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -117,7 +128,9 @@ def export_config(
             "speculators_version": "0.1.0",
             "draft_vocab_size": c.draft_vocab_size,
             "norm_before_residual": c.norm_before_residual,
-            "norm_before_fc": False,
+            "norm_before_fc": c.norm_before_fc,
+            "norm_output": c.norm_output,
+            "fc_norm": False,
             "target_hidden_size": c.hidden_size,
             "eagle_aux_hidden_state_layer_ids": aux_hf,
             "transformer_layer_config": _llama_fields(c),
@@ -138,7 +151,7 @@ def export_config(
         **_llama_fields(c),
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.hidden_size,
-        "norm_before_residual": c.norm_before_residual,
+        "norm_before_residual": False,  # what SGLang's model does; a drafter otherwise is refused
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(aux_layers),
             "use_aux_hidden_state": True,
@@ -170,6 +183,12 @@ def export(
         raise ExportUsage(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     state, cdict, info = trained_weights(Path(train_dir))
     c = DrafterConfig(**cdict)
+    if fmt == "sglang" and (on := [k for k in _SGLANG_LACKS if getattr(c, k)]):
+        raise ExportError(
+            f"{train_dir}: the drafter was trained with {', '.join(on)}, which SGLang's EAGLE-3 "
+            "model does not have: it would run another network than the one trained. Export "
+            "--format vllm, or train with --no-" + " --no-".join(k.replace("_", "-") for k in on)
+        )
     target_cfg = (
         read_json(Path(info["model_path"]) / "config.json")
         if (Path(info["model_path"]) / "config.json").is_file()
@@ -209,7 +228,8 @@ def export(
             tmp / "config.json",
             export_config(fmt, c, info["aux_layers"], target, dtype, speculative_tokens),
         )
-        write_manifest(tmp, ["model.safetensors", "config.json"], MANIFEST, format=fmt)
+        write_manifest(tmp, ["model.safetensors", "config.json"], MANIFEST, format=fmt,
+                       rendering=info.get("rendering") or {})  # fmt: skip
         _swap_into_place(tmp, out)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -273,6 +293,16 @@ def _exchange(a: Path, b: Path) -> bool:
     )
 
 
+def export_rendering(path: str | Path) -> dict:
+    """How the data an eyas export was trained on was rendered (`tokenizer_fingerprint`,
+    `chat_template_kwargs`); {} for an export that does not say (another tool's, or older)."""
+    m = Path(path) / MANIFEST
+    try:
+        return dict(read_json(m).get("rendering") or {}) if m.is_file() else {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def load_export(path: str | Path) -> tuple[Drafter, list[int]]:
     """A Drafter from an export directory of either format, and its aux layer ids (HF convention)."""
     path = Path(path)
@@ -295,18 +325,30 @@ def load_export(path: str | Path) -> tuple[Drafter, list[int]]:
     if arch == "Eagle3Speculator":
         layer, aux = cfg["transformer_layer_config"], cfg["eagle_aux_hidden_state_layer_ids"]
         prefix = "layers.0."
+        # vLLM's defaults for fields a speculators config leaves out
+        norms = {"norm_before_residual": cfg.get("norm_before_residual", True),
+                 "norm_before_fc": cfg.get("norm_before_fc", False),
+                 "norm_output": cfg.get("norm_output", False)}  # fmt: skip
+        for key, allowed in _ARCH_FIELDS.items():
+            if cfg.get(key) not in allowed:
+                raise ExportError(f"{cfg_file}: {key} = {cfg.get(key)!r} is an architecture eyas's "
+                                  "drafter does not have; it cannot evaluate this export")  # fmt: skip
     elif arch == "LlamaForCausalLMEagle3":  # SGLang's ids: outputs of 0-based layers
         layer, prefix = cfg, "midlayer."
         aux = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        norms = {"norm_before_residual": False}  # what SGLang's model does whatever is written
     else:
         raise ExportError(f"{cfg_file}: unknown architecture {arch!r}")
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise ExportError(f"{cfg_file}: {layer['num_hidden_layers']} decoder layers; eyas's EAGLE-3 "
+                          "drafter has one, so it cannot evaluate this export")  # fmt: skip
     c = DrafterConfig(
         hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
         num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
         head_dim=layer["head_dim"], vocab_size=layer["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
         rms_norm_eps=layer["rms_norm_eps"], rope_theta=layer["rope_theta"],
         max_position_embeddings=layer["max_position_embeddings"], hidden_act=layer["hidden_act"],
-        norm_before_residual=cfg["norm_before_residual"],
+        **norms,
     )  # fmt: skip
     drafter = Drafter(c)
     raw = load_file(str(path / "model.safetensors"))

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .data.prepare import PreparedDataset
+from .data.prepare import PreparedDataset, check_tokenizer
 from .host.gpu import gpu_preflight
 from .host.ui import Reporter, console, still_working
 from .run.fsutil import (
@@ -119,6 +119,7 @@ class ExtractConfig:
     rank: int = 0
     """This process's share of the samples: index % world == rank."""
     world: int = 1
+    """Number of shares the run is split into (one writer each; 1: the whole run)."""
     min_free: str = "2%"
     """Stop when free space falls below this (bytes, K/M/G suffix, or % of the filesystem;
     a percentage is at least 1 GiB, or 5% of a filesystem smaller than 20 GiB)."""
@@ -129,6 +130,7 @@ class ExtractConfig:
     max_foreign_gpu_mem: str = "2GiB"
     """Refuse to start when another process holds more than this on a GPU we use."""
     ignore_busy_gpus: bool = False
+    """Start even though other processes hold GPU memory (this invocation only)."""
     tensor_parallel_size: int = 1
     """vllm backend: GPUs the target is split over."""
     gpu_memory_utilization: float = 0.9
@@ -144,6 +146,7 @@ class ExtractConfig:
     """Run the dataset this many times, each pass in its own order (needs --max-store): a
     trainer that follows the run trains one epoch per pass."""
     progress: bool = True
+    """Progress lines and summaries on the console."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world:
@@ -301,6 +304,7 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
     ds = PreparedDataset.open(cfg.data)
     if meta:
         _check_same_inputs(cfg, meta, run, ds)
+    check_tokenizer(cfg.data, ds.meta, cfg.model, trust_remote_code=cfg.trust_remote_code)
     return cfg, run, meta, ds
 
 

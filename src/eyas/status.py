@@ -285,6 +285,40 @@ def _stream_lines(st: RunStatus) -> list[str]:
     return out
 
 
+# What each kind of eyas directory is called, which command makes it, and which reads it next.
+_KINDS = {
+    "run": ("an extraction run", "eyas extract", "eyas train --data {p} --out TRAIN_DIR (eyas status, verify and doctor check it)"),
+    "dataset": ("a prepared dataset", "eyas prepare", "eyas extract --model MODEL --data {p} --out RUN_DIR"),
+    "training": ("a training directory", "eyas train", "eyas export {p} --format vllm --out DRAFTER_DIR (eyas status shows its state)"),
+    "export": ("an exported drafter", "eyas export", "eyas evaluate --model TARGET --drafter {p} --data PROMPTS.jsonl"),
+}  # fmt: skip
+
+
+def kind_of(path: Path) -> str | None:
+    """Which kind of eyas directory `path` is: run, dataset, training, export; None if none."""
+    path = Path(path)
+    if (path / "run.json").exists() or (path / "run.backup.json").exists():
+        return "run"
+    if (path / "train.json").is_file():
+        return "training"
+    if (path / "dataset.json").is_file():
+        return "dataset"
+    if (path / "eyas-manifest.json").is_file():
+        return "export"
+    return None
+
+
+def wrong_kind(path: Path, want: str) -> str | None:
+    """One line for a directory of another kind than `want` (run, dataset, training,
+    export): what it is, what made it and the command that reads it. None otherwise."""
+    kind = kind_of(path)
+    if kind is None or kind == want:
+        return None
+    name, made_by, reader = _KINDS[kind]
+    return (f"{path} is {name} (made by {made_by}), not {_KINDS[want][0]}; the command that reads it: "
+            + reader.format(p=path))  # fmt: skip
+
+
 def describe_other(path: Path) -> str | None:
     """What a directory that is not an extraction run is, and which command reads it: a
     training directory, a prepared dataset or an exported drafter. None for anything else."""

@@ -40,9 +40,8 @@ from .records import (
     RecordError,
     iter_records,
     parse_record,
+    read_conversation,
     record_id,
-    record_tools,
-    to_messages,
 )
 
 STATE_SUFFIX = ".eyas-gen"
@@ -476,10 +475,10 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
         try:
             obj = parse_record(rec)
             rid = record_id(obj, rec)
-            fmt, messages = to_messages(obj)
-            if fmt == "text":
+            conv = read_conversation(obj)
+            if conv.form == "text":
                 raise RecordError("a 'text' record has no turns to regenerate", "no-assistant")
-            todo.append((pos, rec, rid, messages, record_tools(obj)))
+            todo.append((pos, rec, rid, conv.messages, conv.tools))
         except RecordError as exc:
             errors[pos] = {"file": rec.file, "line": rec.line, "reason": str(exc), "code": exc.code}
     stop = threading.Event()

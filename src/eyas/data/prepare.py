@@ -38,64 +38,18 @@ from ..run.fsutil import (
     read_json,
     sha256_file,
 )
-from ..targets.target import load_tokenizer
+from ..targets.target import ModelDirError, load_tokenizer
+from .config import PrepareConfig
 from .records import (
     RawRecord,
     RecordError,
     iter_records,
     parse_record,
+    read_conversation,
     record_id,
-    record_tools,
-    to_messages,
 )
 
 FORMAT_VERSION = 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrepareConfig:
-    model: str
-    """Model directory whose tokenizer and chat template render the conversations."""
-    data: tuple[str, ...]
-    """Input files: JSONL or JSON, records in OpenAI `messages`, ShareGPT `conversations` or `text` form."""
-    out: str
-    """Dataset directory to write."""
-    max_length: int | None = None
-    """Longest sample in tokens; longer ones are truncated or skipped (`overlong`)."""
-    overlong: str = "truncate"
-    """`truncate` keeps the first max_length tokens; `skip` drops the record."""
-    last_turn_only: bool = False
-    """Train only on the last assistant turn of each conversation."""
-    draft_vocab_size: int = 32000
-    """Size D of the draft vocabulary (capped at the target vocabulary size)."""
-    max_error_rate: float = 0.01
-    """Fraction of failed records above which the run counts as failed (exit 1)."""
-    num_workers: int = 1
-    """Processes that tokenize in parallel."""
-    chat_template_kwargs: dict | None = None
-    """Extra variables for the chat template (e.g. {"thinking": false}); kept in dataset.json."""
-    per_turn_samples: bool = False
-    """One sample per assistant turn (the conversation up to and including it, trained on that
-    turn only), so every turn's reasoning is trained as the target produced it, even where the
-    template drops earlier turns' reasoning from the history."""
-    trust_remote_code: bool = False
-    """Let the model directory's tokenizer code run (Kimi's tokenizer is such code)."""
-    force: bool = False
-    """Replace an existing dataset at `out` (extraction runs made from it can then no longer
-    resume unless it is rebuilt identically)."""
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.overlong not in ("truncate", "skip"):
-            raise ValueError(f"--overlong must be truncate or skip, got {self.overlong!r}")
-        if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"--max-length must be at least 2, got {self.max_length}")
-        if not self.data:
-            raise ValueError("no input files given (--data)")
-        if self.draft_vocab_size < 1:
-            raise ValueError(f"--draft-vocab-size must be positive, got {self.draft_vocab_size}")
-        if not 0 <= self.max_error_rate <= 1:
-            raise ValueError(f"--max-error-rate must lie in [0, 1], got {self.max_error_rate}")
 
 
 @dataclass
@@ -108,6 +62,8 @@ class Prepared:
     loss_mask: list[int]
     original_tokens: int
     truncated: bool
+    dropped: tuple[str, ...] = ()
+    """Per assistant turn whose tool calls or reasoning the template left out: which field."""
 
 
 @dataclass
@@ -127,6 +83,12 @@ class PrepareSummary:
     emptied: list[int] = field(default_factory=list)
     """Records left without a trainable token by --max-length: each one's first assistant
     token position (a longer --max-length keeps them)."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Assistant turns whose tool calls (`tool_calls`) or reasoning (`reasoning`) the chat
+    template did not render, so training never sees them."""
+    dropped_records: int = 0
+    notes: list[str] = field(default_factory=list)
+    """What was changed from what was asked, in words (printed under the summary)."""
 
     def max_length_keeping(self, share: float = 0.9) -> int | None:
         """The --max-length that would keep `share` of the records truncation emptied."""
@@ -162,12 +124,26 @@ def _prefix_before(render, messages: list[dict], i: int, upto: str) -> str:
     return before if before is not None else ""
 
 
+def chat_text(tokenizer, messages: list[dict], *, tools: list | None = None,
+              template_kwargs: dict | None = None, generation_prompt: bool = False) -> str:  # fmt: skip
+    """A conversation as the model's chat template renders it, with the record's tools and
+    the dataset's template variables: the one rendering of `prepare` and `evaluate`, so a
+    prompt in evaluation is, token for token, the prefix training saw."""
+    extra = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = tools
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt, **extra
+    )
+
+
 def assistant_spans(
     tokenizer,
     messages: list[dict],
     last_turn_only: bool = False,
     tools: list | None = None,
     template_kwargs: dict | None = None,
+    dropped: list[str] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans the assistant produced: each
     assistant turn as the template renders it inside the whole conversation (its reasoning,
@@ -178,15 +154,14 @@ def assistant_spans(
     turns before the last user turn, as Kimi's and Qwen3's do) break that; there each turn is
     placed by the template's own markers: it starts after the k-th assistant header and ends
     at the first end-of-turn marker after it, and must hold the turn's text. A turn that
-    cannot be placed is an error naming it, never a guess."""
-    extra = dict(template_kwargs or {})
-    if tools:
-        extra["tools"] = tools
+    cannot be placed is an error naming it, never a guess.
+
+    `dropped`, where given, receives a field name (`tool_calls`, `reasoning`) for each turn
+    whose tool calls or reasoning the template does not render even as the last turn."""
 
     def render(msgs, gen=False):
-        return tokenizer.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=gen, **extra
-        )
+        return chat_text(tokenizer, msgs, tools=tools, template_kwargs=template_kwargs,
+                         generation_prompt=gen)  # fmt: skip
 
     full = render(messages)
     spans = []
@@ -197,6 +172,10 @@ def assistant_spans(
             continue
         upto = render(messages[: i + 1])
         before = _prefix_before(render, messages, i, upto)
+        if dropped is not None:
+            dropped.extend(
+                _unrendered(messages[i], upto[len(before) :] if upto.startswith(before) else upto)
+            )
         if full.startswith(before) and upto.startswith(before) and full.startswith(upto):
             start, end = len(before), len(upto.rstrip())  # trailing newlines are template glue
         else:
@@ -206,6 +185,19 @@ def assistant_spans(
         if end > start:
             spans.append((start, end))
     return full, spans
+
+
+def _unrendered(message: dict, rendered: str) -> list[str]:
+    """The fields of an assistant turn its rendering leaves out: a tool call whose function
+    name is nowhere in it, or reasoning whose text is not."""
+    out = []
+    names = [(c.get("function") or {}).get("name") for c in message.get("tool_calls") or []]
+    if any(isinstance(n, str) and n and n not in rendered for n in names):
+        out.append("tool_calls")
+    reasoning = (message.get("reasoning_content") or "").strip()
+    if reasoning and reasoning not in rendered:
+        out.append("reasoning")
+    return out
 
 
 def _turn_marks(render) -> tuple[str, str] | None:
@@ -367,36 +359,39 @@ def _prepare_one(rec: RawRecord, cfg: PrepareConfig) -> list[Prepared] | tuple[s
     try:
         obj = parse_record(rec)
         rid = record_id(obj, rec)
-        fmt, content = to_messages(obj)
+        conv = read_conversation(obj)
+        fmt, content, tools = conv.form, conv.messages, conv.tools
         if fmt == "text":
-            return [_sample(rid, rec, fmt, *tokenize_with_mask(_TOK, content, None), cfg)]
-        tools = record_tools(obj)
+            return [_sample(rid, rec, fmt, *tokenize_with_mask(_TOK, conv.text, None), cfg)]
         if not cfg.per_turn_samples:
-            return [
-                _sample(
-                    rid, rec, fmt, *_render_masked(content, cfg.last_turn_only, tools, cfg), cfg
-                )
-            ]
-        turns = [i for i, m in enumerate(content) if m["role"] == "assistant"]
-        return [_sample(f"{rid}/turn-{i}", rec, fmt, *_render_masked(content[: i + 1], True, tools, cfg), cfg)
-                for i in turns]  # fmt: skip
+            ids, mask, dropped = _render_masked(content, cfg.last_turn_only, tools, cfg)
+            return [_sample(rid, rec, fmt, ids, mask, cfg, dropped)]
+        out = []
+        for i in (i for i, m in enumerate(content) if m["role"] == "assistant"):
+            ids, mask, dropped = _render_masked(content[: i + 1], True, tools, cfg)
+            out.append(_sample(f"{rid}/turn-{i}", rec, fmt, ids, mask, cfg, dropped))
+        return out
     except RecordError as exc:
         return rid, exc.code, str(exc), getattr(exc, "first_trainable", None)
 
 
 def _render_masked(messages: list[dict], last_only: bool, tools, cfg: PrepareConfig):
+    """(ids, mask, dropped fields) of a conversation."""
+    dropped: list[str] = []
     try:
-        text, spans = assistant_spans(_TOK, messages, last_only, tools, cfg.chat_template_kwargs)
+        text, spans = assistant_spans(_TOK, messages, last_only, tools, cfg.chat_template_kwargs,
+                                      dropped)  # fmt: skip
     except RecordError:
         raise
     except Exception as exc:  # the template itself raised (e.g. it rejects a role order)
         raise RecordError(f"chat template failed: {exc}", "template") from exc
-    return tokenize_with_mask(_TOK, text, spans)
+    return (*tokenize_with_mask(_TOK, text, spans), tuple(dropped))
 
 
 def _sample(
-    rid: str, rec: RawRecord, fmt: str, ids: list[int], mask: list[int], cfg: PrepareConfig
-) -> Prepared:
+    rid: str, rec: RawRecord, fmt: str, ids: list[int], mask: list[int], cfg: PrepareConfig,
+    dropped: tuple[str, ...] = (),
+) -> Prepared:  # fmt: skip
     """One sample, cut to --max-length (or refused as overlong) and with trainable tokens."""
     n, truncated, full_mask = len(ids), False, mask
     if cfg.max_length is not None and n > cfg.max_length:
@@ -413,7 +408,7 @@ def _sample(
             exc.first_trainable = full_mask.index(1)
             raise exc
         raise RecordError("zero trainable tokens", "zero-trainable")
-    return Prepared(rid, rec.file, rec.line, fmt, ids, mask, n, truncated)
+    return Prepared(rid, rec.file, rec.line, fmt, ids, mask, n, truncated, dropped)
 
 
 def _prepare_chunk(args: tuple[list[RawRecord], PrepareConfig]) -> list:
@@ -434,6 +429,30 @@ def tokenizer_fingerprint(tokenizer) -> str:
         h.update(json.dumps(sorted(str(t) for t in tokenizer.all_special_tokens)).encode())
     h.update(b"\0" + (tokenizer.chat_template or "").encode())
     return h.hexdigest()[:16]
+
+
+class TokenizerMismatch(ModelDirError):
+    """Data tokenized for another model than the one given: a usage error (exit 2)."""
+
+
+def check_tokenizer(ds_path, ds_meta: dict, model: str, tokenizer=None,
+                    trust_remote_code: bool = False) -> None:  # fmt: skip
+    """Refuse to pair a dataset with a model whose tokenizer (or chat template) is not the
+    one it was prepared with: its token ids would be read as other text. A dataset from
+    before fingerprints were kept is not checked."""
+    want = ds_meta.get("tokenizer_fingerprint")
+    if not want:
+        return
+    tok = tokenizer if tokenizer is not None else load_tokenizer(model, trust_remote_code)
+    got = tokenizer_fingerprint(tok)
+    if got != want:
+        made_with = ds_meta.get("model") or "another model"
+        raise TokenizerMismatch(
+            f"{ds_path} was prepared with the tokenizer of {made_with} (fingerprint {want}), "
+            f"but {model} has another tokenizer or chat template (fingerprint {got}): its token "
+            f"ids would be read as other text. Prepare the data again with --model {model}, "
+            "or give the model it was prepared for"
+        )
 
 
 def prepare(cfg: PrepareConfig) -> PrepareSummary:
@@ -524,11 +543,25 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     if summary.emptied:
         summary.reasons["emptied-by-truncation"] = len(summary.emptied)
     summary.samples = len(samples)
+    for smp in samples:
+        for f in smp.dropped:
+            summary.dropped[f] = summary.dropped.get(f, 0) + 1
+    summary.dropped_records = len({(smp.file, smp.line) for smp in samples if smp.dropped})
     summary.truncated = sum(s.truncated for s in samples)
     summary.tokens = sum(len(s.input_ids) for s in samples)
     summary.trainable_tokens = sum(sum(s.loss_mask) for s in samples)
     if not raws:
         raise ValueError(f"no records in {', '.join(cfg.data)}: the input is empty")
+    lost = summary.dropped_records / summary.records if summary.records else 0.0
+    if samples and lost > cfg.max_error_rate and not cfg.allow_dropped_fields:
+        what = " and ".join(
+            f"{n} assistant turn(s)' {f.replace('_', ' ')}"
+            for f, n in sorted(summary.dropped.items())
+        )
+        raise PrepareFailed(f"the chat template of {cfg.model} does not render {what} ({summary.dropped_records} "
+                            f"of {summary.records} records, > --max-error-rate {cfg.max_error_rate:.1%}): training "
+                            "would never see them. Use a model whose template renders them, or pass "
+                            "--allow-dropped-fields to train without them; no dataset was written", summary)  # fmt: skip
     if not samples or summary.error_rate > cfg.max_error_rate:
         why = ("no record gave a sample" if not samples else
                f"{summary.error_rate:.1%} of records failed (> --max-error-rate {cfg.max_error_rate:.1%})")  # fmt: skip
@@ -559,6 +592,9 @@ def write_dataset(
         (t for s in samples for t in s.loss_mask), dtype=np.uint8, count=int(offsets[-1])
     )
     vocab = len(tok)
+    if cfg.draft_vocab_size > vocab:
+        summary.notes.append(f"--draft-vocab-size {cfg.draft_vocab_size} is more than the target's vocabulary "
+                             f"({vocab} tokens): the draft vocabulary is all {vocab}")  # fmt: skip
     if ids.size and int(ids.max()) >= vocab:
         raise ValueError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size {vocab}")
     counts = np.bincount(ids[mask.astype(bool)], minlength=vocab).astype(np.int64)
@@ -601,6 +637,7 @@ def write_dataset(
             "records": summary.records, "samples": len(samples), "failed": summary.failed,
             "skipped_overlong": summary.skipped_overlong, "truncated": summary.truncated,
             "emptied_by_truncation": len(summary.emptied),
+            "dropped_fields": dict(summary.dropped), "records_with_dropped_fields": summary.dropped_records,
         },
         "tokens": {
             "total": int(offsets[-1]), "trainable": int(mask.sum()),

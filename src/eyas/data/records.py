@@ -1,8 +1,10 @@
 """Input records as people have them: JSONL or JSON arrays of OpenAI `messages` (string
 or text-part content, with reasoning, tool calls and tool results, and per-record `tools`),
-ShareGPT `conversations`, or pre-rendered `text`; a UTF-8 byte-order mark is fine. A record that cannot be read raises RecordError with a message that says what
-was wrong and a `code` for the kind of problem (summaries group by it). `prepare`,
-`generate` and `evaluate` all read their inputs through this module.
+ShareGPT `conversations`, pre-rendered `text`, or (as prompts) `{"prompt": ...}`; a UTF-8
+byte-order mark is fine. `read_conversation` is the one reader: a record becomes a
+`Conversation` (its form, messages, tools), the same for `prepare`, `generate` and
+`evaluate`. A record that cannot be read raises RecordError with a message that says what
+was wrong and a `code` for the kind of problem (summaries group by it).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ REASONS = {
     "zero-trainable": "no trainable tokens",
     "emptied-by-truncation": "no trainable tokens left within --max-length (not counted as failed)",
     "overlong": "longer than --max-length (skipped)",
+    "text": "plain text has no turns to prompt with",
+    "no-user": "no user turn to answer",
+    "incomplete-file": "the file's last line is cut off (the file looks incomplete)",
 }
 
 
@@ -55,6 +60,15 @@ class RawRecord:
     file: str
     line: int
     raw: bytes | object  # bytes of one JSONL line, or an already-parsed JSON element
+    cut: bool = False  # the file's last line, cut off in the middle
+
+
+def _whole_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return True
 
 
 def iter_records(path: Path) -> Iterator[RawRecord]:
@@ -76,12 +90,20 @@ def iter_records(path: Path) -> Iterator[RawRecord]:
         for i, item in enumerate(items):
             yield RawRecord(str(path), i + 1, item)  # "line" = 1-based element index
         return
-    for n, line in enumerate(data.split(b"\n"), start=1):
+    lines = data.split(b"\n")
+    for n, line in enumerate(lines, start=1):
         if line.strip():
-            yield RawRecord(str(path), n, line)
+            # A last line with no newline after it that is not a whole JSON value: the file
+            # was cut off while it was written (a copy or a writer stopped), not a bad record.
+            cut = n == len(lines) and not _whole_json(line)
+            yield RawRecord(str(path), n, line, cut)
 
 
 def parse_record(rec: RawRecord) -> dict:
+    if rec.cut:
+        raise RecordError(f"{rec.file} looks incomplete: its last line ({rec.line}) is cut off "
+                          "and has no newline after it; was the file still being written?",
+                          "incomplete-file")  # fmt: skip
     if isinstance(rec.raw, bytes):
         try:
             text = rec.raw.decode("utf-8")
@@ -208,3 +230,48 @@ def record_tools(obj: dict) -> list | None:
     if not isinstance(tools, list) or not all(isinstance(x, dict) for x in tools):
         raise RecordError("'tools' is not a list of objects", "bad-turns")
     return tools or None
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One input record as every stage reads it."""
+
+    form: str
+    """openai, sharegpt, text, or prompt (`{"prompt": ...}`)."""
+    messages: list[dict]
+    """The turns, roles and fields normalised (empty for the text form)."""
+    tools: list | None = None
+    """The tools the record declares, which the chat template renders."""
+    text: str | None = None
+    """The text form's text, rendered as it is."""
+
+
+def read_conversation(obj: dict, prompt: bool = False) -> Conversation:
+    """A parsed record as a Conversation; RecordError names what is wrong. With `prompt`,
+    a record without an assistant turn is accepted, and so is `{"prompt": "..."}`."""
+    if (
+        prompt
+        and isinstance(obj.get("prompt"), str)
+        and not ({"messages", "conversations"} & obj.keys())
+    ):
+        return Conversation(
+            "prompt", [{"role": "user", "content": obj["prompt"]}], record_tools(obj)
+        )
+    form, content = to_messages(obj, prompt=prompt)
+    if form == "text":
+        return Conversation("text", [], None, content)
+    return Conversation(form, content, record_tools(obj))
+
+
+def prompt_of(conv: Conversation) -> Conversation:
+    """What a model is asked: the conversation as it is when its last turn is the user's (or a
+    tool's result), else cut before its last assistant turn."""
+    if conv.form == "text":
+        raise RecordError("plain text has no turns to prompt with", "text")
+    msgs = conv.messages
+    if msgs[-1]["role"] not in ("user", "tool"):
+        last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=0)
+        msgs = msgs[:last]
+    if not msgs or msgs[-1]["role"] not in ("user", "tool"):
+        raise RecordError("no user turn to answer", "no-user")
+    return Conversation(conv.form, msgs, conv.tools)

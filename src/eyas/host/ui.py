@@ -127,11 +127,21 @@ class Reporter:
         self._logged = self.done
         rate = self.recent() if self.recent is not None else self.rate()
         console.print(
-            f"{self.label}: {self.done}/{self.total} {self.unit} ({rate or 0:.1f}/s) "
+            f"{self.label}: {self.done}/{self.total} {self.unit} ({pace(rate, self.unit)}) "
             f"{self.extra()} ETA {self._eta_text()}",
             markup=False,
             highlight=False,
         )
+
+
+def pace(rate: float | None, unit: str) -> str:
+    """Units per second, or seconds per unit when a unit takes longer than a second (a CPU
+    training step), so that a slow pace never reads as 0.0/s."""
+    if not rate:
+        return "-"
+    if rate >= 1:
+        return f"{rate:.1f}/s"
+    return f"{1 / rate:.1f} s/{unit.rstrip('s') if unit.endswith('s') else unit}"
 
 
 class still_working:  # noqa: N801 - used as a context manager, like a function

@@ -45,6 +45,48 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen3's chat format, as a tool-calling run is rehearsed with: ChatML turns; tools declared in
+# the system turn as JSON lines inside <tools></tools>; each call as a JSON object inside
+# <tool_call></tool_call>; tool results as a user turn of <tool_response> blocks; the reasoning
+# of assistant turns after the last user message as <think>\n...\n</think>\n\n (earlier turns'
+# reasoning is dropped); `enable_thinking=False` opens the generation prompt with an empty think.
+QWEN3_SPECIAL_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                        "</tool_response>"]  # fmt: skip
+QWEN3_TEMPLATE = (
+    "{%- set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' + (sys + '\\n\\n' if sys else '') + '# Tools\\n\\nYou may call functions. '"
+    " + 'Their signatures, one JSON object a line:\\n<tools>' -}}"
+    "{%- for t in tools -%}{{- '\\n' + (t | tojson) -}}{%- endfor -%}"
+    '{{- \'\\n</tools>\\n\\nAnswer a call as a JSON object with "name" and "arguments" inside \''
+    " + '<tool_call></tool_call>.<|im_end|>\\n' -}}"
+    "{%- elif sys -%}{{- '<|im_start|>system\\n' + sys + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' and loop.first -%}"
+    "{%- elif m['role'] in ('user', 'system') -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+    "{%- elif m['role'] == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if loop.index0 > ns.last_user and m.get('reasoning_content') -%}"
+    "{{- '<think>\\n' + (m['reasoning_content'] | trim) + '\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{{- m['content'] or '' -}}"
+    "{%- for tc in m.get('tool_calls') or [] -%}"
+    "{%- if not loop.first or m['content'] -%}{{- '\\n' -}}{%- endif -%}"
+    "{%- set args = tc['function']['arguments'] -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tc['function']['name'] + '\", \"arguments\": '"
+    " + (args if args is string else args | tojson) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}{{- '<|im_end|>\\n' -}}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+
 
 # Kimi-K2.5's chat format (a tiktoken tokenizer's special tokens, here in a small BPE): turns
 # as <|im_ROLE|>ROLE<|im_middle|>...<|im_end|>; a default system prompt; an assistant turn is
@@ -163,15 +205,17 @@ def train_tokenizer(texts: list[str], vocab_size: int = 2048, template: str = LL
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    kimi = template == KIMI_TEMPLATE
+    kimi, qwen3 = template == KIMI_TEMPLATE, template == QWEN3_TEMPLATE
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=KIMI_SPECIAL_TOKENS if kimi else SPECIAL_TOKENS,
+        special_tokens=KIMI_SPECIAL_TOKENS
+        if kimi
+        else SPECIAL_TOKENS + (QWEN3_SPECIAL_TOKENS if qwen3 else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    chatml = template == CHATML_TEMPLATE
+    chatml = template in (CHATML_TEMPLATE, QWEN3_TEMPLATE)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="[BOS]" if kimi else "<|begin_of_text|>",
@@ -385,7 +429,7 @@ def build_tiny_target(
             raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
         if tokenizer is None:
             template = {
-                "qwen3": CHATML_TEMPLATE,
+                "qwen3": QWEN3_TEMPLATE,
                 "qwen2": CHATML_TEMPLATE,
                 "kimi_k25": KIMI_TEMPLATE,
             }.get(arch, LLAMA3_TEMPLATE)

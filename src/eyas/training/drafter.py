@@ -2,10 +2,15 @@
 
 Shapes: B batch, T tokens, H hidden size, D draft vocabulary, V target vocabulary.
 
-    aux (B, T, 3H) --fc--> fused (B, T, H)
+    aux (B, T, 3H) [--input_norm-->] --fc--> fused (B, T, H)
     [input_layernorm(embed(x_{t+1})) ; hidden_norm(fused_t)]  (B, T, 2H)
         -> one Llama decoder layer (q/k/v take 2H) -> h (B, T, H)
         -> norm -> lm_head -> logits over the draft vocabulary (B, T, D)
+
+Three switches say where the states are normalised, as the serving engines name them:
+`norm_before_fc` (an RMSNorm over the concatenated 3H target states before `fc`),
+`norm_before_residual` (the decoder layer's residual is the normed fused state) and
+`norm_output` (the normed state, not h, is what the next TTT step and the head read).
 
 Training-time test (TTT) unrolls k steps. Step i > 0 at root t takes [embed(x_{t+1+i}) ;
 h_{i-1}(t)] at RoPE position t+i, and attends to step 0's keys at roots 0..t plus its own
@@ -46,6 +51,11 @@ class DrafterConfig:
     """If true the residual of the decoder layer is hidden_norm(fused), else fused itself.
     False trains better on a real target (SmolLM2-135M, 600 conversations: val acc/step
     after one epoch [0.232 0.184 0.162] against [0.164 0.157 0.154]; bench/RESULTS.md)."""
+    norm_before_fc: bool = False
+    """If true an RMSNorm (`input_norm`, width 3H) evens out the target states before `fc`."""
+    norm_output: bool = False
+    """If true the next TTT step and the head read norm(h), not h (then the head has no norm
+    of its own before it)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -203,6 +213,7 @@ class Drafter(nn.Module):
         H = c.hidden_size
         self.embed_tokens = nn.Embedding(c.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.input_norm = RMSNorm(3 * H, c.rms_norm_eps) if c.norm_before_fc else None
         self.fc = nn.Linear(3 * H, H, bias=False)
         self.midlayer = DecoderLayer(c)
         self.norm = RMSNorm(H, c.rms_norm_eps)
@@ -221,8 +232,15 @@ class Drafter(nn.Module):
     def draft_ids(self) -> torch.Tensor:
         return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)  # (D,) target ids
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h))  # (B, T, D)
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target states (B, T, 3H) -> the fused state (B, T, H)."""
+        return self.fc(self.input_norm(aux) if self.input_norm is not None else aux)
+
+    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layer's output h (B, T, H) -> logits (B, T, D) and the state the next
+        TTT step reads (B, T, H): h itself, or norm(h) with `norm_output`."""
+        normed = self.norm(h)
+        return self.lm_head(normed), normed if self.config.norm_output else h
 
     def forward_ttt(
         self,
@@ -257,7 +275,7 @@ class Drafter(nn.Module):
                 causal = causal & (
                     segments[:, None, :, None] == segments[:, None, None, :]
                 )  # (B, 1, T, T)
-        hidden = self.fc(aux)  # (B, T, H)
+        hidden = self.fuse(aux)  # (B, T, H)
         prefix_k = prefix_v = None
         chain_k: list[torch.Tensor] = []
         chain_v: list[torch.Tensor] = []
@@ -278,8 +296,8 @@ class Drafter(nn.Module):
                 a = attn.project(
                     impl(q, prefix_k, prefix_v, chain_k, chain_v, segments=segments)
                 )  # never (T, T) at once
-            hidden = layer.finish(a, residual)  # (B, T, H)
-            out.append((self.logits(hidden), hidden))
+            logits, hidden = self.head(layer.finish(a, residual))  # (B, T, D), (B, T, H)
+            out.append((logits, hidden))
         return out
 
     # -------------------------------------------------------------- inference
@@ -289,7 +307,7 @@ class Drafter(nn.Module):
         self, next_ids: torch.Tensor, aux: torch.Tensor, start: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Step-0 keys/values for roots start..start+n-1: next_ids (1, n) are x_{t+1}, aux (1, n, 3H)."""
-        x, _ = self.midlayer.inputs(self.embed_tokens(next_ids), self.fc(aux))
+        x, _ = self.midlayer.inputs(self.embed_tokens(next_ids), self.fuse(aux))
         pos = torch.arange(start, start + next_ids.shape[1], device=next_ids.device)[None]
         _, k, v = self.midlayer.self_attn.qkv(x, pos)
         return k, v
@@ -306,7 +324,7 @@ class Drafter(nn.Module):
         layer, attn = self.midlayer, self.midlayer.self_attn
         dev = prefix_k.device
         full = torch.ones(1, prefix_k.shape[2], dtype=torch.bool, device=dev)
-        hidden = self.fc(last_aux)  # (1, 1, H)
+        hidden = self.fuse(last_aux)  # (1, 1, H)
         tok = torch.tensor([[next_id]], device=dev)
         chain_k: list[torch.Tensor] = []
         chain_v: list[torch.Tensor] = []
@@ -318,8 +336,8 @@ class Drafter(nn.Module):
                 chain_k.append(kk)
                 chain_v.append(vv)
             a = attn.attend(q, prefix_k, prefix_v, chain_k, chain_v, full)
-            hidden = layer.finish(a, residual)  # (1, 1, H)
-            d = int(self.logits(hidden)[0, -1].argmax())
+            logits, hidden = self.head(layer.finish(a, residual))  # (1, 1, D), (1, 1, H)
+            d = int(logits[0, -1].argmax())
             tok = self.draft_ids[d].view(1, 1)
             drafts.append(int(tok))
         return drafts

@@ -20,7 +20,6 @@ optimizer and the schedule, and does a step, an evaluation or a checkpoint when 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -51,6 +50,7 @@ from .checkpoint import (
     remove_stale_temp,
     save_final,
 )
+from .config import TrainConfig
 from .loss import add_targets, loss_masks, summarize, target_view, ttt_loss
 from .train_data import (
     SampleReader,
@@ -61,105 +61,6 @@ from .train_data import (
     usable_samples,
 )
 from .trainer import StepAbandoned, Trainer, all_reduce_cpu, build_drafter, draft_vocab_for
-from .ttt_attention import IMPLEMENTATIONS
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    data: str
-    """Extraction run directory (from `eyas extract`)."""
-    out: str
-    """Training directory: checkpoints, metrics.jsonl, plots, train.json."""
-    model: str | None = None
-    """Target model directory for lm_head/embeddings; default: the run's recorded model."""
-    epochs: int = 3
-    ttt_steps: int = 7
-    """Unrolled training-time-test steps k."""
-    step_decay: float = 0.8
-    """Weight of step i's loss is step_decay ** i."""
-    lr: float | None = None
-    """Peak learning rate; default: chosen from the run's size (see `auto_schedule`)."""
-    min_lr_ratio: float = 0.1
-    """Cosine schedule ends at lr * min_lr_ratio."""
-    warmup_steps: int | None = None
-    """Linear warmup; default: a tenth of the run's optimizer steps, at most 50."""
-    weight_decay: float = 0.0
-    """AdamW's decoupled weight decay."""
-    feature_noise: float = 0.0
-    """Training only: Gaussian noise added to each of the three fused target states, with a
-    standard deviation of this fraction of that state's RMS at its token (0: none)."""
-    grad_clip: float = 0.5
-    batch_tokens: int | None = None
-    """Token budget of one micro-batch (summed over ranks); default: chosen from the run's
-    size (see `auto_schedule`)."""
-    grad_accum: int = 1
-    val_fraction: float = 0.05
-    eval_every: int = 0
-    """Also evaluate every N optimizer steps (0: once per epoch only)."""
-    save_every: int = 100
-    keep_checkpoints: int = 2
-    draft_vocab_size: int | None = None
-    """D; default: the dataset's (32000 or the target vocab if smaller)."""
-    dtype: str = "float32"
-    """float32 or bfloat16 (autocast on GPU)."""
-    device: str = "auto"
-    seed: int = 0
-    verify_data: bool = True
-    """Check every sample's tensor checksums on its first read (files are always checked
-    against their journal entries)."""
-    intermediate_size: int | None = None
-    """Override the drafter MLP width (default: the target's)."""
-    attention: str = "auto"
-    """TTT attention: `reference` (full score matrices), `chunked` (blockwise, O(T) memory, any
-    device), `flex` (fused kernel, GPU); `auto`: flex on a GPU, chunked on a CPU."""
-    allow_partial: bool = False
-    """Train on a run whose extraction is not finished (only the samples committed so far)."""
-    head_init: str = "random"
-    """The drafter's output head at the start: `random`, `target` (the target's own lm_head
-    rows for the draft vocabulary, and its final norm's weight; still trained) or
-    `target-frozen` (the same, the head never trained). `target` helps the demo's tiny target
-    (val acc/step after its 3 epochs [0.57 0.44 0.42]) and hurts a real one (SmolLM2-135M:
-    loss0 17 at the start against ln 8192 = 9.0, and lower accuracy at every TTT step after
-    the same training, [0.24 0.09 0.05] against random's [0.26 0.17 0.12]). Scaling the norm
-    so that the untrained drafter's logits spread as a random head's (std 5.6 -> 0.58 there)
-    made it level with random on the real target ([0.27 0.16 0.10] at 100 conversations;
-    [0.24 0.18 0.16] against [0.24 0.19 0.17] at 1,000, one epoch) but took the demo's
-    benefit away ([0.39 0.36 0.34]), so it is not done: `random` is the default, and the demo
-    asks for `target`."""
-    pack: bool = False
-    """Pack samples one after another into rows of --batch-tokens (attention and positions
-    per sample) instead of padding each to its batch's longest: no padded compute."""
-    follow: bool = False
-    """Train while the run is extracted: committed samples as they appear, each once per
-    extraction pass; the extractor's --max-store deletes what every follower has passed."""
-    report_to: str = "none"
-    """`tensorboard`: the metrics also as TensorBoard event files in OUT/tensorboard (loss and
-    accuracy per TTT step, lr, tokens/s, validation); needs `pip install -e '.[tensorboard]'`."""
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.report_to not in ("none", "tensorboard"):
-            raise ValueError(f"--report-to must be none or tensorboard, got {self.report_to!r}")
-        if self.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-            raise ValueError("--report-to tensorboard needs the tensorboard package: "
-                             "pip install -e '.[tensorboard]' (or pip install tensorboard)")  # fmt: skip
-        if self.head_init not in ("target", "target-frozen", "random"):
-            raise ValueError(
-                f"--head-init must be target, target-frozen or random, got {self.head_init!r}"
-            )
-        if self.feature_noise < 0 or self.weight_decay < 0:
-            raise ValueError("--feature-noise and --weight-decay must not be negative")
-        if self.ttt_steps < 1 or self.epochs < 1 or self.grad_accum < 1:
-            raise ValueError("--ttt-steps, --epochs and --grad-accum must be at least 1")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"--val-fraction must lie in [0, 1), got {self.val_fraction}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.attention not in ("auto", *IMPLEMENTATIONS):
-            raise ValueError(
-                f"--attention must be auto, {', '.join(IMPLEMENTATIONS)}; got {self.attention!r}"
-            )
-
 
 # May differ on resume. Paths may change (a moved run or training directory resumes):
 # the data and the target are identified by their fingerprints, not where they live.
@@ -168,7 +69,9 @@ _RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "
 
 
 # What a training directory made before these options existed was trained with.
-_BEFORE = {"head_init": "random", "pack": False, "follow": False, "feature_noise": 0.0}
+_BEFORE = {"head_init": "random", "pack": False, "follow": False, "feature_noise": 0.0,
+           "optimizer": "adamw", "norm_before_fc": False, "norm_before_residual": False,
+           "norm_output": False}  # fmt: skip
 
 
 class TrainStopped(Exception):
@@ -259,10 +162,11 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     if cfg.follow:
         _wait_for_run(run)
     meta = read_run_meta(run)
+    auto = cfg.batch_tokens is None and cfg.lr is None  # the few-steps advice differs
     cfg = _resolve_schedule(cfg, meta, rank)
     done = None if cfg.follow else _check_complete(run, meta, cfg.allow_partial)
     if rank != 0:
-        return _train(cfg, resume, rank, world, run, out, meta, done)
+        return _train(cfg, resume, rank, world, run, out, meta, done, auto)
     new_dir, fresh = not out.exists(), not (out / "train.json").exists()
     out.mkdir(parents=True, exist_ok=True)
     lock = WriterLock(out, 0, 1, what="train").acquire()
@@ -272,7 +176,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
             console.print(
                 f"removed {p}, left by a killed checkpoint save", markup=False, highlight=False
             )
-        return _train(cfg, resume, rank, world, run, out, meta, done)
+        return _train(cfg, resume, rank, world, run, out, meta, done, auto)
     except OSError as exc:
         if is_disk_full(exc) and not isinstance(exc, DiskFullError):
             raise DiskFullError(exc.errno, f"no space left writing to {out} ({exc})") from exc
@@ -351,15 +255,25 @@ def _record_config(cfg: TrainConfig, resume: bool, rank: int, world: int, run: P
     elif rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(saved, {"config": asdict(cfg), "data": {"run": str(run.resolve()), **ident},
+                                  "rendering": _rendering(meta),
                                   "aux_layers": meta["aux_layers"], "aux_layers_hf": meta["aux_layers_hf"],
                                   "model_path": str(Path(cfg.model or meta["model_path"]).resolve()),
                                   "world": world, "threads": choose_threads()
                                   if not torch.cuda.is_available() else None})  # fmt: skip
 
 
+def _rendering(meta: dict) -> dict:
+    """How the training data was rendered, for `evaluate` to render its prompts alike: the
+    tokenizer (and chat template) fingerprint and the template variables of the dataset."""
+    ds = Path(meta["dataset_path"]) / "dataset.json"
+    fp = read_json(ds).get("tokenizer_fingerprint") if ds.is_file() else None
+    kwargs = (meta.get("dataset_prepare") or {}).get("chat_template_kwargs")
+    return {"tokenizer_fingerprint": fp, "chat_template_kwargs": kwargs}
+
+
 def _train(
     cfg: TrainConfig, resume: bool, rank: int, world: int, run: Path, out: Path, meta: dict,
-    done: dict[int, dict] | None,
+    done: dict[int, dict] | None, auto: bool = False,
 ) -> dict:  # fmt: skip
     _record_config(cfg, resume, rank, world, run, out, meta)
     saved = out / "train.json"
@@ -411,13 +325,13 @@ def _train(
         source = StoreSource(cfg, entries, *split_samples(sorted(entries), cfg.val_fraction))
     try:
         trainer = Trainer(cfg, meta, rank, world, device, out, reader)
-        return _loop(cfg, trainer, source, resume, rank, world, run, out, log)
+        return _loop(cfg, trainer, source, resume, rank, world, run, out, log, auto)
     finally:
         reader.close()
 
 
 def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, world: int,
-          run: Path, out: Path, log) -> dict:  # fmt: skip
+          run: Path, out: Path, log, auto: bool = False) -> dict:  # fmt: skip
     """Epochs of windows of optimizer steps, from `source`; metrics, evaluation, checkpoints,
     and a clean stop on SIGTERM/SIGINT."""
     trainer.schedule(cfg.epochs * source.steps_per_epoch() // cfg.grad_accum)
@@ -428,10 +342,12 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
         log(f"warning: --warmup-steps {warmup} >= the run's {total_steps} optimizer steps: the learning "
             "rate never reaches --lr; train longer (--epochs) or lower --warmup-steps")  # fmt: skip
     if rank == 0 and cfg.progress and total_steps < 20:
-        log(f"warning: only {total_steps} optimizer steps ({source.describe()}, "
-            f"--batch-tokens {cfg.batch_tokens}): the drafter will learn little. Lower --batch-tokens "
-            f"(more steps per epoch; 2048 suits a few hundred conversations) with --lr 3e-3 (or leave "
-            "both out: train picks them from the run's size), or add epochs or data")  # fmt: skip
+        how = ("add epochs (--epochs) or data: --lr and --batch-tokens were already chosen for this run's size"
+               if auto else
+               "lower --batch-tokens (more steps per epoch; 2048 suits a few hundred conversations) with "
+               "--lr 3e-3 (or leave both out: train picks them from the run's size), or add epochs or data")  # fmt: skip
+        log(f"warning: only {total_steps} optimizer steps ({source.describe()}, --batch-tokens "
+            f"{cfg.batch_tokens}): the drafter will learn little; {how}")  # fmt: skip
 
     stop: list[str] = []
     handlers = {}
@@ -457,6 +373,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
         _truncate_metrics(out / "consumed.jsonl", state["step"])
 
     saved_step = [state["step"]]
+    start_step = state["step"]
 
     def checkpoint(st: dict) -> None:
         trainer.save(source.stamp(st))
@@ -580,7 +497,8 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
         for sig, h in handlers.items():
             signal.signal(sig, h)
     elapsed = time.monotonic() - t0
-    return {"val": last_val, "steps": state["step"], "tokens_per_s": tokens_seen * world / max(loop_seconds, 1e-9),
+    return {"val": last_val, "steps": state["step"], "steps_now": state["step"] - start_step,
+            "tokens_per_s": tokens_seen * world / max(loop_seconds, 1e-9),
             "seconds": elapsed, "waited_s": getattr(source, "waited", 0.0)}  # fmt: skip
 
 

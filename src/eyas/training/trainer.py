@@ -27,7 +27,7 @@ from .train_data import SampleReader, prefetch, to_device
 def build_drafter(cfg, meta: dict) -> tuple[Drafter, torch.Tensor | None]:
     """Drafter sized from the target, with the target's frozen embeddings; returns the
     target's lm_head too (None when the run stores the target's top-K: not needed)."""
-    from ..data.prepare import PreparedDataset
+    from ..data.prepare import PreparedDataset, check_tokenizer
     from ..targets.target import check_model_dir, model_fingerprint, text_config
 
     model_dir = cfg.model or meta["model_path"]
@@ -37,9 +37,12 @@ def build_drafter(cfg, meta: dict) -> tuple[Drafter, torch.Tensor | None]:
                          f"the run's is {meta['model_fingerprint']}); pass the right --model")  # fmt: skip
     tcfg = text_config(model_dir)  # a wrapper's language model (Kimi-K2.5) sizes the drafter
     ds = PreparedDataset.open(meta["dataset_path"], check=False)
+    check_tokenizer(meta["dataset_path"], ds.meta, model_dir,
+                    trust_remote_code=bool(meta.get("trust_remote_code_required")))  # fmt: skip
     draft_ids = ds.draft_vocab(draft_vocab_for(cfg.draft_vocab_size, meta))
     over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
-    dcfg = DrafterConfig.from_target(tcfg, len(draft_ids), **over)
+    norms = {k: getattr(cfg, k) for k in ("norm_before_fc", "norm_before_residual", "norm_output")}
+    dcfg = DrafterConfig.from_target(tcfg, len(draft_ids), **over, **norms)
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dcfg)
     drafter.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
@@ -51,7 +54,10 @@ def build_drafter(cfg, meta: dict) -> tuple[Drafter, torch.Tensor | None]:
         # The drafter's last state stands in for the target's pre-norm state, so the target's
         # final norm and head rows are where the drafter's norm and head should start.
         drafter.lm_head.weight.data.copy_(head[draft_ids])  # (D, H)
-        drafter.norm.weight.data.copy_(final_norm_weight(model_dir).float())  # (H,)
+        if not dcfg.norm_output:
+            # With norm_output the normed state is the next step's input too, so the norm
+            # starts at one, as every other norm of the drafter does.
+            drafter.norm.weight.data.copy_(final_norm_weight(model_dir).float())  # (H,)
         drafter.lm_head.weight.requires_grad_(cfg.head_init != "target-frozen")
     return drafter, None if topk else head
 
@@ -87,6 +93,19 @@ def noisy(aux: torch.Tensor, scale: float, gen: torch.Generator | None = None) -
     return (parts + noise * rms * scale).view(B, T, H3)
 
 
+def warmup_for(asked: int | None, total_steps: int) -> int:
+    """Warmup steps: as asked, else a tenth of the run's optimizer steps, at most 50."""
+    return asked if asked is not None else min(50, max(1, total_steps // 10))
+
+
+def lr_at(step: int, lr: float, floor: float, warmup: int, total_steps: int) -> float:
+    """Linear warmup, then cosine down to lr * floor at the last step."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
 class Trainer:
     """The model side of training: the drafter and its optimizer, the learning-rate
     schedule, one optimizer step over a group of micro-batches, evaluation and checkpoints.
@@ -112,9 +131,7 @@ class Trainer:
         self.drafter.to(device)
         self.lm_head = lm_head.to(device) if lm_head is not None else None
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
-        )
+        self.opt = build_optimizer(self.drafter, cfg)
         self.autocast = torch.autocast(
             device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"
         )
@@ -122,16 +139,10 @@ class Trainer:
 
     def schedule(self, total_steps: int) -> None:
         self.total_steps = max(1, total_steps)
-        w = self.cfg.warmup_steps
-        self.warmup = w if w is not None else min(50, max(1, self.total_steps // 10))
+        self.warmup = warmup_for(self.cfg.warmup_steps, self.total_steps)
 
     def lr_at(self, step: int) -> float:
-        """Linear warmup, then cosine down to lr * min_lr_ratio at the last step."""
-        lr, floor = self.cfg.lr, self.cfg.min_lr_ratio
-        if step < self.warmup:
-            return lr * (step + 1) / self.warmup
-        frac = min(1.0, (step - self.warmup) / max(1, self.total_steps - self.warmup))
-        return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+        return lr_at(step, self.cfg.lr, self.cfg.min_lr_ratio, self.warmup, self.total_steps)
 
     def load(self, idx_all: list[int]) -> dict:
         """This rank's share of a global micro-batch, on the device (the prefetch thread)."""
@@ -212,8 +223,10 @@ class Trainer:
 
     def _steps_done(self) -> int:
         """Optimizer steps taken so far, as AdamW counts them (0 before the first)."""
-        state = self.opt.state.get(self.params[0], {})
-        return int(state["step"]) if "step" in state else 0
+        for p in self.params:
+            if "step" in (state := self.opt.state.get(p, {})):
+                return int(state["step"])
+        return 0
 
     def evaluate(self, batches: list[list[int]]) -> dict:
         """Validation summary over `batches` (every rank takes its share of each)."""
@@ -239,6 +252,71 @@ class Trainer:
         state, ckpt = found
         log(f"resuming from {ckpt} (epoch {state['epoch']}, batch {state['batch']})")
         return state
+
+
+def build_optimizer(drafter: Drafter, cfg) -> torch.optim.Optimizer | Optimizers:
+    """AdamW over every trainable parameter, or with `--optimizer muon` Muon over the 2-D
+    matrices of `fc` and the decoder layer (momentum 0.95, weight decay 0.1, its update
+    scaled to the RMS of AdamW's so one learning rate serves both) and AdamW over the rest:
+    norms and the head, whose rows are per-token vectors, not a map Muon should orthogonalise."""
+    adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW([p for _, p in named], **adamw)
+    matrices = [p for n, p in named if p.ndim == 2 and min(p.shape) > 1 and "lm_head" not in n]
+    rest = [p for n, p in named if not any(p is q for q in matrices)]
+    muon = torch.optim.Muon(matrices, lr=cfg.lr, momentum=0.95, weight_decay=0.1,
+                            adjust_lr_fn="match_rms_adamw")  # fmt: skip
+    return Optimizers([muon, torch.optim.AdamW(rest, **adamw)] if rest else [muon])
+
+
+class Optimizers:
+    """Several optimizers over disjoint parameters, stepped as one. Its state dict numbers
+    the parameters across all of them in order, as a single optimizer's does, so a
+    checkpoint stores and restores it the same way."""
+
+    def __init__(self, parts: list[torch.optim.Optimizer]):
+        self.parts = parts
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.parts for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for o in self.parts for p, s in o.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.parts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.parts:
+            o.step()
+
+    def _sizes(self) -> list[int]:
+        return [sum(len(g["params"]) for g in o.param_groups) for o in self.parts]
+
+    def state_dict(self) -> dict:
+        state, groups, offset = {}, [], 0
+        for o, n in zip(self.parts, self._sizes(), strict=True):
+            sd = o.state_dict()
+            state.update({offset + i: s for i, s in sd["state"].items()})
+            groups += [
+                {**g, "params": [offset + i for i in g["params"]]} for g in sd["param_groups"]
+            ]
+            offset += n
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, sd: dict) -> None:
+        offset = 0
+        for o, n in zip(self.parts, self._sizes(), strict=True):
+            own = o.state_dict()
+            own["state"] = {
+                i - offset: s for i, s in sd["state"].items() if offset <= i < offset + n
+            }
+            o.load_state_dict(own)
+            offset += n
 
 
 class StepAbandoned(Exception):

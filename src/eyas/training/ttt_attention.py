@@ -22,8 +22,6 @@ import math
 
 import torch
 
-IMPLEMENTATIONS = ("reference", "chunked", "flex")
-
 
 class _ChunkedTTT(torch.autograd.Function):
     @staticmethod

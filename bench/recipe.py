@@ -1,0 +1,149 @@
+"""Which training choices make a better drafter: variants of `eyas train` on one extraction,
+each judged on a held-out extraction with one metric.
+
+    python bench/recipe.py --run RUN --holdout HOLDOUT_RUN --work WORK \\
+        --variant base= --variant muon='--optimizer muon' [--seeds 0,1] [--jobs 2]
+
+Every variant trains `--ttt-steps 3 --epochs 3` (plus `--common` and its own options) on RUN,
+once per seed, in its own process on one CPU thread, `--jobs` at a time; a finished training
+is reused. Each trained drafter is then scored on every sample of HOLDOUT_RUN (another
+extraction of the same target; different conversations): accuracy per TTT step, conditional
+accuracy and the estimated acceptance length, with eyas's metric for all. Prints one row per
+variant (the mean over seeds, and each seed) and writes WORK/recipe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def holdout_accuracy(train_dir: Path, holdout: Path, steps: int) -> dict:
+    """eyas's validation summary of a trained drafter over every sample of `holdout`."""
+    import torch
+
+    from eyas.run.runmeta import read_run_meta
+    from eyas.targets.weights import lm_head_weight
+    from eyas.training.checkpoint import load_final
+    from eyas.training.drafter import Drafter, DrafterConfig
+    from eyas.training.loss import add_targets, summarize, ttt_loss
+    from eyas.training.train_data import SampleReader, plan_batches, to_device, usable_samples
+
+    state, cdict = load_final(train_dir)
+    d = Drafter(DrafterConfig(**cdict))
+    d.load_state_dict(state)
+    d.eval()
+    meta = read_run_meta(holdout)
+    entries, _ = usable_samples(holdout, meta["hidden_size"], lambda m: None)
+    reader = SampleReader(holdout, entries, checksums=True)
+    head = lm_head_weight(meta["model_path"]).float()
+    stats = torch.zeros(steps, 6, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            for idx in plan_batches(
+                {i: e["tokens"] for i, e in entries.items()}, sorted(entries), 4096
+            ):
+                host = reader.batch(idx)
+                b = to_device(host, torch.device("cpu"))
+                reader.release(host)
+                add_targets(b, d, head)
+                stats += ttt_loss(d, b, steps, 1.0)[1]
+    finally:
+        reader.close()
+    s = summarize(stats)
+    s["positions"] = int(stats[0, 3])
+    return s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", type=Path, required=True, help="the extraction to train on")
+    ap.add_argument(
+        "--holdout", type=Path, required=True, help="an extraction of other conversations"
+    )
+    ap.add_argument("--work", type=Path, required=True, help="where the trainings go")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=OPTIONS: eyas train options of one variant (repeat)")  # fmt: skip
+    ap.add_argument("--common", default="", help="options every variant gets")
+    ap.add_argument("--seeds", default="0", help="comma-separated training seeds")
+    ap.add_argument("--jobs", type=int, default=2, help="trainings at once (one thread each)")
+    ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=3)
+    args = ap.parse_args()
+    variants = dict(v.split("=", 1) for v in args.variant)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    args.work.mkdir(parents=True, exist_ok=True)
+    todo = [(n, s) for n in variants for s in seeds]
+    env = {**os.environ, "EYAS_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    running: dict = {}
+    t0 = time.monotonic()
+    while todo or running:
+        while todo and len(running) < args.jobs:
+            name, seed = todo.pop(0)
+            out = args.work / f"{name}-s{seed}"
+            if (out / "drafter.manifest.json").is_file():
+                continue
+            cmd = [sys.executable, "-m", "eyas.cli", "train", "--data", str(args.run), "--out", str(out),
+                   "--ttt-steps", str(args.ttt_steps), "--epochs", str(args.epochs), "--seed", str(seed),
+                   *shlex.split(args.common), *shlex.split(variants[name])]  # fmt: skip
+            if (out / "train.json").is_file():
+                cmd.append("--resume")
+            log = open(args.work / f"{name}-s{seed}.log", "a")
+            print(
+                f"[{time.monotonic() - t0:.0f} s] start {name} seed {seed}: {shlex.join(cmd[3:])}",
+                flush=True,
+            )
+            running[(name, seed)] = (
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
+                log,
+            )
+        for key, (p, log) in list(running.items()):
+            if p.poll() is not None:
+                log.close()
+                del running[key]
+                print(
+                    f"[{time.monotonic() - t0:.0f} s] {key[0]} seed {key[1]} exit {p.returncode}",
+                    flush=True,
+                )
+        time.sleep(2)
+    rows = {}
+    for name in variants:
+        per = {}
+        for s in seeds:
+            out = args.work / f"{name}-s{s}"
+            if (out / "drafter.manifest.json").is_file():
+                per[s] = holdout_accuracy(out, args.holdout, args.ttt_steps)
+        rows[name] = per
+    (args.work / "recipe.json").write_text(
+        json.dumps({"variants": variants, "results": rows}, indent=1)
+    )
+    fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    print(
+        f"\nheld-out {args.holdout}: accuracy per TTT step | conditional | est. acceptance (k={args.ttt_steps})"
+    )
+    for name, per in rows.items():
+        if not per:
+            print(f"{name:<24} (no finished training)")
+            continue
+
+        def mean(key: str, per: dict = per) -> list[float]:
+            return [sum(p[key][i] for p in per.values()) / len(per) for i in range(args.ttt_steps)]
+
+        acc = sum(p["accept_len"][-1] for p in per.values()) / len(per)
+        print(
+            f"{name:<24} {fmt(mean('acc'))} | {fmt(mean('cond_acc'))} | {acc:.3f}   ({variants[name] or 'eyas as it is'})"
+        )
+        for s, p in per.items():
+            print(
+                f"{'':<24} seed {s}: {fmt(p['acc'])} | {fmt(p['cond_acc'])} | {p['accept_len'][-1]:.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Command-line options defined once: a command's options come from its config dataclass,
+each with the field's default and, as its help, the docstring written under the field.
+
+    @app.command()
+    @config_options(TrainConfig, skip={"progress"})
+    def train(ctx: typer.Context, out: Path = typer.Option(...), opts: dict = OPTS) -> None:
+        cfg = TrainConfig(out=str(out), **opts)
+
+Fields of a type a command line cannot give (tuples, dicts) and those in `skip` are left to
+the command. `given(ctx, opts)` keeps only the options typed on this command line: what a
+resume may change, as opposed to what the saved config already says.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import types
+import typing
+
+import typer
+from rich.markup import escape
+
+__all__ = ["OPTS", "config_options", "field_docs", "given"]
+
+OPTS: dict = {}  # the `opts` parameter's marker: the config fields' values arrive there
+_SCALARS = (int, float, str, bool)
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass, whitespace folded to one line."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for a, b in zip(body, body[1:], strict=False):
+            if (
+                isinstance(a, ast.AnnAssign)
+                and isinstance(a.target, ast.Name)
+                and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant)
+                and isinstance(b.value.value, str)
+            ):
+                docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+def _scalar(tp) -> type | None:
+    """int, float, str or bool for `tp` or `tp | None`; None for anything else."""
+    if tp in _SCALARS:
+        return tp
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1 and rest[0] in _SCALARS:
+            return tp
+    return None
+
+
+def config_options(cls, *, skip: set[str] | frozenset = frozenset()):
+    """Give the decorated command one option per field of `cls` (not in `skip`, not declared
+    by the command itself); their values reach it as the dict `opts`."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+
+    def deco(func):
+        resolved = typing.get_type_hints(func)  # the command's own annotations, as types
+        own = [p.replace(annotation=resolved.get(p.name, p.annotation))
+               for p in inspect.signature(func).parameters.values() if p.name != "opts"]  # fmt: skip
+        taken = {p.name for p in own} | set(skip)
+        generated = []
+        for f in dataclasses.fields(cls):
+            tp = _scalar(hints[f.name])
+            if f.name in taken or tp is None:
+                continue
+            if f.default is dataclasses.MISSING:
+                raise TypeError(
+                    f"{cls.__name__}.{f.name} has no default: declare its option in the command"
+                )
+            flag = f"--{f.name.replace('_', '-')}"
+            if tp is bool and f.default:
+                flag = f"{flag}/--no-{f.name.replace('_', '-')}"
+            if f.name not in docs:
+                raise TypeError(
+                    f"{cls.__name__}.{f.name} has no docstring: an option must say what it does"
+                )
+            help_ = escape(docs[f.name])  # the help is rich markup: `[tensorboard]` is text
+            generated.append(inspect.Parameter(
+                f.name, inspect.Parameter.KEYWORD_ONLY, annotation=tp,
+                default=typer.Option(f.default, flag, help=help_, show_default=f.default is not None and f.default is not False),
+            ))  # fmt: skip
+        names = {p.name for p in generated}
+        params = sorted(own, key=lambda p: p.kind) + generated
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params]
+
+        @functools.wraps(func)
+        def command(**kw):
+            opts = {k: kw.pop(k) for k in list(kw) if k in names}
+            return func(**kw, opts=opts)
+
+        command.__signature__ = inspect.Signature(params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        del command.__wrapped__  # typer must read the signature above, not func's
+        return command
+
+    return deco
+
+
+def given(ctx: typer.Context, opts: dict) -> dict:
+    """The options of `opts` typed on this command line (not left at their defaults)."""
+    out = {}
+    for k, v in opts.items():
+        source = ctx.get_parameter_source(k)
+        if getattr(source, "name", None) == "COMMANDLINE":
+            out[k] = v
+    return out

@@ -1,0 +1,122 @@
+"""`TrainConfig`: what `eyas train` is asked to do, one field per option, each with its
+default and (as its docstring) the help the command line shows. Imports nothing heavy, so
+the command line can build its options without loading torch."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+ATTENTIONS = ("reference", "chunked", "flex")  # TTT attention implementations (ttt_attention)
+OPTIMIZERS = ("adamw", "muon")
+HEAD_INITS = ("random", "target", "target-frozen")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    data: str
+    """Extraction run directory (from `eyas extract`)."""
+    out: str
+    """Training directory: checkpoints, metrics.jsonl, plots, train.json."""
+    model: str | None = None
+    """Target model directory for lm_head/embeddings; default: the run's recorded model."""
+    epochs: int = 3
+    """Passes over the training samples."""
+    ttt_steps: int = 7
+    """Unrolled training-time-test steps k: the chain of drafts trained for."""
+    step_decay: float = 0.8
+    """Weight of TTT step i's loss: step_decay ** i."""
+    lr: float | None = None
+    """Peak learning rate; default: chosen from the run's size (train prints it)."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at lr * min_lr_ratio."""
+    warmup_steps: int | None = None
+    """Linear warmup steps; default: a tenth of the run's optimizer steps, at most 50."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay (of the norms and head only with --optimizer muon)."""
+    optimizer: str = "adamw"
+    """`adamw`, or `muon`: Muon for the matrices of fc and the decoder layer (momentum 0.95,
+    weight decay 0.1, update scaled to AdamW's RMS, at the same lr), AdamW for the rest."""
+    norm_before_fc: bool = False
+    """An RMSNorm over the three concatenated target states before fc."""
+    norm_before_residual: bool = False
+    """The decoder layer's residual is the normed fused state, not the raw one."""
+    norm_output: bool = False
+    """The next TTT step and the head read the drafter's normed state, not its raw one."""
+    feature_noise: float = 0.0
+    """Training only: Gaussian noise on each of the three fused target states, its standard
+    deviation this fraction of that state's RMS at its token (0: none)."""
+    grad_clip: float = 0.5
+    """Largest gradient norm of an optimizer step (larger ones are scaled down to it)."""
+    batch_tokens: int | None = None
+    """Tokens of one micro-batch, summed over ranks; default: chosen from the run's size
+    (2048, or 8192 where that still makes 2,000 steps)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    val_fraction: float = 0.05
+    """Share of the samples held out for validation (at the end of every epoch)."""
+    eval_every: int = 0
+    """Also evaluate every N optimizer steps (0: once per epoch only)."""
+    save_every: int = 100
+    """Checkpoint every N optimizer steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept; a damaged newest one falls back to an older one."""
+    draft_vocab_size: int | None = None
+    """Draft vocabulary size D; default: the dataset's (--draft-vocab-size of prepare)."""
+    dtype: str = "float32"
+    """float32 or bfloat16 (autocast on a GPU; the weights stay float32)."""
+    device: str = "auto"
+    """auto (the GPU where there is one), cpu, cuda or cuda:K."""
+    seed: int = 0
+    """Seed of the drafter's initial weights and the batch order."""
+    verify_data: bool = True
+    """Check every sample's tensor checksums on its first read (files are always checked
+    against their journal entries)."""
+    intermediate_size: int | None = None
+    """The drafter's MLP width; default: the target's."""
+    attention: str = "auto"
+    """TTT attention: reference (full score matrices), chunked (blockwise, O(T) memory, any
+    device), flex (fused kernel, GPU); auto: flex on a GPU, chunked on a CPU."""
+    allow_partial: bool = False
+    """Train on a run whose extraction is not finished (only the samples committed so far)."""
+    head_init: str = "random"
+    """The drafter's head at the start: random, target (the target's own lm_head rows for the
+    draft vocabulary; still trained) or target-frozen (the same, never trained)."""
+    pack: bool = False
+    """Pack samples one after another into rows of --batch-tokens (attention and positions
+    per sample) instead of padding each to its batch's longest."""
+    follow: bool = False
+    """Train while the run is extracted: committed samples as they appear, each once per
+    extraction pass; the extractor's --max-store deletes what every follower has passed."""
+    report_to: str = "none"
+    """tensorboard: the metrics also as TensorBoard events in OUT/tensorboard (needs
+    pip install -e '.[tensorboard]')."""
+    progress: bool = True
+    """Progress lines and summaries on the console."""
+
+    def __post_init__(self) -> None:
+        if self.report_to not in ("none", "tensorboard"):
+            raise ValueError(f"--report-to must be none or tensorboard, got {self.report_to!r}")
+        if self.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--report-to tensorboard needs the tensorboard package: "
+                             "pip install -e '.[tensorboard]' (or pip install tensorboard)")  # fmt: skip
+        if self.head_init not in HEAD_INITS:
+            raise ValueError(
+                f"--head-init must be one of {', '.join(HEAD_INITS)}, got {self.head_init!r}"
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if self.feature_noise < 0 or self.weight_decay < 0:
+            raise ValueError("--feature-noise and --weight-decay must not be negative")
+        if self.ttt_steps < 1 or self.epochs < 1 or self.grad_accum < 1:
+            raise ValueError("--ttt-steps, --epochs and --grad-accum must be at least 1")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must lie in [0, 1), got {self.val_fraction}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.attention not in ("auto", *ATTENTIONS):
+            raise ValueError(
+                f"--attention must be auto, {', '.join(ATTENTIONS)}; got {self.attention!r}"
+            )
