@@ -9,7 +9,8 @@ On one eyas extraction (RUN), this trains two EAGLE-3 drafters and judges them t
 - **the peer**: speculators 0.9's own `Eagle3DraftModel` as its CLI builds it (Muon with AdamW,
   `norm_before_fc`, `norm_before_residual`, `norm_output`, the target's head frozen), its KL
   loss, TTT alignment, packed collation and grad clip, in a virtual environment of its own
-  (`--venv`; made on first use from the package registry). It trains on the same samples,
+  (`--venv`; made on first use from the package registry; on a CPU its Muon orthogonalises
+  in float32, as eyas's does, not torch's bfloat16). It trains on the same samples,
   with eyas's train/validation split, batch plan (batch by batch), learning rate, warm-up
   and cosine schedule, for the same epochs; the target's stored last state is post-norm, so
   the peer's verifier norm is set to the identity. Its weights are then moved into eyas's
@@ -165,6 +166,17 @@ def worker(args) -> None:
     from eyas.run.runmeta import read_run_meta
     from eyas.training.train_data import SampleReader, to_device, usable_samples
 
+    # torch's Muon orthogonalises in bfloat16, which a CPU without fast bfloat16 runs about
+    # 50x slower than the rest of a step; on a CPU the peer's Muon runs the same iteration
+    # in float32, as eyas's does (on a GPU both keep bfloat16).
+    if not torch.cuda.is_available():
+        import torch.optim._muon as torch_muon
+
+        from eyas.training.muon import orthogonalise
+
+        torch_muon._zeropower_via_newtonschulz = lambda g, _coeffs, steps, eps: orthogonalise(
+            g, steps, eps
+        )
     plan = json.loads(Path(args.plan).read_text())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

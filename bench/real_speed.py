@@ -182,7 +182,7 @@ def _timed(fn, now: list[dict], name: str, longest: int | None = None):
 def part_decode(args, model_dir: str, drafter_dir: str) -> dict:
     """Per greedy step and per speculative round, prompts' prefills left out of both (the speedup, end to end, keeps them)."""
     from eyas.evaluate import AuxTap, EvalResult, greedy, read_prompts, render_prompts, speculative
-    from eyas.export import load_export
+    from eyas.export import export_kind, load_export
     from eyas.host.cpu import configure_threads
     from eyas.targets.target import load_causal_lm, load_tokenizer
 
@@ -201,6 +201,7 @@ def part_decode(args, model_dir: str, drafter_dir: str) -> dict:
     drafter.draft = _timed(drafter.draft, now, "drafter drafts")
     drafter.prefix_kv = _timed(drafter.prefix_kv, now, "drafter prefix", k + 1)
     tap = AuxTap(model, aux_hf)
+    proposer = export_kind(drafter_dir).proposer(drafter, aux_hf)
     res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)])
     g_sec, g_tok, s_sec, s_tok = 0.0, 0, 0.0, 0
     try:
@@ -214,7 +215,7 @@ def part_decode(args, model_dir: str, drafter_dir: str) -> dict:
                 else:
                     now[0] = r
                     s_tok += len(
-                        speculative(model, tap, drafter, p, args.max_new_tokens, k, eos, res)
+                        speculative(model, tap, proposer, p, args.max_new_tokens, k, eos, res)
                     )
                     s_sec += time.perf_counter() - t0
     finally:

@@ -1,20 +1,25 @@
 """Drafter quality on a real target: SmolLM2-135M-Instruct, ShareGPT, MT-Bench.
 
 Builds (or reuses) the real target and data with `scripts/real_target.py`'s library, takes
-the first `--conversations` ShareGPT records that open with a user turn and hold an
-assistant turn (in a seeded order), and runs prepare -> extract -> train -> export ->
+the first N ShareGPT records (`--sizes`) that open with a user turn and hold an assistant
+turn (in a seeded order), and runs prepare -> extract -> train -> export ->
 evaluate on MT-Bench's first turns (K drafts, greedy, `--max-new-tokens`). With
 `--sizes 250,500,1000` it repeats prepare..evaluate on nested subsets (the first N of the
 same order) and prints the curve of tokens per forward against conversations. Prints every
 stage's wall time, tokens per target forward and acceptance length with their 95%
 intervals, and the per-category table. Run from the repo root:
 
-    python bench/real_target.py --real /data/real [--sizes 500] [--epochs 4] [--ttt-steps 3]
+    python bench/real_target.py --real /data/real [--sizes 500] [--epochs 3] [--train-args '...']
     python bench/real_target.py --real /data/real --endpoint http://127.0.0.1:8000 --served-model smol
+    python bench/real_target.py --real /data/real --answers bench/data/smol-own-first-2000.jsonl.gz --sizes 1000,2000
 
 With `--endpoint` (a vLLM server of the target: `python -m vllm.entrypoints.openai.api_server
 --model REAL/model --served-model-name smol --dtype float32`), first turns are answered by the
-target itself through `eyas generate` and those answers are trained on.
+target itself through `eyas generate` and those answers are trained on; `--save-answers`
+keeps them (gzipped, with their sha256 and command) and `--answers` starts from such a file,
+so a rerun on a new machine skips the hours of generating. Training takes eyas's own choices
+unless `--lr`, `--batch-tokens` or `--train-args` say otherwise. It prints how many
+conversations it kept and why it left any out, and stops at the first stage that fails.
 """
 
 from __future__ import annotations
@@ -103,6 +108,42 @@ def regenerate(
             got[r["id"]] = r
     print(f"generate: {len(got)}/{len(recs)} answers in {time.monotonic() - t0:.0f} s", flush=True)
     return [got[r["id"]] for r in recs if r["id"] in got]
+
+
+def save_answers(recs: list[dict], path: Path, settings: dict) -> None:
+    """The target's answers, gzipped, with their sha256 and the command that made them beside
+    (PATH.json): hours of generating that a new machine need not redo."""
+    import gzip
+    import hashlib
+    import sys
+
+    body = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in recs).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(body, mtime=0))
+    meta = {"records": len(recs), "sha256_of_jsonl": hashlib.sha256(body).hexdigest(),
+            "command": " ".join(["python", *sys.argv]),
+            "settings": {k: str(v) for k, v in settings.items()}}  # fmt: skip
+    path.with_name(path.name + ".json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(
+        f"answers: {len(recs)} saved to {path} (sha256 of the JSONL {meta['sha256_of_jsonl'][:16]}...)",
+        flush=True,
+    )
+
+
+def read_answers(path: Path) -> list[dict]:
+    """Answers saved by `save_answers`, checked against the sha256 recorded beside them."""
+    import gzip
+    import hashlib
+
+    body = gzip.decompress(path.read_bytes())
+    meta_path = path.with_name(path.name + ".json")
+    if meta_path.is_file():
+        want = json.loads(meta_path.read_text())["sha256_of_jsonl"]
+        if hashlib.sha256(body).hexdigest() != want:
+            raise SystemExit(
+                f"{path}: its content is not what {meta_path} says (sha256); fetch it again"
+            )
+    return [json.loads(x) for x in body.decode("utf-8").split("\n") if x.strip()]
 
 
 def generate_hf(
@@ -202,6 +243,22 @@ STARTED = time.monotonic()
 GREEDY: dict = {}  # plain greedy decoding does not depend on the drafter: once per prompt
 
 
+def train_options(text: str) -> dict:
+    """`--train-args` as TrainConfig fields, read by eyas train's own option parser."""
+    import shlex
+
+    import typer
+
+    from eyas.cli import app
+
+    if not text.strip():
+        return {}
+    cmd = typer.main.get_command(app).commands["train"]
+    ctx = cmd.make_context("train", ["--out", "x", *shlex.split(text)])
+    return {k: v for k, v in ctx.params.items()
+            if ctx.get_parameter_source(k).name == "COMMANDLINE" and k not in ("out",)}  # fmt: skip
+
+
 def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
     from eyas.data.prepare import PrepareConfig, prepare
     from eyas.evaluate import evaluate
@@ -236,7 +293,7 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
     tr = timed("train", lambda: train(TrainConfig(
         data=str(w / "run"), out=str(w / "train"), epochs=args.epochs, ttt_steps=args.ttt_steps,
         lr=args.lr, warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens,
-        val_fraction=0.05, save_every=200, head_init=args.head_init, dtype=args.train_dtype,
+        val_fraction=0.05, save_every=200, dtype=args.train_dtype, **train_options(args.train_args),
         progress=True)))  # fmt: skip
     drafter = timed("export", lambda: export(w / "train", "vllm", w / "drafter"))
     if args.engine == "vllm":  # vLLM as the judge: far faster than the hf loop on a CPU
@@ -278,24 +335,28 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--sizes", default="500", help="conversations, comma-separated (nested subsets)"
     )
-    ap.add_argument("--max-length", type=int, default=512)
-    ap.add_argument("--draft-vocab", type=int, default=8192)
-    ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--ttt-steps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup-steps", type=int, default=None)
-    ap.add_argument("--batch-tokens", type=int, default=2048)
-    ap.add_argument("--extract-batch-tokens", type=int, default=8192)
-    ap.add_argument("--head-init", default="random")
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--eval-prompts", type=int, default=80)
+    ap.add_argument("--max-length", type=int, default=512, help="prepare --max-length")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="prepare --draft-vocab-size")
+    ap.add_argument("--epochs", type=int, default=3, help="train --epochs")
+    ap.add_argument("--ttt-steps", type=int, default=3, help="train --ttt-steps")
+    ap.add_argument("--lr", type=float, default=None, help="train --lr (default: eyas's choice)")
+    ap.add_argument("--warmup-steps", type=int, default=None, help="train --warmup-steps")
+    ap.add_argument("--batch-tokens", type=int, default=None,
+                    help="train --batch-tokens (default: eyas's choice)")  # fmt: skip
+    ap.add_argument("--extract-batch-tokens", type=int, default=8192, help="extract --batch-tokens")
+    ap.add_argument("--train-args", default="",
+                    help="more train options as on its command line, e.g. '--head-init target'")  # fmt: skip
+    ap.add_argument("--k", type=int, default=3, help="evaluate --draft-tokens (drafts per round)")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="evaluate --max-new-tokens")
+    ap.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns to judge on")
     ap.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                     help="the judge: eyas's hf decoder, or vLLM (where it is installed)")  # fmt: skip
     ap.add_argument(
         "--precision", type=float, default=0.0, help="stop evaluating at +- this (0: all)"
     )
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--seed", type=int, default=0, help="order in which ShareGPT records are picked"
+    )
     ap.add_argument(
         "--data",
         type=Path,
@@ -312,13 +373,22 @@ def parser() -> argparse.ArgumentParser:
         help="OpenAI-compatible server of the target: train on its own answers",
     )
     ap.add_argument("--served-model", default="target", help="the model name the endpoint serves")
-    ap.add_argument("--gen-max-tokens", type=int, default=320)
+    ap.add_argument("--answers", type=Path, default=None,
+                    help="the target's own answers saved by --save-answers (JSONL.gz): used instead of generating")  # fmt: skip
+    ap.add_argument("--save-answers", type=Path, default=None,
+                    help="with --endpoint: save the answers there (JSONL.gz, sha256 and command beside)")  # fmt: skip
+    ap.add_argument("--generate-only", action="store_true", help="stop after the answers are made")
+    ap.add_argument(
+        "--gen-max-tokens", type=int, default=320, help="longest answer the target gives"
+    )
     ap.add_argument("--generate", choices=("none", "hf"), default="none",
                     help="hf: the target's own greedy answers, made in this process with "
                          "transformers (a GPU where there is one)")  # fmt: skip
     ap.add_argument("--turns", choices=("first", "all"), default="first",
                     help="--generate hf: answer the first user turn or every one")  # fmt: skip
-    ap.add_argument("--gen-batch", type=int, default=64)
+    ap.add_argument(
+        "--gen-batch", type=int, default=64, help="--generate hf: prompts answered at once"
+    )
     ap.add_argument("--gen-max-prompt", type=int, default=1536,
                     help="--generate hf: a conversation ends at a longer prompt")  # fmt: skip
     ap.add_argument("--device", default="auto", help="evaluate (hf) and --generate hf")
@@ -347,14 +417,24 @@ def run(args) -> list[dict]:
     recs = pick_conversations(args.data or args.real / "sharegpt.jsonl", sizes[-1], args.seed,
                               first_turn=first, tokenizer=tok, max_prompt_tokens=args.max_prompt_tokens)  # fmt: skip
     work = args.work or args.real / "bench"
-    if args.endpoint:
+    if args.answers:
+        recs = read_answers(args.answers)
+        print(
+            f"answers: {len(recs)} conversations in the target's own words from {args.answers}",
+            flush=True,
+        )
+    elif args.endpoint:
         recs = regenerate(
             recs, work / "generate", args.endpoint, args.served_model, args.gen_max_tokens
         )
+        if args.save_answers:
+            save_answers(recs, args.save_answers, vars(args))
     elif args.generate == "hf":
         name = f"hf-{args.turns}-{len(recs)}-{args.gen_max_tokens}.jsonl"
         recs = generate_hf(recs, str(args.real / "model"), work / "generate" / name, args.turns,
                            args.gen_max_tokens, args.gen_batch, args.gen_max_prompt, args.device)  # fmt: skip
+    if args.generate_only:
+        return []
     sizes = [min(n, len(recs)) for n in sizes]
     print(f"settings: {json.dumps(vars(args), default=str)}", flush=True)
     rows = []

@@ -21,6 +21,7 @@ import shlex
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 
@@ -30,20 +31,19 @@ def holdout_accuracy(train_dir: Path, holdout: Path, steps: int) -> dict:
 
     from eyas.run.runmeta import read_run_meta
     from eyas.targets.weights import lm_head_weight
-    from eyas.training.checkpoint import load_final
-    from eyas.training.drafter import Drafter, DrafterConfig
-    from eyas.training.loss import add_targets, summarize, ttt_loss
+    from eyas.training.checkpoint import load_trained
+    from eyas.training.loss import summarize
     from eyas.training.train_data import SampleReader, plan_batches, to_device, usable_samples
 
-    state, cdict = load_final(train_dir)
-    d = Drafter(DrafterConfig(**cdict))
-    d.load_state_dict(state)
+    d, kind = load_trained(train_dir)
     d.eval()
+    cfg = json.loads((train_dir / "train.json").read_text())["config"]
+    how = types.SimpleNamespace(**{**cfg, "ttt_steps": steps, "step_decay": 1.0, "loss": "kl"})
     meta = read_run_meta(holdout)
     entries, _ = usable_samples(holdout, meta["hidden_size"], lambda m: None)
     reader = SampleReader(holdout, entries, checksums=True)
     head = lm_head_weight(meta["model_path"]).float()
-    stats = torch.zeros(steps, 6, dtype=torch.float64)
+    stats = torch.zeros(kind.positions(how), 6, dtype=torch.float64)
     try:
         with torch.no_grad():
             for idx in plan_batches(
@@ -52,8 +52,8 @@ def holdout_accuracy(train_dir: Path, holdout: Path, steps: int) -> dict:
                 host = reader.batch(idx)
                 b = to_device(host, torch.device("cpu"))
                 reader.release(host)
-                add_targets(b, d, head)
-                stats += ttt_loss(d, b, steps, 1.0)[1]
+                kind.prepare_batch(d, b, head)
+                stats += kind.loss(d, b, how, None)[1]
     finally:
         reader.close()
     s = summarize(stats)

@@ -200,3 +200,62 @@ def test_packed_rows_equal_padded_rows(attention):
     torch.testing.assert_close(results["packed"][0], results["padded"][0], atol=1e-10, rtol=1e-8)
     for k, g in results["padded"][1].items():
         torch.testing.assert_close(results["packed"][1][k], g, atol=1e-10, rtol=1e-8)
+
+
+def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
+    """kl is the soft cross-entropy, tv one minus the overlap of the two distributions, mix
+    0.1 x the argmax's cross-entropy + 0.9 x tv; a top-K store holding every id gives the
+    same values as the full one."""
+    from eyas.training.loss import position_loss
+
+    torch.manual_seed(0)
+    B, T, D = 2, 5, 7
+    tgt, mine = torch.randn(B, T, D, dtype=torch.float64), torch.randn(B, T, D, dtype=torch.float64)
+    full = {"tgt_logits": tgt}
+    lp = torch.log_softmax(tgt, -1)
+    topk = {"topk_lp": lp, "topk_ids": torch.arange(D).expand(B, T, D)}
+    n = 1
+    p = torch.softmax(tgt[:, n:], -1)
+    q = torch.softmax(mine[:, :-n], -1)
+    want = {
+        "kl": -(p * q.log()).sum(-1),
+        "tv": 1 - torch.minimum(p, q).sum(-1),
+    }
+    want["mix"] = (
+        0.1 * -q.log().gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1) + 0.9 * want["tv"]
+    )
+    for kind, w in want.items():
+        for batch in (full, topk):
+            got = position_loss(batch, mine, n, kind)[:, :-n]
+            torch.testing.assert_close(
+                got, w.float() if got.dtype == torch.float32 else w, rtol=1e-5, atol=1e-6
+            )
+
+
+def test_muon_is_torchs_rule_with_its_iteration_in_float32():
+    """eyas's Muon takes the same step as torch.optim.Muon (match_rms_adamw) when both
+    orthogonalise in the same precision; the update's singular values are near one."""
+    import torch.optim._muon as tm
+
+    from eyas.training.muon import Muon, orthogonalise
+
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(6, 9)), torch.nn.Parameter(torch.randn(9, 4))]
+    b = [torch.nn.Parameter(x.detach().clone()) for x in a]
+    mine = Muon(a, lr=0.02, weight_decay=0.1)
+    theirs = torch.optim.Muon(b, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    orig = tm._zeropower_via_newtonschulz
+    tm._zeropower_via_newtonschulz = lambda g, coeffs, steps, eps: orthogonalise(g, steps, eps)
+    try:
+        for _ in range(3):
+            grads = [torch.randn_like(x) for x in a]
+            for x, y, g in zip(a, b, grads, strict=True):
+                x.grad, y.grad = g.clone(), g.clone()
+            mine.step()
+            theirs.step()
+    finally:
+        tm._zeropower_via_newtonschulz = orig
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y)
+    s = torch.linalg.svdvals(orthogonalise(torch.randn(32, 48)))
+    assert 0.5 < float(s.min()) and float(s.max()) < 1.5

@@ -104,3 +104,18 @@ def test_only_the_run_layer_names_sample_and_journal_paths():
                         f"{path.relative_to(SRC)}:{node.lineno}: a list of the run's sub-directories"
                     )
     assert not bad, "\n".join(bad)
+
+
+def test_kinds_and_backends_are_reached_through_their_registries():
+    """A drafter kind's module and a backend's module are imported by their registry alone
+    (`training.kinds`, `targets.backends`) and by nothing else in src: adding one is a new
+    module plus one registry line."""
+    bad = []
+    for path in _sources():
+        me = _module(path)
+        for line, mod in _imports(path):
+            for pkg in ("eyas.training.kinds.", "eyas.targets.backends."):
+                inside = me.startswith(pkg.rstrip(".")) or me == pkg.rstrip(".")
+                if mod.startswith(pkg) and not inside:
+                    bad.append(f"{path.relative_to(SRC)}:{line} imports {mod}")
+    assert not bad, "\n".join(bad)

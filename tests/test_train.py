@@ -258,9 +258,10 @@ def test_export_roundtrip_and_fields(trained, tmp_path, fmt):
     assert w["t2d"].dtype == torch.bool and w["t2d"].shape == (V,) and int(w["t2d"].sum()) == D
     assert torch.equal(w["embed_tokens.weight"], embed_weight(DEMO_TARGET))  # the target's, exactly
     # Reloaded, the export computes the same logits as the checkpoint it came from.
-    from eyas.training.drafter import Drafter, DrafterConfig
 
-    orig = Drafter(DrafterConfig(**json.loads((trained / "drafter_config.json").read_text())))
+    from eyas.training.checkpoint import load_trained
+
+    orig = load_trained(trained)[0]
     orig.load_state_dict(_weights(trained))
     back, aux_ids = load_export(out)
     assert aux_ids == aux

@@ -28,8 +28,9 @@ from .data.records import (
     prompt_of,
     read_conversation,
 )
-from .export import export_rendering, load_export
+from .export import export_kind, export_rendering, load_export
 from .host.ui import Reporter, still_working
+from .targets.layers import from_hf
 from .targets.target import load_tokenizer
 
 
@@ -135,13 +136,15 @@ class EvalResult:
 
 
 class AuxTap:
-    """Forward hooks on the target's aux layers (HF `hidden_states[k]` = output of layer k-1)."""
+    """Forward hooks on the target layers a drafter reads (given as HF `hidden_states`
+    indices), their outputs concatenated: (1, n, len(layers) * H)."""
 
     def __init__(self, model, aux_hf: list[int]):
         layers = model.get_decoder().layers
+        self.count = len(aux_hf)
         self.out: dict[int, torch.Tensor] = {}
         self.handles = [
-            layers[k - 1].register_forward_hook(self._keep(j)) for j, k in enumerate(aux_hf)
+            layers[i].register_forward_hook(self._keep(j)) for j, i in enumerate(from_hf(aux_hf))
         ]
 
     def _keep(self, j):
@@ -151,7 +154,7 @@ class AuxTap:
         return hook
 
     def aux(self) -> torch.Tensor:
-        return torch.cat([self.out[j] for j in range(3)], -1)  # (1, n, 3H)
+        return torch.cat([self.out[j] for j in range(self.count)], -1)  # (1, n, len * H)
 
     def remove(self):
         for h in self.handles:
@@ -303,13 +306,17 @@ def greedy(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
 def speculative(
     model,
     tap: AuxTap,
-    drafter,
+    proposer,
     prompt: list[int],
     max_new: int,
     k: int,
     eos: set[int],
     res: EvalResult,
 ) -> list[int]:
+    """Greedy speculative decoding of one prompt: each round the drafter's `proposer`
+    drafts `k` tokens, the target verifies them in one forward, the longest matching prefix
+    plus the target's own next token is kept, and the proposer is told what was kept with
+    the target's states at the positions that produced it."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -318,18 +325,15 @@ def speculative(
     res.per_prompt.append(mine)
     dev = model.device
     out = model(torch.tensor([prompt], device=dev), **kw)
-    aux = tap.aux()  # (1, P, 3H)
     x_next = int(out.logits[0, -1].argmax())
     gen = [x_next]
     n_ctx = len(prompt)  # positions with target KV and states
-    # Drafter prefix: root t pairs the target state f_t with the next token x_{t+1}.
-    pk, pv = drafter.prefix_kv(torch.tensor([prompt[1:] + [x_next]], device=dev), aux, 0)
-    last_aux = aux[:, -1:]
+    proposer.start(prompt, tap.aux(), x_next)
     while len(gen) < max_new and x_next not in eos:
-        drafts = drafter.draft(pk, pv, x_next, last_aux, root=n_ctx - 1, k=k)
+        drafts = proposer.propose(x_next, k)
         out = model(torch.tensor([[x_next, *drafts]], device=dev), **kw)
         preds = out.logits[0].argmax(-1).tolist()  # (k+1,)
-        new_aux = tap.aux()  # (1, k+1, 3H)
+        new_aux = tap.aux()  # (1, k+1, len * H)
         n = 0
         while n < k and drafts[n] == preds[n]:
             n += 1
@@ -343,9 +347,7 @@ def speculative(
             res.per_position[j][0] += int(j < n)
         _crop(cache, n_ctx + 1 + n)
         new = drafts[:n] + [preds[n]]
-        kv = drafter.prefix_kv(torch.tensor([new], device=dev), new_aux[:, : n + 1], n_ctx)
-        pk, pv = torch.cat([pk, kv[0]], 2), torch.cat([pv, kv[1]], 2)
-        last_aux = new_aux[:, n : n + 1]
+        proposer.accept(new, new_aux[:, : n + 1])
         n_ctx += n + 1
         x_next = new[-1]
         for t in new:
@@ -419,6 +421,7 @@ def evaluate(
     res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)],
                      categories=[p.category for p in asked.prompts], inputs=asked.to_dict())  # fmt: skip
     tap = AuxTap(model, aux_hf)
+    proposer = export_kind(drafter_dir).proposer(drafter, aux_hf)
 
     def extra() -> str:
         if not res.rounds:
@@ -436,7 +439,7 @@ def evaluate(
             before = copy.deepcopy(res)  # what a signal mid-prompt goes back to
             try:
                 with stop.armed():
-                    _decode_one(model, tap, drafter, p, i, k, max_new_tokens, eos, res, tok,
+                    _decode_one(model, tap, proposer, p, i, k, max_new_tokens, eos, res, tok,
                                 greedy_cache, str(model_dir))  # fmt: skip
             except _Stopped:
                 res = before
@@ -492,7 +495,7 @@ class _SignalStop:
 
 
 def _decode_one(
-    model, tap, drafter, p, i, k, max_new_tokens, eos, res, tok, greedy_cache, model_key
+    model, tap, proposer, p, i, k, max_new_tokens, eos, res, tok, greedy_cache, model_key
 ):
     """One prompt, greedily and speculatively; both timed, and compared, into `res`."""
     key = (model_key, tuple(p), max_new_tokens)
@@ -505,7 +508,7 @@ def _decode_one(
         if greedy_cache is not None:
             greedy_cache[key] = (base, dt)
     t1 = time.perf_counter()
-    spec = speculative(model, tap, drafter, p, max_new_tokens, k, eos, res)
+    spec = speculative(model, tap, proposer, p, max_new_tokens, k, eos, res)
     t2 = time.perf_counter()
     res.base_seconds += dt
     res.spec_seconds += t2 - t1
@@ -537,8 +540,12 @@ def evaluate_vllm(
 
     from .host.ui import console
     from .run.store import Layout
-    from .targets.backends import BackendSpec
-    from .targets.backends.vllm import engine_kwargs, import_vllm
+    from .targets.backends import BackendSpec, backend_module
+
+    engine_kwargs, import_vllm = (
+        backend_module("vllm").engine_kwargs,
+        backend_module("vllm").import_vllm,
+    )
     from .targets.target import check_model_dir, resolve_dtype
 
     check_model_dir(model_dir, tokenizer=True, weights=True)

@@ -1,26 +1,12 @@
 """Stage 5, `export`: write a trained drafter in the formats serving engines load.
 
-- `vllm`: the speculators format (`Eagle3Speculator`), decoder layer as `layers.0.*`.
-- `sglang`: the EAGLE format (`LlamaForCausalLMEagle3`), decoder layer as `midlayer.*`.
-
-Both carry `fc`, the layer, `norm`, `lm_head` [D, H], `d2t` (int64) and `t2d` (bool), and the
-target's token embeddings copied exactly (never random ones). A draft vocabulary that is the
-whole vocabulary (D = V) maps every id to itself: then `d2t` and `t2d` are left out, because
-vLLM has no place for them and refuses to load a drafter that carries them.
-
-Where the states are normalised (`norm_before_fc`, `norm_before_residual`, `norm_output`)
-is written explicitly in the vLLM format, since loaders disagree on the defaults. SGLang's
-EAGLE-3 model has none of the three (its residual is the raw fused state, its next step
-reads the raw state, nothing norms the target states), so a drafter trained with any of
-them is refused for `sglang` rather than written in a form SGLang would run differently.
-`load_export` reads either format back in the architecture it declares, and refuses a field
-that would change the architecture which it does not know.
-
-Aux layer ids follow each engine's reading of `eagle_aux_hidden_state_layer_ids`:
-- vLLM reads them as HF `hidden_states` indices (id k = input of decoder layer k), so the
-  vLLM export carries [2, n//2, n-3] for the default layers;
-- SGLang adds 1 to each id before capturing (id i = output of 0-based decoder layer i), so
-  the SGLang export carries [1, n//2-1, n-4] for the same layers.
+What an export holds depends on the drafter's kind (`training.kinds`: EAGLE-3 writes vLLM's
+speculators format and SGLang's EAGLE format); this module makes it safe to write and to
+read. The export is written whole into a temp directory beside `out` and swapped into
+place, so `out` is always a complete export, old or new; `eyas-manifest.json`, written last,
+holds the files' checksums, the format, the kind and how the training data was rendered.
+`load_export` reads any kind's export back in the architecture its config declares, and
+refuses one it cannot run as declared.
 """
 
 from __future__ import annotations
@@ -33,7 +19,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from . import __version__
 from .run.fsutil import (
     DiskFullError,
     atomic_write_json,
@@ -43,17 +28,10 @@ from .run.fsutil import (
 )
 from .run.manifest import ManifestError, check_manifest, write_manifest
 from .training.checkpoint import save_safetensors
-from .training.drafter import Drafter, DrafterConfig
+from .training.kinds import kind_for_export, kind_of
 
 FORMATS = ("vllm", "sglang")
 MANIFEST = "eyas-manifest.json"  # the export's files and checksums, written last
-_ARCHS = {"vllm": "Eagle3Speculator", "sglang": "LlamaForCausalLMEagle3"}
-_LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
-_SGLANG_LACKS = ("norm_before_fc", "norm_before_residual", "norm_output")
-# Fields of an export's config that change the network; a loader that ignored one would run
-# another drafter than the one trained. Their values that eyas's drafter can run:
-_ARCH_FIELDS = {"fc_norm": (False, None), "norm_before_fc": (False, True, None),
-                "norm_before_residual": (False, True, None), "norm_output": (False, True, None)}  # fmt: skip
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -95,72 +73,6 @@ def trained_weights(train_dir: Path) -> tuple[dict, dict, dict]:
     )  # from before final drafters had manifests
 
 
-def _llama_fields(c: DrafterConfig) -> dict:
-    return {
-        "model_type": "llama",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": c.hidden_act,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": None,
-        "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-    }
-
-
-def export_config(
-    fmt: str, c: DrafterConfig, aux_layers: list[int], target: dict, dtype: str, k: int
-) -> dict:
-    """The config.json of an export; `aux_layers` are outputs of 0-based decoder layers."""
-    aux_hf = [i + 1 for i in aux_layers]
-    if fmt == "vllm":
-        return {
-            "architectures": ["Eagle3Speculator"],
-            "speculators_model_type": "eagle3",
-            "speculators_version": "0.1.0",
-            "draft_vocab_size": c.draft_vocab_size,
-            "norm_before_residual": c.norm_before_residual,
-            "norm_before_fc": c.norm_before_fc,
-            "norm_output": c.norm_output,
-            "fc_norm": False,
-            "target_hidden_size": c.hidden_size,
-            "eagle_aux_hidden_state_layer_ids": aux_hf,
-            "transformer_layer_config": _llama_fields(c),
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
-                "verifier": {
-                    "name_or_path": target["path"],
-                    "architectures": target["architectures"],
-                },
-            },
-            "torch_dtype": dtype,
-            "eyas_version": __version__,
-        }
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        **_llama_fields(c),
-        "draft_vocab_size": c.draft_vocab_size,
-        "target_hidden_size": c.hidden_size,
-        "norm_before_residual": False,  # what SGLang's model does; a drafter otherwise is refused
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": list(aux_layers),
-            "use_aux_hidden_state": True,
-        },
-        "torch_dtype": dtype,
-        "eyas_version": __version__,
-    }
-
-
 def export(
     train_dir: str | Path,
     fmt: str,
@@ -182,12 +94,10 @@ def export(
     if dtype not in _DTYPES:
         raise ExportUsage(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     state, cdict, info = trained_weights(Path(train_dir))
-    c = DrafterConfig(**cdict)
-    if fmt == "sglang" and (on := [k for k in _SGLANG_LACKS if getattr(c, k)]):
-        raise ExportError(
-            f"{train_dir}: the drafter was trained with {', '.join(on)}, which SGLang's EAGLE-3 "
-            "model does not have: it would run another network than the one trained. Export "
-            "--format vllm, or train with --no-" + " --no-".join(k.replace("_", "-") for k in on)
+    k, cdict = kind_of(cdict)
+    if fmt not in k.export_formats:
+        raise ExportUsage(
+            f"a {k.name} drafter exports as {', '.join(k.export_formats)}, not {fmt!r}"
         )
     target_cfg = (
         read_json(Path(info["model_path"]) / "config.json")
@@ -198,24 +108,12 @@ def export(
         "path": verifier or info["model_path"],
         "architectures": target_cfg.get("architectures", []),
     }
-    prefix = _LAYER_PREFIX[fmt]
-    tensors = {}
-    if c.draft_vocab_size == c.vocab_size:
-        if state["d2t"].any():
-            raise ExportError(
-                f"{train_dir}: the draft vocabulary is the whole vocabulary but d2t is not zero"
-            )
-        state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
-    for name, t in state.items():
-        if name.startswith("midlayer."):
-            name = prefix + name.removeprefix("midlayer.")
-        if t.is_floating_point():
-            t = t.to(_DTYPES[dtype])
-        elif name == "t2d":
-            t = t.bool()
-        elif name == "d2t":
-            t = t.long()
-        tensors[name] = t.contiguous()
+    try:
+        tensors, config = k.export(
+            fmt, state, cdict, info, target, _DTYPES[dtype], speculative_tokens
+        )
+    except ValueError as exc:
+        raise ExportError(f"{train_dir}: {exc}") from None
     out = Path(out).absolute()
     _check_destination(out, force)
     _remove_stale_temp(out)
@@ -224,11 +122,8 @@ def export(
     try:
         tmp.mkdir(parents=True)
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        atomic_write_json(
-            tmp / "config.json",
-            export_config(fmt, c, info["aux_layers"], target, dtype, speculative_tokens),
-        )
-        write_manifest(tmp, ["model.safetensors", "config.json"], MANIFEST, format=fmt,
+        atomic_write_json(tmp / "config.json", config)
+        write_manifest(tmp, ["model.safetensors", "config.json"], MANIFEST, format=fmt, kind=k.name,
                        rendering=info.get("rendering") or {})  # fmt: skip
         _swap_into_place(tmp, out)
     except BaseException as exc:
@@ -240,14 +135,13 @@ def export(
 
 
 def is_export(path: Path) -> bool:
-    """An earlier export (eyas's, or any EAGLE-3 drafter directory of the two formats)."""
+    """An earlier export (eyas's, or a drafter directory of a format some kind reads)."""
     if (path / MANIFEST).is_file():
         return True
     try:
-        arch = (read_json(path / "config.json").get("architectures") or [None])[0]
+        return kind_for_export(read_json(path / "config.json")) is not None
     except (OSError, ValueError, AttributeError):
         return False
-    return arch in _ARCHS.values()
 
 
 def _check_destination(out: Path, force: bool) -> None:
@@ -303,8 +197,17 @@ def export_rendering(path: str | Path) -> dict:
         return {}
 
 
-def load_export(path: str | Path) -> tuple[Drafter, list[int]]:
-    """A Drafter from an export directory of either format, and its aux layer ids (HF convention)."""
+def export_kind(path: str | Path):
+    """The drafter kind of an export directory (by its config.json)."""
+    k = kind_for_export(read_json(Path(path) / "config.json"))
+    if k is None:
+        raise ExportError(f"{path}: not an export of a drafter kind eyas knows")
+    return k
+
+
+def load_export(path: str | Path) -> tuple[torch.nn.Module, list[int]]:
+    """A drafter from an export directory of any kind and format, in the architecture its
+    config declares, and the target layers it reads (HF `hidden_states` indices)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -318,49 +221,19 @@ def load_export(path: str | Path) -> tuple[Drafter, list[int]]:
         m = {}
     cfg = json.loads(cfg_file.read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
-    if m and _ARCHS.get(m.get("format")) != arch:
-        raise ExportError(
-            f"{path}: {MANIFEST} says {m.get('format')!r} but config.json is {arch!r}"
-        )
-    if arch == "Eagle3Speculator":
-        layer, aux = cfg["transformer_layer_config"], cfg["eagle_aux_hidden_state_layer_ids"]
-        prefix = "layers.0."
-        # vLLM's defaults for fields a speculators config leaves out
-        norms = {"norm_before_residual": cfg.get("norm_before_residual", True),
-                 "norm_before_fc": cfg.get("norm_before_fc", False),
-                 "norm_output": cfg.get("norm_output", False)}  # fmt: skip
-        for key, allowed in _ARCH_FIELDS.items():
-            if cfg.get(key) not in allowed:
-                raise ExportError(f"{cfg_file}: {key} = {cfg.get(key)!r} is an architecture eyas's "
-                                  "drafter does not have; it cannot evaluate this export")  # fmt: skip
-    elif arch == "LlamaForCausalLMEagle3":  # SGLang's ids: outputs of 0-based layers
-        layer, prefix = cfg, "midlayer."
-        aux = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
-        norms = {"norm_before_residual": False}  # what SGLang's model does whatever is written
-    else:
+    k = kind_for_export(cfg)
+    if k is None:
         raise ExportError(f"{cfg_file}: unknown architecture {arch!r}")
-    if layer.get("num_hidden_layers", 1) != 1:
-        raise ExportError(f"{cfg_file}: {layer['num_hidden_layers']} decoder layers; eyas's EAGLE-3 "
-                          "drafter has one, so it cannot evaluate this export")  # fmt: skip
-    c = DrafterConfig(
-        hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
-        num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
-        head_dim=layer["head_dim"], vocab_size=layer["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
-        rms_norm_eps=layer["rms_norm_eps"], rope_theta=layer["rope_theta"],
-        max_position_embeddings=layer["max_position_embeddings"], hidden_act=layer["hidden_act"],
-        **norms,
-    )  # fmt: skip
-    drafter = Drafter(c)
-    raw = load_file(str(path / "model.safetensors"))
-    state = {
-        ("midlayer." + k.removeprefix(prefix) if k.startswith(prefix) else k): v
-        for k, v in raw.items()
-    }
-    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-    if c.draft_vocab_size == c.vocab_size and "d2t" not in state:  # the identity, left out
-        state["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
-        state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ExportError(f"{path}/model.safetensors: missing {missing}, unexpected {unexpected}")
-    return drafter.eval(), list(aux)
+    if m.get("kind", k.name) != k.name:
+        raise ExportError(
+            f"{path}: {MANIFEST} says kind {m.get('kind')!r} but config.json is {arch!r}"
+        )
+    if m.get("format") is not None and m.get("format") not in k.export_formats:
+        raise ExportError(
+            f"{path}: {MANIFEST} says format {m.get('format')!r}, which a {k.name} export is not"
+        )
+    try:
+        drafter, layers = k.load_export(cfg, load_file(str(path / "model.safetensors")), cfg_file)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    return drafter, layers

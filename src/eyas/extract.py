@@ -75,6 +75,7 @@ from .run.store import (
 from .run.stream import Retirer
 from .status import RATE_WINDOW, recent_rate
 from .targets.backends import BACKENDS, BackendSpec, open_backend
+from .targets.layers import hf_indices
 from .targets.target import (
     DTYPES,
     ModelDirError,
@@ -350,7 +351,7 @@ def new_run_meta(cfg: ExtractConfig, ds: PreparedDataset) -> dict:
         "tokens": int(ds.lengths().sum()),
         "aux_layers": list(aux),
         "aux_layers_convention": "output of 0-based decoder layer i",
-        "aux_layers_hf": [i + 1 for i in aux],
+        "aux_layers_hf": hf_indices(aux),
         "aux_layers_hf_convention": "index into HF outputs.hidden_states (vLLM eagle_aux_hidden_state_layer_ids)",
         "last_hidden_state": "post_norm",
         "last_hidden_state_note": "output of the final norm: lm_head(last_hidden_states) gives the target logits",

@@ -194,7 +194,9 @@ def text_config(model_dir: str | Path, trust_remote_code: bool = False):
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
     """[1, n//2-1, n-4] as outputs of 0-based decoder layers (the EAGLE-3 default)."""
-    return (1, n_layers // 2 - 1, n_layers - 4)
+    from .layers import default_eagle3
+
+    return default_eagle3(n_layers)
 
 
 def model_fingerprint(model_dir: str | Path) -> str:

@@ -201,13 +201,29 @@ def latest_checkpoint(out: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def save_final(out: Path, drafter: Drafter) -> None:
-    """The trained drafter and its config, then their manifest (written last)."""
+def save_final(out: Path, drafter, kind=None) -> None:
+    """The trained drafter and its config (its kind's name first), then their manifest
+    (written last)."""
+    from .kinds import kind as kind_named
+    from .kinds import with_kind
+
+    kind = kind or kind_named(None)
     save_safetensors(
         {k: v.contiguous() for k, v in drafter.state_dict().items()}, out / "drafter.safetensors"
     )
-    atomic_write_json(out / "drafter_config.json", drafter.config.to_dict())
+    atomic_write_json(out / "drafter_config.json", with_kind(kind.name, kind.config_dict(drafter)))
     write_manifest(out, ["drafter.safetensors", "drafter_config.json"], FINAL_MANIFEST)
+
+
+def load_trained(train_dir: Path):
+    """(drafter, kind) of a training directory's final drafter, checked against its manifest."""
+    from .kinds import kind_of
+
+    state, cdict = load_final(train_dir)
+    kind, cdict = kind_of(cdict)
+    model = kind.from_config(cdict)
+    model.load_state_dict(state)
+    return model, kind
 
 
 def load_final(train_dir: Path) -> tuple[dict, dict]:

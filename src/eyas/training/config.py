@@ -10,6 +10,7 @@ from dataclasses import dataclass
 ATTENTIONS = ("reference", "chunked", "flex")  # TTT attention implementations (ttt_attention)
 OPTIMIZERS = ("adamw", "muon")
 HEAD_INITS = ("random", "target", "target-frozen")
+LOSSES = ("kl", "tv", "mix")  # training.loss
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,12 +21,26 @@ class TrainConfig:
     """Training directory: checkpoints, metrics.jsonl, plots, train.json."""
     model: str | None = None
     """Target model directory for lm_head/embeddings; default: the run's recorded model."""
+    kind: str = "eagle3"
+    """The drafter kind: eagle3 (a chain drafter: one decoder layer over the target layers,
+    unrolled over TTT steps) or dflash (a block drafter: a few layers that propose
+    --block-size - 1 tokens in one pass)."""
     epochs: int = 3
     """Passes over the training samples."""
     ttt_steps: int = 7
-    """Unrolled training-time-test steps k: the chain of drafts trained for."""
+    """eagle3: unrolled training-time-test steps k, the chain of drafts trained for."""
+    block_size: int = 4
+    """dflash: the block's length S (the last verified token and S-1 drafts)."""
+    drafter_layers: int = 1
+    """dflash: decoder layers of the drafter."""
+    block_decay: float = 4.0
+    """dflash: loss weight of block position j is exp(-(j-1)/block_decay)."""
     step_decay: float = 0.8
     """Weight of TTT step i's loss: step_decay ** i."""
+    loss: str = "kl"
+    """kl (soft cross-entropy against the target's distribution), tv (total variation: one
+    minus speculative sampling's acceptance) or mix (0.1 x cross-entropy of the target's
+    argmax + 0.9 x tv)."""
     lr: float | None = None
     """Peak learning rate; default: chosen from the run's size (train prints it)."""
     min_lr_ratio: float = 0.1
@@ -104,12 +119,22 @@ class TrainConfig:
             raise ValueError(
                 f"--head-init must be one of {', '.join(HEAD_INITS)}, got {self.head_init!r}"
             )
+        from .kinds import KINDS
+
+        if self.kind not in KINDS:
+            raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
             )
         if self.feature_noise < 0 or self.weight_decay < 0:
             raise ValueError("--feature-noise and --weight-decay must not be negative")
+        if self.block_size < 2 or self.drafter_layers < 1 or self.block_decay <= 0:
+            raise ValueError(
+                "--block-size must be at least 2, --drafter-layers at least 1, --block-decay positive"
+            )
         if self.ttt_steps < 1 or self.epochs < 1 or self.grad_accum < 1:
             raise ValueError("--ttt-steps, --epochs and --grad-accum must be at least 1")
         if not 0 <= self.val_fraction < 1:

@@ -1,8 +1,12 @@
 """The TTT loss and its metrics: what a drafter is trained on, step by step.
 
-Step i at root t predicts the target's distribution at position t+1+i: soft cross-entropy
-over the draft vocabulary, on positions whose predicted token is the assistant's and whose
-target argmax lies in the draft vocabulary. Pure functions of a batch and a drafter.
+Step i at root t predicts the target's distribution at position t+1+i, on positions whose
+predicted token is the assistant's and whose target argmax lies in the draft vocabulary.
+The loss per position is one of `LOSSES`: `kl`, the soft cross-entropy against the target's
+distribution over the draft vocabulary (forward KL up to a constant); `tv`, the total
+variation 1 - sum(min(p, q)), which is one minus the chance that speculative sampling
+accepts the draft; `mix`, 0.1 x the cross-entropy of the target's argmax plus 0.9 x TV.
+Pure functions of a batch and a drafter.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .config import LOSSES  # noqa: F401 - the kinds position_loss computes
 from .drafter import Drafter
 
 
@@ -57,6 +62,28 @@ def soft_ce(batch: dict, logits: torch.Tensor, n: int) -> torch.Tensor:
     return -(p * logp.gather(-1, shift(batch["topk_ids"], n))).sum(-1)
 
 
+def _target_probs(batch: dict, logits: torch.Tensor, n: int):
+    """The drafter's log-probabilities and the target's probabilities at position t+n, on
+    the same ids: (logq, p), both (B, T, D) for a full-vocabulary store, (B, T, K) for top-K."""
+    logq = F.log_softmax(logits.float(), -1)  # (B, T, D)
+    if "tgt_logits" in batch:
+        return logq, torch.softmax(shift(batch["tgt_logits"], n).float(), -1)
+    p = torch.softmax(shift(batch["topk_lp"], n, -1e4), -1)  # (B, T, K)
+    return logq.gather(-1, shift(batch["topk_ids"], n)), p
+
+
+def position_loss(batch: dict, logits: torch.Tensor, n: int, kind: str = "kl") -> torch.Tensor:
+    """The loss (B, T) of the drafter's logits (B, T, D) against the target at position t+n."""
+    if kind == "kl":
+        return soft_ce(batch, logits, n)
+    logq, p = _target_probs(batch, logits, n)
+    tv = 1 - torch.minimum(p, logq.exp()).sum(-1)  # (B, T)
+    if kind == "tv":
+        return tv
+    hard = -logq.gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)  # the target's argmax
+    return 0.1 * hard + 0.9 * tv
+
+
 def loss_masks(batch: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per step: (scored, loss mask). Scored: the predicted token x_{t+2+i} is trainable;
     the loss additionally needs the target's argmax at t+1+i in the draft vocabulary."""
@@ -72,13 +99,14 @@ def loss_masks(batch: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def ttt_loss(
-    drafter: Drafter, batch: dict, steps: int, decay: float, norm: list[float] | None = None
-):
+    drafter: Drafter, batch: dict, steps: int, decay: float, norm: list[float] | None = None,
+    kind: str = "kl",
+):  # fmt: skip
     """Weighted TTT loss and per-step sums (steps, 6) for metrics.
 
-    Step i at root t predicts the target's distribution at position t+1+i (soft
-    cross-entropy over the draft vocabulary). `norm` gives per-step token counts to divide
-    by (global ones under data parallel); default: this batch's.
+    Step i at root t predicts the target's distribution at position t+1+i (`kind`: one of
+    LOSSES). `norm` gives per-step token counts to divide by (global ones under data
+    parallel); default: this batch's.
     """
     dids = drafter.draft_ids
     outs = drafter.forward_ttt(
@@ -90,7 +118,7 @@ def ttt_loss(
     for i, ((logits, _), (scored, lmask)) in enumerate(
         zip(outs, loss_masks(batch, steps), strict=True)
     ):
-        ce = soft_ce(batch, logits, 1 + i)  # (B, T)
+        ce = position_loss(batch, logits, 1 + i, kind)  # (B, T)
         loss_sum = (ce * lmask).sum()
         n = norm[i] if norm is not None else float(lmask.sum())
         total = total + decay**i * loss_sum / max(n, 1.0)

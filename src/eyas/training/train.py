@@ -70,7 +70,8 @@ _RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "
 
 # What a training directory made before these options existed was trained with.
 _BEFORE = {"head_init": "random", "pack": False, "follow": False, "feature_noise": 0.0,
-           "optimizer": "adamw", "norm_before_fc": False, "norm_before_residual": False,
+           "kind": "eagle3", "block_size": 4, "drafter_layers": 1, "block_decay": 4.0,
+           "optimizer": "adamw", "loss": "kl", "norm_before_fc": False, "norm_before_residual": False,
            "norm_output": False}  # fmt: skip
 
 
@@ -337,7 +338,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
     trainer.schedule(cfg.epochs * source.steps_per_epoch() // cfg.grad_accum)
     total_steps, warmup = trainer.total_steps, trainer.warmup
     log(f"training on {source.describe()}: {total_steps} optimizer steps, warmup {warmup}, "
-        f"{cfg.ttt_steps} TTT steps")  # fmt: skip
+        f"{trainer.kind.describe(cfg)}")  # fmt: skip
     if rank == 0 and cfg.progress and warmup >= total_steps:
         log(f"warning: --warmup-steps {warmup} >= the run's {total_steps} optimizer steps: the learning "
             "rate never reaches --lr; train longer (--epochs) or lower --warmup-steps")  # fmt: skip
@@ -387,7 +388,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
 
     last_val: dict = {}
     t0, tokens_seen = time.monotonic(), 0
-    window = torch.zeros(cfg.ttt_steps, 6, dtype=torch.float64)
+    window = torch.zeros(trainer.positions, 6, dtype=torch.float64)
     shown: dict = {}
 
     def extra() -> str:
@@ -486,7 +487,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
                              "its passes' samples has nothing to train: follow a run from its start)")  # fmt: skip
         checkpoint(state)
         if rank == 0:
-            save_final(out, trainer.drafter)
+            save_final(out, trainer.drafter, trainer.kind)
             plot_metrics(out)
         source.finished(state)
     finally:

@@ -17,49 +17,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..targets.weights import embed_weight, final_norm_weight, lm_head_weight
 from .checkpoint import resume_checkpoint, save_checkpoint
-from .drafter import Drafter, DrafterConfig
-from .loss import add_targets, loss_masks, summarize, ttt_loss
+from .drafter import Drafter
+from .kinds import kind
+from .loss import summarize
+from .muon import Muon
 from .train_data import SampleReader, prefetch, to_device
 
 
-def build_drafter(cfg, meta: dict) -> tuple[Drafter, torch.Tensor | None]:
-    """Drafter sized from the target, with the target's frozen embeddings; returns the
-    target's lm_head too (None when the run stores the target's top-K: not needed)."""
+def build_drafter(cfg, meta: dict) -> tuple[torch.nn.Module, torch.Tensor | None]:
+    """The drafter of `cfg`'s kind for the run's target (checked to be the run's, with the
+    tokenizer its data was made with), and the target's lm_head where its loss needs it."""
     from ..data.prepare import PreparedDataset, check_tokenizer
-    from ..targets.target import check_model_dir, model_fingerprint, text_config
+    from ..targets.target import check_model_dir, model_fingerprint
 
     model_dir = cfg.model or meta["model_path"]
     check_model_dir(model_dir, weights=True)
     if (fp := model_fingerprint(model_dir)) != meta["model_fingerprint"]:
         raise ValueError(f"{model_dir} is not the target {cfg.data} was extracted with (fingerprint {fp}, "
                          f"the run's is {meta['model_fingerprint']}); pass the right --model")  # fmt: skip
-    tcfg = text_config(model_dir)  # a wrapper's language model (Kimi-K2.5) sizes the drafter
     ds = PreparedDataset.open(meta["dataset_path"], check=False)
     check_tokenizer(meta["dataset_path"], ds.meta, model_dir,
                     trust_remote_code=bool(meta.get("trust_remote_code_required")))  # fmt: skip
     draft_ids = ds.draft_vocab(draft_vocab_for(cfg.draft_vocab_size, meta))
-    over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
-    norms = {k: getattr(cfg, k) for k in ("norm_before_fc", "norm_before_residual", "norm_output")}
-    dcfg = DrafterConfig.from_target(tcfg, len(draft_ids), **over, **norms)
-    torch.manual_seed(cfg.seed)
-    drafter = Drafter(dcfg)
-    drafter.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
-    drafter.set_draft_vocab(draft_ids)
-    topk = "topk" in str(meta.get("layout", ""))
-    from_target = cfg.head_init.startswith("target")
-    head = lm_head_weight(model_dir).float() if from_target or not topk else None
-    if from_target:
-        # The drafter's last state stands in for the target's pre-norm state, so the target's
-        # final norm and head rows are where the drafter's norm and head should start.
-        drafter.lm_head.weight.data.copy_(head[draft_ids])  # (D, H)
-        if not dcfg.norm_output:
-            # With norm_output the normed state is the next step's input too, so the norm
-            # starts at one, as every other norm of the drafter does.
-            drafter.norm.weight.data.copy_(final_norm_weight(model_dir).float())  # (H,)
-        drafter.lm_head.weight.requires_grad_(cfg.head_init != "target-frozen")
-    return drafter, None if topk else head
+    return kind(cfg.kind).build(cfg, meta, model_dir, draft_ids)
 
 
 def draft_vocab_for(requested: int | None, meta: dict) -> int | None:
@@ -118,6 +99,8 @@ class Trainer:
                  out: Path, reader: SampleReader):  # fmt: skip
         self.cfg, self.rank, self.world, self.device, self.out = cfg, rank, world, device, out
         self.reader = reader
+        self.kind = kind(cfg.kind)
+        self.positions = self.kind.positions(cfg)
         self.drafter, lm_head = build_drafter(cfg, meta)
         self.drafter.attention = (
             cfg.attention
@@ -167,21 +150,17 @@ class Trainer:
         training (`noise_key` given), the fused states get `--feature-noise` first (after the
         targets, which come from the clean final state), drawn from a generator seeded by the
         key: a resumed training draws the same noise as an unbroken one."""
-        add_targets(batch, self.drafter, self.lm_head)
+        batch["_key"] = noise_key  # in training, what varies from step to step derives from it
+        self.kind.prepare_batch(self.drafter, batch, self.lm_head)
         if noise_key is not None and self.cfg.feature_noise > 0:
             gen = torch.Generator(device=batch["aux"].device)
             gen.manual_seed(noise_key)
             batch["aux"] = noisy(batch["aux"], self.cfg.feature_noise, gen)
-        steps = self.cfg.ttt_steps
-        counts = torch.tensor(
-            [float(lm.sum()) for _, lm in loss_masks(batch, steps)], dtype=torch.float64
-        )
+        counts = torch.tensor(self.kind.counts(batch, self.cfg), dtype=torch.float64)
         if self.world > 1:
             all_reduce_cpu(counts)
         with self.autocast:
-            loss, st = ttt_loss(
-                self.drafter, batch, steps, self.cfg.step_decay, norm=counts.tolist()
-            )
+            loss, st = self.kind.loss(self.drafter, batch, self.cfg, counts.tolist())
         return loss, st, int(batch["valid"].sum())
 
     def step(self, loaded, n: int, lr: float, stopping=None) -> tuple[torch.Tensor, int]:
@@ -191,7 +170,7 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.zero_grad(set_to_none=True)
-        stats, tokens = torch.zeros(self.cfg.ttt_steps, 6, dtype=torch.float64), 0
+        stats, tokens = torch.zeros(self.positions, 6, dtype=torch.float64), 0
         # Until the optimizer moves, a signal handler may abandon the step (`interruptible`).
         self.interruptible = self.world == 1
         done = self._steps_done()  # restored with the optimizer on a resume
@@ -231,7 +210,7 @@ class Trainer:
     def evaluate(self, batches: list[list[int]]) -> dict:
         """Validation summary over `batches` (every rank takes its share of each)."""
         self.drafter.eval()
-        acc = torch.zeros(self.cfg.ttt_steps, 6, dtype=torch.float64)
+        acc = torch.zeros(self.positions, 6, dtype=torch.float64)
         with torch.no_grad(), prefetch(batches, self.load) as loaded:
             for _, batch in loaded:
                 acc += self._micro(batch)[1]
@@ -265,8 +244,7 @@ def build_optimizer(drafter: Drafter, cfg) -> torch.optim.Optimizer | Optimizers
         return torch.optim.AdamW([p for _, p in named], **adamw)
     matrices = [p for n, p in named if p.ndim == 2 and min(p.shape) > 1 and "lm_head" not in n]
     rest = [p for n, p in named if not any(p is q for q in matrices)]
-    muon = torch.optim.Muon(matrices, lr=cfg.lr, momentum=0.95, weight_decay=0.1,
-                            adjust_lr_fn="match_rms_adamw")  # fmt: skip
+    muon = Muon(matrices, lr=cfg.lr, momentum=0.95, weight_decay=0.1)
     return Optimizers([muon, torch.optim.AdamW(rest, **adamw)] if rest else [muon])
 
 

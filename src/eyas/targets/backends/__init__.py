@@ -26,7 +26,11 @@ import torch
 
 from ...run.store import Layout, quantize_fp8
 
-BACKENDS = ("hf", "vllm")
+# name -> (module, class): the one place a backend is named; `open_backend` and
+# `backend_module` import it on first use.
+_REGISTRY = {"hf": ("eyas.targets.backends.hf", "HFBackend"),
+             "vllm": ("eyas.targets.backends.vllm", "VLLMBackend")}  # fmt: skip
+BACKENDS = tuple(_REGISTRY)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,16 +73,19 @@ class Backend:
         pass
 
 
+def backend_module(name: str):
+    """The module of a registered backend (for what it offers beside the Backend itself)."""
+    import importlib
+
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+    return importlib.import_module(_REGISTRY[name][0])
+
+
 def open_backend(name: str, spec: BackendSpec, log=print) -> Backend:
-    if name == "hf":
-        from .hf import HFBackend
-
-        return HFBackend(spec)
-    if name == "vllm":
-        from .vllm import VLLMBackend
-
-        return VLLMBackend(spec, log)
-    raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+    """The named backend, running the target `spec` describes."""
+    cls = getattr(backend_module(name), _REGISTRY[name][1])
+    return cls(spec, log)
 
 
 class StateShaper:

@@ -94,7 +94,7 @@ class _Batch(Pending):
 class HFBackend(Backend):
     name = "hf"
 
-    def __init__(self, spec: BackendSpec):
+    def __init__(self, spec: BackendSpec, log=print):
         self.spec = spec
         if spec.device == "cpu":
             from ...host.cpu import configure_threads

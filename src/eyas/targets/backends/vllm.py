@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from ...run.fsutil import read_json
+from ..layers import hf_indices
 from ..target import PLAIN_RMSNORM, rms_norm, target_facts
 from ..weights import final_norm_weight
 from . import Backend, BackendSpec, Pending, StateShaper
@@ -142,7 +143,7 @@ class VLLMBackend(Backend):
             )
         self.spec, self.facts = spec, facts
         n = facts.num_hidden_layers
-        wanted = [i + 1 for i in spec.aux_layers] + [n]  # HF indices; n = last layer, pre-norm
+        wanted = hf_indices(spec.aux_layers) + [n]  # HF indices; n = last layer, pre-norm
         self.layer_ids = sorted(set(wanted))  # vLLM captures each once, in ascending order
         self.columns = [self.layer_ids.index(k) for k in wanted]
         self.norm_weight = final_norm_weight(spec.model).to(spec.dtype)

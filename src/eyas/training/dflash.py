@@ -1,0 +1,243 @@
+"""The DFlash drafter, top to bottom: config, blocks, the model, training over many blocks
+at once, and drafting a block at inference.
+
+Shapes: B batch, T tokens, H hidden size, L target layers read, N blocks (anchors) per row,
+S block size, D draft vocabulary, V target vocabulary.
+
+    target states (B, T, L*H) --fc--> --hidden_norm--> context c (B, T, H)
+    a block at anchor a: [x_a, MASK, ..., MASK] (S tokens) at positions a .. a+S-1,
+        embedded with the target's own table -> h (B, N*S, H)
+    each layer: x = input_layernorm(h); queries and keys per head q_norm / k_norm'd, RoPE;
+        the block's queries attend to the context's keys at positions < a (k_proj/v_proj of
+        c, the same projections) and, both ways, to the block's own keys; h += o_proj(...);
+        h += mlp(post_attention_layernorm(h))
+    -> norm -> the target's own head rows for the draft vocabulary (frozen) -> logits (B, N*S, D)
+
+Block position j >= 1 predicts the token at position a+j, so its label is the target's
+distribution at a+j-1. One drafter pass proposes S-1 tokens; at inference the context
+keys/values are kept and extended by the verified tokens' target states after each round.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .drafter import MLP, RMSNorm, rope, upcast
+
+
+@dataclass(frozen=True, kw_only=True)
+class DFlashConfig:
+    hidden_size: int
+    """H: the target's hidden size."""
+    intermediate_size: int
+    """Width of each layer's MLP."""
+    num_hidden_layers: int
+    """Drafter layers."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    """V: the target vocabulary (the block is embedded with the target's table)."""
+    draft_vocab_size: int
+    """D: the head's rows, the target's own for the draft vocabulary."""
+    target_layers: int
+    """L: target layers whose states make the context (fc takes L*H)."""
+    block_size: int = 4
+    """S: the block's length; one pass drafts S-1 tokens."""
+    mask_token_id: int = 0
+    """The id whose embedding fills the block's masked positions."""
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"{self.num_attention_heads} heads not divisible by {self.num_key_value_heads} kv heads"
+            )
+        if self.block_size < 2:
+            raise ValueError(f"a block needs at least 2 positions, got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask token id {self.mask_token_id} is outside the vocabulary ({self.vocab_size})"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Attention(nn.Module):
+    """Per-head normed queries and keys (as Qwen3's), shared by the context and the block."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.c = c
+        H, h, kv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(H, h * d, bias=False)
+        self.k_proj = nn.Linear(H, kv * d, bias=False)
+        self.v_proj = nn.Linear(H, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, H, bias=False)
+        self.q_norm = RMSNorm(d, c.rms_norm_eps)
+        self.k_norm = RMSNorm(d, c.rms_norm_eps)
+
+    def keys(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, H) at positions pos (B, T) -> k, v (B, kv, T, d), k normed and rotated."""
+        B, T, _ = x.shape
+        c = self.c
+        k = self.k_norm(self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)).transpose(
+            1, 2
+        )
+        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return rope(k, pos, c.rope_theta), v
+
+    def query(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        c = self.c
+        q = self.q_norm(self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim)).transpose(
+            1, 2
+        )
+        return rope(q, pos, c.rope_theta)  # (B, h, T, d)
+
+    def attend(self, q, k, v, mask) -> torch.Tensor:
+        """q (B, h, Q, d) over k, v (B, kv, K, d) where mask (B, 1, Q, K) allows -> (B, Q, H)."""
+        rep = self.c.num_attention_heads // self.c.num_key_value_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, h, Q, K)
+        p = torch.softmax(upcast(s.masked_fill(~mask, float("-inf"))), -1).to(q.dtype)
+        out = p @ v  # (B, h, Q, d)
+        B, h, Q, d = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, h * d))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, h, pos, ctx_k, ctx_v, mask) -> torch.Tensor:
+        """The block h (B, Q, H) at pos (B, Q); context keys/values (B, kv, K, d) of this layer;
+        mask (B, 1, Q, K + Q): which context and block keys each query sees."""
+        x = self.input_layernorm(h)
+        bk, bv = self.self_attn.keys(x, pos)
+        k, v = torch.cat([ctx_k, bk], 2), torch.cat([ctx_v, bv], 2)
+        h = h + self.self_attn.attend(self.self_attn.query(x, pos), k, v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.config = c
+        H = c.hidden_size
+        self.embed_tokens = nn.Embedding(c.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(c.target_layers * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(H, c.rms_norm_eps)
+        self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)  # the target's rows, frozen
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+
+    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
+        self.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        self.t2d.zero_()
+        self.t2d[draft_ids] = True
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
+
+    def context(self, states: torch.Tensor) -> torch.Tensor:
+        """Target states (B, T, L*H) -> the context (B, T, H) every layer's keys come from."""
+        return self.hidden_norm(self.fc(states))
+
+    def context_kv(
+        self, ctx: torch.Tensor, pos: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the context's keys and values (B, kv, T, d) at positions pos (B, T)."""
+        return [layer.self_attn.keys(ctx, pos) for layer in self.layers]
+
+    def blocks(self, ids: torch.Tensor, pos: torch.Tensor, kv, mask) -> torch.Tensor:
+        """Block tokens ids (B, Q) at pos (B, Q) over the context's `kv` -> logits (B, Q, D)."""
+        h = self.embed_tokens(ids)  # (B, Q, H)
+        for layer, (k, v) in zip(self.layers, kv, strict=True):
+            h = layer(h, pos, k, v, mask)
+        return self.lm_head(self.norm(h))
+
+    # -------------------------------------------------------------- training
+
+    def forward_blocks(
+        self, input_ids: torch.Tensor, states: torch.Tensor, anchors: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits (B, N, S, D) of N blocks per row at once: block n of row b starts at position
+        anchors[b, n] (-1: no block) with the true token there and MASK after it, and sees the
+        context of the positions before its anchor and its whole self."""
+        B, T = input_ids.shape
+        N, S = anchors.shape[1], self.config.block_size
+        dev = input_ids.device
+        j = torch.arange(S, device=dev)
+        a = anchors.clamp(min=0)  # (B, N)
+        first = input_ids.gather(1, a)  # (B, N): x_a
+        ids = torch.full((B, N, S), self.config.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, :, 0] = first
+        pos = (a[:, :, None] + j).view(B, N * S)  # (B, N*S)
+        ctx_pos = torch.arange(T, device=dev).expand(B, T)
+        kv = self.context_kv(self.context(states), ctx_pos)
+        sees_ctx = ctx_pos[:, None, :] < a.repeat_interleave(S, 1)[:, :, None]  # (B, N*S, T)
+        blk = torch.arange(N, device=dev).repeat_interleave(S)
+        sees_blk = (blk[:, None] == blk[None, :]).expand(B, N * S, N * S)
+        live = (anchors >= 0).repeat_interleave(S, 1)[
+            :, :, None
+        ]  # padded blocks see themselves only
+        mask = torch.cat([sees_ctx & live, sees_blk], -1)[:, None]  # (B, 1, N*S, T + N*S)
+        return self.blocks(ids.view(B, N * S), pos, kv, mask).view(B, N, S, -1)
+
+    # -------------------------------------------------------------- inference
+
+    @torch.no_grad()
+    def draft_block(self, kv, n_ctx: int, first_token: int) -> list[int]:
+        """The S-1 tokens drafted after `first_token` at position n_ctx, over the cached
+        context keys/values `kv` of positions 0..n_ctx-1 (a list per layer)."""
+        S, dev = self.config.block_size, self.fc.weight.device
+        ids = torch.full((1, S), self.config.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0] = first_token
+        pos = torch.arange(n_ctx, n_ctx + S, device=dev)[None]
+        mask = torch.ones(1, 1, S, n_ctx + S, dtype=torch.bool, device=dev)
+        logits = self.blocks(ids, pos, kv, mask)[0, 1:]  # (S-1, D)
+        return self.draft_ids[logits.argmax(-1)].tolist()
+
+
+def block_weights(size: int, gamma: float) -> torch.Tensor:
+    """Loss weight of block positions 1..size-1: exp(-(j-1)/gamma)."""
+    return torch.exp(-torch.arange(size - 1, dtype=torch.float64) / gamma)
+
+
+def choose_anchors(
+    loss_mask: torch.Tensor, valid: torch.Tensor, size: int, phase: int
+) -> torch.Tensor:
+    """Anchors (B, N), -1 padded: the positions a whose next token is trainable and that lie
+    `phase` (mod size) after the row's first such position; blocks then tile every trainable
+    span. Deterministic in `phase`, so a resume draws the same blocks."""
+    m = (F.pad(loss_mask[:, 1:], (0, 1)) & valid).cpu()  # (B, T): x_{a+1} trainable
+    rows = []
+    for r in m:
+        idx = torch.nonzero(r).squeeze(1)
+        if len(idx):
+            idx = idx[(idx - idx[0]) % size == phase % size]
+        rows.append(idx)
+    n = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), n), -1, dtype=torch.long)
+    for b, r in enumerate(rows):
+        out[b, : len(r)] = r
+    return out.to(loss_mask.device)

@@ -1,0 +1,120 @@
+"""Drafter kinds: what varies between an EAGLE-3 chain drafter and a block drafter, each a
+small class behind one protocol, registered by name here and nowhere else.
+
+A kind says how to build its drafter from the target and a run, what its loss is on a
+training batch, how its trained weights are written for each serving engine and read back,
+and how it proposes drafts when `evaluate` decodes. Its name is written into every file
+that holds its weights (`train.json`, `drafter_config.json`, checkpoints' drafter, exports);
+a file without one is EAGLE-3's, as everything eyas wrote before kinds existed. Callers ask
+`kind(name)` (or `kind_of(config dict)`); they never compare names.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT",
+    "KINDS",
+    "DrafterKind",
+    "Proposer",
+    "kind",
+    "kind_for_export",
+    "kind_of",
+    "with_kind",
+]
+
+DEFAULT = "eagle3"
+# name -> module defining `KIND`, imported on first use.
+KINDS = {"eagle3": "eyas.training.kinds.eagle3", "dflash": "eyas.training.kinds.dflash"}
+
+
+class Proposer(Protocol):
+    """A drafter as `evaluate` drives it: the target's states of the prompt, then rounds of
+    drafts, each round told which tokens the target kept and their states."""
+
+    target_layers_hf: list[int]
+    """HF `hidden_states` indices whose states it reads."""
+
+    def start(self, prompt: list[int], states: torch.Tensor, next_token: int) -> None: ...
+
+    def propose(self, next_token: int, k: int) -> list[int]: ...
+
+    def accept(self, tokens: list[int], states: torch.Tensor) -> None: ...
+
+
+class DrafterKind(Protocol):
+    name: str
+    export_formats: tuple[str, ...]
+
+    def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
+        """(drafter, lm_head) for a training of `cfg` on a run (`meta`) of the target in
+        `model_dir`: the drafter, and the target's lm_head where the loss needs it."""
+
+    def config_dict(self, model) -> dict:
+        """The drafter's config, as drafter_config.json holds it (without the kind)."""
+
+    def from_config(self, cdict: dict) -> torch.nn.Module:
+        """An untrained drafter of the config a `config_dict` gave."""
+
+    def describe(self, cfg) -> str:
+        """The kind and its options, for the line that starts a training."""
+
+    def positions(self, cfg) -> int:
+        """Predictions per root (or block) that the loss and the metrics count."""
+
+    def prepare_batch(self, model, batch: dict, lm_head) -> None:
+        """Add what the loss needs beside the stored tensors (the target's view)."""
+
+    def counts(self, batch: dict, cfg) -> list[float]:
+        """Per position, the number of predictions the loss counts in this batch."""
+
+    def loss(self, model, batch: dict, cfg, norm: list[float] | None):
+        """(loss, stats): the training loss of a batch, normalised by `norm` (per position
+        counts, summed over ranks) or by this batch's; stats (positions, 6) for `summarize`."""
+
+    def export(self, fmt: str, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int):
+        """(tensors, config.json) of an export in `fmt`; raises ValueError where the engine
+        would run another network than the one trained."""
+
+    def reads_export(self, cfg: dict) -> bool:
+        """Whether an export's config.json is of this kind."""
+
+    def load_export(self, cfg: dict, raw: dict, cfg_file) -> tuple[torch.nn.Module, list[int]]:
+        """A drafter from an export's config.json and tensors, and the HF indices of the
+        target layers it reads."""
+
+    def proposer(self, model, target_layers_hf: list[int]) -> Proposer:
+        """The drafter as `evaluate`'s decoder drives it."""
+
+
+def kind(name: str | None) -> DrafterKind:
+    """The registered kind of that name (None: EAGLE-3)."""
+    name = name or DEFAULT
+    if name not in KINDS:
+        raise ValueError(f"unknown drafter kind {name!r}; eyas knows {', '.join(KINDS)}")
+    return importlib.import_module(KINDS[name]).KIND
+
+
+def kind_for_export(cfg: dict) -> DrafterKind | None:
+    """The kind an export's config.json is of, or None."""
+    for name in KINDS:
+        k = kind(name)
+        if k.reads_export(cfg):
+            return k
+    return None
+
+
+def kind_of(cdict: dict) -> tuple[DrafterKind, dict]:
+    """A stored drafter config's kind, and the config without its name."""
+    rest = dict(cdict)
+    return kind(rest.pop("kind", None)), rest
+
+
+def with_kind(name: str, cdict: dict) -> dict:
+    """A drafter config as it is stored: its kind's name first."""
+    return {"kind": name, **cdict}

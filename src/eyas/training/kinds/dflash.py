@@ -1,0 +1,261 @@
+"""DFlash, the block drafter: a few layers over the target's states that propose a whole
+block in one pass (`training.dflash`), trained on many blocks per sequence at once, written
+in the DFlash checkpoint format vLLM (`method: dflash`) and SGLang (`DFLASH`) load."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...targets.weights import embed_weight, lm_head_weight
+from ..dflash import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
+from ..loss import add_targets
+
+ARCH = "DFlashDraftModel"
+
+
+def choose_mask_token(model_dir: str, counts, trust_remote_code: bool = False) -> int:
+    """The id whose embedding fills a block's masked positions: the highest-id special (added)
+    token the training data never trains on and that is not the end, start or padding token;
+    failing that, the vocabulary's last id if the data never trains on it."""
+    from ...targets.target import load_tokenizer
+
+    tok = load_tokenizer(model_dir, trust_remote_code)
+    taken = {tok.eos_token_id, tok.bos_token_id, tok.pad_token_id}
+    specials = sorted({*tok.all_special_ids, *tok.get_added_vocab().values()} - taken, reverse=True)
+    for i in specials:
+        if i < len(counts) and counts[i] == 0:
+            return int(i)
+    last = len(counts) - 1
+    if counts[last] == 0:
+        return last
+    raise ValueError(
+        f"{model_dir}: no special token the data leaves unused to serve as DFlash's mask"
+    )
+
+
+class DFlash:
+    name = "dflash"
+    export_formats = ("vllm", "sglang")
+
+    def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
+        from ...data.prepare import PreparedDataset
+        from ...targets.target import text_config
+
+        if "topk" in str(meta.get("layout", "")):
+            raise ValueError(
+                "a DFlash drafter trains on the target's final states: extract with --target last"
+            )
+        t = text_config(model_dir)
+        H, heads = t.hidden_size, t.num_attention_heads
+        kv = getattr(t, "num_key_value_heads", None) or heads
+        ds = PreparedDataset.open(meta["dataset_path"], check=False)
+        c = DFlashConfig(
+            hidden_size=H, intermediate_size=cfg.intermediate_size or getattr(t, "intermediate_size", 4 * H),
+            num_hidden_layers=cfg.drafter_layers, num_attention_heads=heads,
+            num_key_value_heads=kv if heads % kv == 0 else heads,
+            head_dim=getattr(t, "head_dim", None) or H // heads, vocab_size=t.vocab_size,
+            draft_vocab_size=len(draft_ids), target_layers=len(meta["aux_layers"]),
+            block_size=cfg.block_size,
+            mask_token_id=choose_mask_token(model_dir, ds.vocab_counts(), bool(meta.get("trust_remote_code_required"))),
+            rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+            rope_theta=float(((getattr(t, "rope_parameters", None) or {}).get("rope_theta"))
+                             or getattr(t, "rope_theta", 10000.0) or 10000.0),
+            max_position_embeddings=getattr(t, "max_position_embeddings", 4096),
+            hidden_act=getattr(t, "hidden_act", "silu"),
+        )  # fmt: skip
+        torch.manual_seed(cfg.seed)
+        model = DFlashDrafter(c)
+        model.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
+        head = lm_head_weight(model_dir).float()
+        model.lm_head.weight.data.copy_(head[draft_ids])
+        model.set_draft_vocab(draft_ids)
+        return model, head
+
+    def config_dict(self, model: DFlashDrafter) -> dict:
+        return model.config.to_dict()
+
+    def from_config(self, cdict: dict) -> DFlashDrafter:
+        return DFlashDrafter(DFlashConfig(**cdict))
+
+    def describe(self, cfg) -> str:
+        return f"DFlash, blocks of {cfg.block_size}, {cfg.drafter_layers} layer(s)"
+
+    def positions(self, cfg) -> int:
+        return cfg.block_size - 1
+
+    def prepare_batch(self, model: DFlashDrafter, batch: dict, lm_head) -> None:
+        add_targets(batch, model, lm_head)
+        key = batch.get("_key")
+        phase = int(key) % model.config.block_size if key is not None else 0
+        batch["anchors"] = choose_anchors(
+            batch["loss_mask"], batch["valid"], model.config.block_size, phase
+        )
+
+    def _masks(self, batch: dict, S: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per block position j = 1..S-1: (position a+j-1 of the target's distribution,
+        scored, loss mask), each (B, N)."""
+        a = batch["anchors"]
+        T = batch["input_ids"].shape[1]
+        m = batch["valid"] & batch["loss_mask"]
+        out = []
+        for j in range(1, S):
+            at = (a + j).clamp(max=T - 1)
+            scored = (a >= 0) & (a + j < T) & m.gather(1, at)
+            src = (a + j - 1).clamp(min=0, max=T - 1)
+            out.append((src, scored, scored & batch["in_vocab"].gather(1, src)))
+        return out
+
+    def counts(self, batch: dict, cfg) -> list[float]:
+        return [float(lm.sum()) for _, _, lm in self._masks(batch, cfg.block_size)]
+
+    def loss(self, model: DFlashDrafter, batch: dict, cfg, norm):
+        S = model.config.block_size
+        logits = model.forward_blocks(
+            batch["input_ids"], batch["aux"], batch["anchors"]
+        )  # (B, N, S, D)
+        w = block_weights(S, cfg.block_decay)
+        dids = model.draft_ids
+        total = torch.zeros((), device=logits.device)
+        all_right = torch.ones_like(batch["anchors"], dtype=torch.bool)
+        stats = []
+        for j, (src, scored, lmask) in enumerate(self._masks(batch, S), start=1):
+            lj = logits[:, :, j].float()  # (B, N, D)
+            tgt = batch["tgt_logits"].gather(1, src[..., None].expand(-1, -1, lj.shape[-1])).float()
+            per = _divergence(lj, tgt, cfg.loss)  # (B, N)
+            loss_sum = (per * lmask).sum()
+            n = norm[j - 1] if norm is not None else float(lmask.sum())
+            total = total + float(w[j - 1]) * loss_sum / max(n, 1.0)
+            right = dids[lj.argmax(-1)] == batch["tgt_top"].gather(1, src)
+            cond = scored & all_right
+            all_right = all_right & right
+            stats.append([float(loss_sum.detach()), float(lmask.sum()), float((right & scored).sum()), float(scored.sum()),
+                          float((right & cond).sum()), float(cond.sum())])  # fmt: skip
+        return total, torch.tensor(stats, dtype=torch.float64)
+
+    # ---------------------------------------------------------------- export
+
+    def export(self, fmt: str, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int):
+        from ... import __version__
+
+        c = DFlashConfig(**cdict)
+        tensors = {}
+        for name, t in state.items():
+            if name in ("d2t", "t2d") and c.draft_vocab_size == c.vocab_size:
+                continue  # no map for the whole vocabulary
+            if t.is_floating_point():
+                t = t.to(dtype)
+            tensors[name] = (
+                t.bool() if name == "t2d" else t.long() if name == "d2t" else t
+            ).contiguous()
+        config = {
+            "architectures": [ARCH],
+            "model_type": "qwen3",
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "hidden_act": c.hidden_act,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": c.max_position_embeddings,
+            "vocab_size": c.vocab_size,
+            "draft_vocab_size": c.draft_vocab_size,
+            "target_hidden_size": c.hidden_size,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            # Both engines read DFlash's target_layer_ids as outputs of 0-based layers.
+            "dflash_config": {
+                "target_layer_ids": list(info["aux_layers"]),
+                "block_size": c.block_size,
+                "mask_token_id": c.mask_token_id,
+            },  # fmt: skip
+            "torch_dtype": str(dtype).removeprefix("torch."),
+            "eyas_version": __version__,
+        }
+        return tensors, config
+
+    def reads_export(self, cfg: dict) -> bool:
+        return (cfg.get("architectures") or [None])[0] == ARCH
+
+    def load_export(self, cfg: dict, raw: dict, cfg_file) -> tuple[DFlashDrafter, list[int]]:
+        from ...targets.layers import hf_indices
+
+        d = cfg.get("dflash_config") or {}
+        for key in ("causal", "use_swa"):
+            if d.get(key):
+                raise ValueError(
+                    f"{cfg_file}: dflash_config.{key} is an attention eyas's DFlash drafter does not have"
+                )
+        ids = d["target_layer_ids"]
+        c = DFlashConfig(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"], target_layers=len(ids),
+            block_size=d["block_size"], mask_token_id=d["mask_token_id"], rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=cfg["rope_theta"], max_position_embeddings=cfg["max_position_embeddings"],
+            hidden_act=cfg["hidden_act"],
+        )  # fmt: skip
+        model = DFlashDrafter(c)
+        state = {n: v.float() if v.is_floating_point() else v for n, v in raw.items()}
+        if c.draft_vocab_size == c.vocab_size and "d2t" not in state:
+            state["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
+            state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"{cfg_file.parent}/model.safetensors: missing {missing}, unexpected {unexpected}"
+            )
+        return model.eval(), hf_indices(ids)
+
+    def proposer(self, model: DFlashDrafter, target_layers_hf: list[int]) -> BlockProposer:
+        return BlockProposer(model, target_layers_hf)
+
+
+def _divergence(logits: torch.Tensor, tgt_logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """kl, tv or mix of the drafter's logits against the target's, both (..., D) -> (...)."""
+    logq = F.log_softmax(logits, -1)
+    p = torch.softmax(tgt_logits, -1)
+    if kind == "kl":
+        return -(p * logq).sum(-1)
+    tv = 1 - torch.minimum(p, logq.exp()).sum(-1)
+    if kind == "tv":
+        return tv
+    return 0.1 * -logq.gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1) + 0.9 * tv
+
+
+class BlockProposer:
+    """DFlash in `evaluate`: the context keys/values of every position with target states,
+    a block [next token, MASK...] drafted in one pass, the context extended by the positions
+    the target verified."""
+
+    def __init__(self, model: DFlashDrafter, target_layers_hf: list[int]):
+        self.m, self.target_layers_hf = model, target_layers_hf
+
+    def _kv(self, states: torch.Tensor, start: int):
+        pos = torch.arange(start, start + states.shape[1], device=states.device)[None]
+        return self.m.context_kv(self.m.context(states), pos)
+
+    def start(self, prompt: list[int], states: torch.Tensor, next_token: int) -> None:
+        self.kv, self.n = self._kv(states, 0), states.shape[1]
+
+    def propose(self, next_token: int, k: int) -> list[int]:
+        if k > self.m.config.block_size - 1:
+            raise ValueError(f"a DFlash block of {self.m.config.block_size} drafts {self.m.config.block_size - 1} "
+                             f"tokens a round, not {k}: give --draft-tokens {self.m.config.block_size - 1} or fewer")  # fmt: skip
+        return self.m.draft_block(self.kv, self.n, next_token)[:k]
+
+    def accept(self, tokens: list[int], states: torch.Tensor) -> None:
+        new = self._kv(states, self.n)
+        self.kv = [
+            (torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+            for (k, v), (nk, nv) in zip(self.kv, new, strict=True)
+        ]
+        self.n += states.shape[1]
+
+
+KIND = DFlash()

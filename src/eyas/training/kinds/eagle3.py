@@ -1,0 +1,253 @@
+"""EAGLE-3, the chain drafter: one decoder layer over the target's three fused states,
+unrolled over training-time-test steps (`drafter`, `loss`), exported in vLLM's speculators
+format and SGLang's EAGLE format, drafting one token per drafter pass."""
+
+from __future__ import annotations
+
+import torch
+
+from ...targets.weights import embed_weight, final_norm_weight, lm_head_weight
+from ..drafter import Drafter, DrafterConfig
+from ..loss import add_targets, loss_masks, ttt_loss
+
+_ARCHS = {"vllm": "Eagle3Speculator", "sglang": "LlamaForCausalLMEagle3"}
+_LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
+# SGLang's EAGLE-3 model has none of these: its residual and next-step input are the raw
+# states, and nothing norms the target states before fc.
+_SGLANG_LACKS = ("norm_before_fc", "norm_before_residual", "norm_output")
+# Fields of a speculators config that change the network, and the values eyas's drafter runs.
+_ARCH_FIELDS = {"fc_norm": (False, None), "norm_before_fc": (False, True, None),
+                "norm_before_residual": (False, True, None), "norm_output": (False, True, None)}  # fmt: skip
+
+
+class Eagle3:
+    name = "eagle3"
+    export_formats = ("vllm", "sglang")
+
+    # ---------------------------------------------------------------- training
+
+    def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
+        """Drafter sized from the target, with its frozen embeddings; the target's lm_head
+        too (None when the run stores the target's top-K: the loss needs no head then)."""
+        from ...targets.target import text_config
+
+        over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
+        norms = {k: getattr(cfg, k) for k in _SGLANG_LACKS}
+        dcfg = DrafterConfig.from_target(text_config(model_dir), len(draft_ids), **over, **norms)
+        torch.manual_seed(cfg.seed)
+        drafter = Drafter(dcfg)
+        drafter.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
+        drafter.set_draft_vocab(draft_ids)
+        topk = "topk" in str(meta.get("layout", ""))
+        from_target = cfg.head_init.startswith("target")
+        head = lm_head_weight(model_dir).float() if from_target or not topk else None
+        if from_target:
+            # The drafter's last state stands in for the target's pre-norm state, so the
+            # target's head rows (and final norm) are where the drafter's should start.
+            drafter.lm_head.weight.data.copy_(head[draft_ids])  # (D, H)
+            if not dcfg.norm_output:
+                # With norm_output the normed state is the next step's input too, so the
+                # norm starts at one, as every other norm of the drafter does.
+                drafter.norm.weight.data.copy_(final_norm_weight(model_dir).float())  # (H,)
+            drafter.lm_head.weight.requires_grad_(cfg.head_init != "target-frozen")
+        return drafter, None if topk else head
+
+    def config_dict(self, model: Drafter) -> dict:
+        return model.config.to_dict()
+
+    def from_config(self, cdict: dict) -> Drafter:
+        return Drafter(DrafterConfig(**cdict))
+
+    def describe(self, cfg) -> str:
+        return f"EAGLE-3, {cfg.ttt_steps} TTT steps"
+
+    def positions(self, cfg) -> int:
+        """Predictions per root that the loss and the metrics count: the TTT steps."""
+        return cfg.ttt_steps
+
+    def prepare_batch(self, model: Drafter, batch: dict, lm_head) -> None:
+        """The target's view (soft labels, argmax) added before the loss and its counts."""
+        add_targets(batch, model, lm_head)
+
+    def counts(self, batch: dict, cfg) -> list[float]:
+        return [float(lm.sum()) for _, lm in loss_masks(batch, cfg.ttt_steps)]
+
+    def loss(self, model: Drafter, batch: dict, cfg, norm):
+        return ttt_loss(model, batch, cfg.ttt_steps, cfg.step_decay, norm=norm, kind=cfg.loss)
+
+    # ---------------------------------------------------------------- export
+
+    def export(self, fmt: str, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int):
+        c = DrafterConfig(**cdict)
+        if fmt == "sglang" and (on := [n for n in _SGLANG_LACKS if getattr(c, n)]):
+            raise ValueError(
+                f"the drafter was trained with {', '.join(on)}, which SGLang's EAGLE-3 model does "
+                "not have: it would run another network than the one trained. Export --format vllm, "
+                "or train with --no-" + " --no-".join(n.replace("_", "-") for n in on)
+            )
+        if c.draft_vocab_size == c.vocab_size:
+            if state["d2t"].any():
+                raise ValueError("the draft vocabulary is the whole vocabulary but d2t is not zero")
+            state = {n: v for n, v in state.items() if n not in ("d2t", "t2d")}  # vLLM refuses them
+        tensors = {}
+        for name, t in state.items():
+            if name.startswith("midlayer."):
+                name = _LAYER_PREFIX[fmt] + name.removeprefix("midlayer.")
+            if t.is_floating_point():
+                t = t.to(dtype)
+            elif name == "t2d":
+                t = t.bool()
+            elif name == "d2t":
+                t = t.long()
+            tensors[name] = t.contiguous()
+        return tensors, export_config(
+            fmt, c, info["aux_layers"], target, str(dtype).removeprefix("torch."), k
+        )
+
+    def reads_export(self, cfg: dict) -> bool:
+        return (cfg.get("architectures") or [None])[0] in _ARCHS.values()
+
+    def load_export(self, cfg: dict, raw: dict, cfg_file) -> tuple[Drafter, list[int]]:
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if arch == "Eagle3Speculator":
+            layer, aux = cfg["transformer_layer_config"], cfg["eagle_aux_hidden_state_layer_ids"]
+            prefix = "layers.0."
+            # vLLM's defaults for fields a speculators config leaves out
+            norms = {"norm_before_residual": cfg.get("norm_before_residual", True),
+                     "norm_before_fc": cfg.get("norm_before_fc", False),
+                     "norm_output": cfg.get("norm_output", False)}  # fmt: skip
+            for key, allowed in _ARCH_FIELDS.items():
+                if cfg.get(key) not in allowed:
+                    raise ValueError(f"{cfg_file}: {key} = {cfg.get(key)!r} is an architecture eyas's "
+                                     "drafter does not have; it cannot evaluate this export")  # fmt: skip
+        else:  # SGLang's ids: outputs of 0-based layers
+            layer, prefix = cfg, "midlayer."
+            aux = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+            norms = {"norm_before_residual": False}  # what SGLang's model does whatever is written
+        if layer.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"{cfg_file}: {layer['num_hidden_layers']} decoder layers; eyas's EAGLE-3 "
+                             "drafter has one, so it cannot evaluate this export")  # fmt: skip
+        c = DrafterConfig(
+            hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+            num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
+            head_dim=layer["head_dim"], vocab_size=layer["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
+            rms_norm_eps=layer["rms_norm_eps"], rope_theta=layer["rope_theta"],
+            max_position_embeddings=layer["max_position_embeddings"], hidden_act=layer["hidden_act"],
+            **norms,
+        )  # fmt: skip
+        drafter = Drafter(c)
+        state = {
+            ("midlayer." + n.removeprefix(prefix) if n.startswith(prefix) else n): v
+            for n, v in raw.items()
+        }
+        state = {n: v.float() if v.is_floating_point() else v for n, v in state.items()}
+        if c.draft_vocab_size == c.vocab_size and "d2t" not in state:  # the identity, left out
+            state["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
+            state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"{cfg_file.parent}/model.safetensors: missing {missing}, unexpected {unexpected}"
+            )
+        return drafter.eval(), list(aux)
+
+    def proposer(self, model: Drafter, target_layers_hf: list[int]) -> ChainProposer:
+        return ChainProposer(model, target_layers_hf)
+
+
+def _llama_fields(c: DrafterConfig) -> dict:
+    return {
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def export_config(
+    fmt: str, c: DrafterConfig, aux_layers: list[int], target: dict, dtype: str, k: int
+) -> dict:
+    """The config.json of an export; `aux_layers` are outputs of 0-based decoder layers."""
+    from ... import __version__
+    from ...targets.layers import hf_indices, sglang_ids
+
+    if fmt == "vllm":
+        return {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.1.0",
+            "draft_vocab_size": c.draft_vocab_size,
+            "norm_before_residual": c.norm_before_residual,
+            "norm_before_fc": c.norm_before_fc,
+            "norm_output": c.norm_output,
+            "fc_norm": False,
+            "target_hidden_size": c.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": hf_indices(aux_layers),
+            "transformer_layer_config": _llama_fields(c),
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
+                "verifier": {
+                    "name_or_path": target["path"],
+                    "architectures": target["architectures"],
+                },
+            },
+            "torch_dtype": dtype,
+            "eyas_version": __version__,
+        }
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_fields(c),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.hidden_size,
+        "norm_before_residual": False,  # what SGLang's model does; a drafter otherwise is refused
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": sglang_ids(aux_layers),
+            "use_aux_hidden_state": True,
+        },
+        "torch_dtype": dtype,
+        "eyas_version": __version__,
+    }
+
+
+class ChainProposer:
+    """EAGLE-3 in `evaluate`: a key/value prefix built from the target's states (root t pairs
+    the fused state f_t with the next token x_{t+1}), a chain of K drafts from the last root,
+    and one prefix entry per token the target keeps."""
+
+    def __init__(self, drafter: Drafter, target_layers_hf: list[int]):
+        self.d, self.target_layers_hf = drafter, target_layers_hf
+
+    def start(self, prompt: list[int], states: torch.Tensor, next_token: int) -> None:
+        dev = states.device
+        self.pk, self.pv = self.d.prefix_kv(
+            torch.tensor([prompt[1:] + [next_token]], device=dev), states, 0
+        )
+        self.last, self.n = states[:, -1:], len(prompt)  # n: positions with target states
+
+    def propose(self, next_token: int, k: int) -> list[int]:
+        return self.d.draft(self.pk, self.pv, next_token, self.last, root=self.n - 1, k=k)
+
+    def accept(self, tokens: list[int], states: torch.Tensor) -> None:
+        """`tokens` the target kept (the accepted drafts and its own next token), `states`
+        (1, len(tokens), 3H) the target's states at the positions that produced them."""
+        kv = self.d.prefix_kv(torch.tensor([tokens], device=states.device), states, self.n)
+        self.pk, self.pv = torch.cat([self.pk, kv[0]], 2), torch.cat([self.pv, kv[1]], 2)
+        self.last = states[:, -1:]
+        self.n += len(tokens)
+
+
+KIND = Eagle3()

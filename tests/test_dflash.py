@@ -1,0 +1,128 @@
+"""The DFlash block drafter: many blocks at once equal each block alone, drafting at
+inference equals training, and the kind trains, exports and decodes losslessly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import eyas
+
+from eyas.training.dflash import DFlashConfig, DFlashDrafter, choose_anchors
+
+
+def _model(seed=0, layers=2, S=4) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    c = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, vocab_size=50, draft_vocab_size=20, target_layers=3,
+                     block_size=S, mask_token_id=49)  # fmt: skip
+    m = DFlashDrafter(c)
+    for p in m.parameters():  # norms away from 1, so a wrong wiring shows
+        p.data.normal_(0, 0.3) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
+    m.set_draft_vocab(torch.sort(torch.randperm(50)[:20]).values)
+    return m.double().eval()
+
+
+def _one_block(m: DFlashDrafter, ids, states, a: int) -> torch.Tensor:
+    """Logits (S, D) of the block at anchor a alone: the context of positions 0..a-1."""
+    S = m.config.block_size
+    kv = m.context_kv(m.context(states[:, :a]), torch.arange(a)[None])
+    block = torch.full((1, S), m.config.mask_token_id)
+    block[0, 0] = ids[0, a]
+    mask = torch.ones(1, 1, S, a + S, dtype=torch.bool)
+    return m.blocks(block, torch.arange(a, a + S)[None], kv, mask)[0]
+
+
+def test_many_blocks_at_once_equal_each_block_alone():
+    m = _model()
+    torch.manual_seed(1)
+    ids, states = torch.randint(0, 49, (2, 13)), torch.randn(2, 13, 96, dtype=torch.float64)
+    anchors = torch.tensor([[1, 4, 9, -1], [0, 3, 6, 10]])
+    with torch.no_grad():
+        got = m.forward_blocks(ids, states, anchors)  # (2, 4, S, D)
+    for b in range(2):
+        for n, a in enumerate(anchors[b].tolist()):
+            if a >= 0:
+                torch.testing.assert_close(
+                    got[b, n], _one_block(m, ids[b : b + 1], states[b : b + 1], a)
+                )
+
+
+def test_drafting_at_inference_is_the_trained_block():
+    m = _model(layers=1)
+    torch.manual_seed(2)
+    ids, states = torch.randint(0, 49, (1, 11)), torch.randn(1, 11, 96, dtype=torch.float64)
+    a = 7
+    with torch.no_grad():
+        logits = m.forward_blocks(ids, states, torch.tensor([[a]]))[0, 0, 1:]  # (S-1, D)
+        kv = m.context_kv(m.context(states[:, :a]), torch.arange(a)[None])
+    assert m.draft_block(kv, a, int(ids[0, a])) == m.draft_ids[logits.argmax(-1)].tolist()
+
+
+def test_anchors_tile_the_trainable_spans():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1]], dtype=torch.bool)
+    valid = torch.ones_like(mask)
+    a = choose_anchors(mask, valid, 3, 0)[0].tolist()
+    assert a == [1, 4, 7, 10]  # each anchor's next token is trainable; one every 3 from the first
+    assert choose_anchors(mask, valid, 3, 1)[0].tolist() == [2, 5, 11]
+
+
+@pytest.mark.slow
+def test_dflash_trains_exports_and_decodes_losslessly(tmp_path):
+    """eyas train --kind dflash on the demo target; the export (vLLM's DFlash format) reads
+    back to the same logits, and evaluate decodes with it losslessly, drafting blocks."""
+    from eyas.export import load_export
+    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.training.checkpoint import load_trained
+
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:60]))
+    eyas(
+        "prepare",
+        "--model",
+        DEMO_TARGET,
+        "--data",
+        src,
+        "--out",
+        tmp_path / "ds",
+        "--draft-vocab-size",
+        "400",
+        check=True,
+    )
+    eyas(
+        "extract",
+        "--model",
+        DEMO_TARGET,
+        "--data",
+        tmp_path / "ds",
+        "--out",
+        tmp_path / "run",
+        check=True,
+    )
+    r = eyas("train", "--data", tmp_path / "run", "--out", tmp_path / "tr", "--kind", "dflash", "--block-size", "4",
+             "--epochs", "2", "--batch-tokens", "1024", "--lr", "3e-3", check=True)  # fmt: skip
+    assert "DFlash, blocks of 4" in r.stderr
+    cfg = json.loads((tmp_path / "tr" / "drafter_config.json").read_text())
+    assert cfg["kind"] == "dflash" and cfg["block_size"] == 4
+    eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex", check=True)
+    ex = json.loads((tmp_path / "ex" / "config.json").read_text())
+    assert ex["architectures"] == ["DFlashDraftModel"] and ex["dflash_config"]["block_size"] == 4
+    assert (
+        ex["dflash_config"]["target_layer_ids"]
+        == json.loads((tmp_path / "run" / "run.json").read_text())["aux_layers"]
+    )
+    trained, _ = load_trained(tmp_path / "tr")
+    back, layers = load_export(tmp_path / "ex")
+    torch.manual_seed(0)
+    ids, states = torch.randint(0, 1000, (1, 20)), torch.randn(1, 20, 3 * 128)
+    with torch.no_grad():
+        torch.testing.assert_close(trained.eval().forward_blocks(ids, states, torch.tensor([[3, 9]])),
+                                   back.forward_blocks(ids, states, torch.tensor([[3, 9]])))  # fmt: skip
+    r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--data", src, "--limit", "6",
+             "--draft-tokens", "3", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout)
+    assert d["lossless"] and d["rounds"] > 0 and len(d["per_position_acceptance"]) == 3
+    r = eyas("export", tmp_path / "tr", "--format", "sglang", "--out", tmp_path / "ex2")
+    assert r.returncode == 0, r.stderr
