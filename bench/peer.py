@@ -373,6 +373,8 @@ def main() -> None:
     ap.add_argument("--eyas-train", type=Path, default=None,
                     help="a finished eyas training of --run to judge (default: train one in WORK/eyas)")  # fmt: skip
     ap.add_argument("--eyas-args", default="", help="more options for eyas train, as one string")
+    ap.add_argument("--also", action="append", default=[],
+                    help="NAME=TRAIN_DIR: another finished eyas training of --run, judged beside (repeat)")  # fmt: skip
     ap.add_argument("--venv", type=Path, default=Path("/tmp/eyas-peer-venv"),
                     help="the peer's virtual environment (made on first use)")  # fmt: skip
     ap.add_argument("--peer-optimizer", default="muon", choices=("muon", "adamw"),
@@ -412,23 +414,29 @@ def main() -> None:
         if subprocess.run(cmd, env=env).returncode != 0:
             raise SystemExit("the peer's training failed (above)")
     exports = {}
-    for name, tdir in (("eyas", mine), ("peer", peer_dir / "eyas-train")):
-        exports[name] = export(tdir, "vllm", args.work / f"export-{name}-{tdir.parent.name if name == 'peer' else 'eyas'}",
+    trainings = [("eyas", mine), ("peer", peer_dir / "eyas-train")]
+    trainings += [(n, Path(d)) for n, d in (a.split("=", 1) for a in args.also)]
+    for name, tdir in trainings:
+        exports[name] = export(tdir, "vllm", args.work / f"export-{name}-{tdir.parent.name if name == 'peer' else tdir.name}",
                                force=True)  # fmt: skip
     val = {n: val_accuracy(load_export(e)[0], args.run, plan) for n, e in exports.items()}
     for n, v in val.items():
         print(f"{n}: validation acc per TTT step {[round(a, 3) for a in v['acc']]}, conditional "
               f"{[round(a, 3) for a in v['cond_acc']]}, est. acceptance {v['accept_len'][-1]:.3f}", flush=True)  # fmt: skip
     res = judge(args, args.real, exports)
-    d, ci, ahead = paired(res["eyas"], res["peer"])
-    e, p = res["eyas"].tokens_per_forward, res["peer"].tokens_per_forward
-    summary = {"eyas": res["eyas"].to_dict(), "peer": res["peer"].to_dict(), "val": val,
-               "eyas_over_peer": round(e / p, 4), "paired_difference": round(d, 4),
-               "paired_ci95": [round(x, 4) for x in ci], "eyas_ahead_on": ahead}  # fmt: skip
+    summary = {"val": val, **{n: r.to_dict() for n, r in res.items()}, "vs_peer": {}}
+    p = res["peer"].tokens_per_forward
+    print(
+        "\nMT-Bench first turns, tokens per target forward (paired over prompts against the peer):"
+    )
+    for name in [n for n in res if n != "peer"]:
+        d, ci, ahead = paired(res[name], res["peer"])
+        e = res[name].tokens_per_forward
+        summary["vs_peer"][name] = {"ratio": round(e / p, 4), "difference": round(d, 4),
+                                    "ci95": [round(x, 4) for x in ci], "ahead_on": ahead}  # fmt: skip
+        print(f"  {name}: {e:.3f} against the peer's {p:.3f}: x{e / p:.3f}, {d:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}], "
+              f"ahead on {ahead} of {len(res[name].per_prompt)} prompts", flush=True)  # fmt: skip
     (args.work / "result.json").write_text(json.dumps(summary, indent=1))
-    print(f"\nMT-Bench tokens per target forward: eyas {e:.3f}, peer {p:.3f}, eyas / peer {e / p:.3f}; "
-          f"eyas - peer {d:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}] paired over {len(res['eyas'].per_prompt)} "
-          f"prompts, eyas ahead on {ahead}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

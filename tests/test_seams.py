@@ -143,3 +143,35 @@ def test_evaluate_says_what_it_left_out(tmp_path, targets):
     errors = [json.loads(x) for x in (tmp_path / "ds" / "errors.jsonl").read_text().splitlines()]
     cut = [e for e in errors if e["line"] == 30]
     assert cut and "looks incomplete" in cut[0]["reason"] and "cut off" in cut[0]["reason"], errors
+
+
+def test_every_command_names_the_directory_it_was_given(tmp_path, targets, llama_dataset):
+    """A prepared dataset given where a run belongs (train), a dataset where a training
+    directory belongs (export) or a missing drafter are usage errors (exit 2) that say what
+    the directory is and which command reads it; doctor describes a dataset, it does not fail
+    it; verify and status of a missing path exit 2 as every other command does."""
+    r = eyas("train", "--data", llama_dataset, "--out", tmp_path / "t")
+    assert r.returncode == 2 and "is a prepared dataset (made by eyas prepare)" in r.stderr, (
+        r.stderr
+    )
+    assert f"eyas extract --model MODEL --data {llama_dataset}" in r.stderr
+    assert not (tmp_path / "t").exists()
+    r = eyas("export", llama_dataset, "--format", "vllm", "--out", tmp_path / "ex")
+    assert r.returncode == 2 and "not a training directory" in r.stderr, r.stderr
+    r = eyas("doctor", llama_dataset)
+    assert (
+        "dataset" in r.stdout and "eyas extract" in r.stdout and "not a usable run" not in r.stdout
+    ), r.stdout
+    for cmd in (["verify", tmp_path / "nope"], ["status", tmp_path / "nope"]):
+        r = eyas(*cmd)
+        assert r.returncode == 2 and "no such" in r.stderr, (cmd, r.stderr)
+    r = eyas(
+        "evaluate",
+        "--model",
+        targets["llama"],
+        "--drafter",
+        tmp_path / "nope",
+        "--data",
+        tmp_path / "p.jsonl",
+    )
+    assert r.returncode == 2 and "no such exported drafter directory" in r.stderr, r.stderr

@@ -63,9 +63,20 @@ def demo_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(demo_run, tmp_path_factory) -> Path:
+    """eyas's recipe (Muon, the three norms), the head started from the target's."""
     out = tmp_path_factory.mktemp("trained") / "train"
     train(TrainConfig(data=str(demo_run), out=str(out), epochs=3, lr=3e-3, warmup_steps=5, batch_tokens=1024,
                       ttt_steps=3, head_init="target", progress=False))  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(demo_run, tmp_path_factory) -> Path:
+    """The three norms off: a drafter SGLang's EAGLE-3 model runs as trained."""
+    out = tmp_path_factory.mktemp("plain") / "train"
+    train(TrainConfig(data=str(demo_run), out=str(out), epochs=1, lr=3e-3, warmup_steps=5, batch_tokens=1024,
+                      ttt_steps=3, head_init="target", norm_before_fc=False, norm_before_residual=False,
+                      norm_output=False, progress=False))  # fmt: skip
     return out
 
 
@@ -199,7 +210,8 @@ def test_data_parallel_matches_single_process(demo_run, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
-def test_export_roundtrip_and_fields(trained, tmp_path, fmt):
+def test_export_roundtrip_and_fields(request, tmp_path, fmt):
+    trained = request.getfixturevalue("trained" if fmt == "vllm" else "plain")
     out = tmp_path / fmt
     r = eyas("export", trained, "--format", fmt, "--out", out, "--verifier", "org/Target-8L")
     assert r.returncode == 0, r.stderr
@@ -216,7 +228,8 @@ def test_export_roundtrip_and_fields(trained, tmp_path, fmt):
             and cfg["speculators_model_type"] == "eagle3"
         )
         assert cfg["eagle_aux_hidden_state_layer_ids"] == aux
-        assert cfg["norm_before_residual"] is False and cfg["norm_before_fc"] is False
+        assert cfg["norm_before_residual"] is True and cfg["norm_before_fc"] is True
+        assert cfg["norm_output"] is True and cfg["fc_norm"] is False
         assert cfg["draft_vocab_size"] == D and cfg["target_hidden_size"] == H
         layer = cfg["transformer_layer_config"]
         for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -282,7 +295,7 @@ def _umask() -> int:
 
 def test_evaluate_is_lossless_and_accepts(trained, tmp_path):
     ex = tmp_path / "ex"
-    assert eyas("export", trained, "--format", "sglang", "--out", ex).returncode == 0
+    assert eyas("export", trained, "--format", "vllm", "--out", ex).returncode == 0
     held_out = tmp_path / "held.jsonl"
     from eyas.targets.demo_data import generate_conversations, write_jsonl
 
@@ -367,7 +380,7 @@ def test_report_to_tensorboard_writes_the_metrics(demo_run, tmp_path):
 def test_evaluate_sigterm_gives_the_partial_result(trained, tmp_path):
     """SIGTERM mid-evaluation: exit 75, and the figures over the prompts done, marked partial."""
     ex = tmp_path / "ex"
-    assert eyas("export", trained, "--format", "sglang", "--out", ex).returncode == 0
+    assert eyas("export", trained, "--format", "vllm", "--out", ex).returncode == 0
     from eyas.targets.demo_data import generate_conversations, write_jsonl
 
     held_out = tmp_path / "held.jsonl"
@@ -668,3 +681,14 @@ def test_feature_noise_scales_per_state_and_only_trains(demo_run, tmp_path):
         json.loads((tmp_path / "noisy" / "train.json").read_text())["config"]["feature_noise"]
         == 0.5
     )
+
+
+def test_sglang_refuses_a_drafter_it_would_run_otherwise(trained, tmp_path):
+    """SGLang's EAGLE-3 model has none of the three norms: the default recipe's drafter is
+    refused for it (exit 1, naming them and the flags that train one it runs), nothing written."""
+    r = eyas("export", trained, "--format", "sglang", "--out", tmp_path / "sg")
+    assert r.returncode == 1 and "norm_before_fc, norm_before_residual, norm_output" in r.stderr, (
+        r.stderr
+    )
+    assert "--no-norm-before-fc --no-norm-before-residual --no-norm-output" in r.stderr
+    assert not (tmp_path / "sg").exists()

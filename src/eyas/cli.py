@@ -728,11 +728,16 @@ def _saved_options(opts: dict, out: Path, ctx: typer.Context) -> dict:
         prev = json.loads(saved.read_text())["config"]
     except (OSError, ValueError, KeyError) as exc:
         raise fail(f"{saved}: unreadable ({exc}); give every option again", EXIT_PROBLEMS) from None
+    from .training.train import BEFORE
+
     out_opts = dict(opts)
     for k in opts:
-        source = ctx.get_parameter_source(k)
-        if k in prev and getattr(source, "name", None) != "COMMANDLINE":
+        if getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE":
+            continue
+        if k in prev:
             out_opts[k] = prev[k]
+        elif k in BEFORE:  # an option newer than the training: what it was trained with
+            out_opts[k] = BEFORE[k]
     return out_opts
 
 
@@ -920,6 +925,7 @@ def demo(
         Path("eyas-demo"), "--workdir", help="Where the demo writes everything (rebuilt each time)."
     ),
     epochs: int = typer.Option(10, "--epochs", help="Training epochs of the demo's drafter."),
+    kind: str = typer.Option("eagle3", "--kind", help="The drafter kind: eagle3 or dflash."),
     as_json: bool = typer.Option(False, "--json", help="Also print the summary as JSON."),
 ) -> None:
     """Run the whole pipeline on the built-in demo target and conversations."""
@@ -927,7 +933,7 @@ def demo(
 
     _quiet_transformers()
     try:
-        summary = run_demo(workdir, epochs=epochs)
+        summary = run_demo(workdir, epochs=epochs, kind=kind)
     except ValueError as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     if as_json:

@@ -1,6 +1,6 @@
 """`eyas demo`: the whole pipeline on the shipped demo target and conversations.
 
-prepare -> extract -> verify -> train -> export (vLLM and SGLang) -> evaluate, in a work
+prepare -> extract -> verify -> train -> export (every format the drafter runs in) -> evaluate, in a work
 directory, a few minutes on 2 CPU cores. Evaluation uses conversations held out from
 training (generated with another seed), so the measured acceptance is not memorised.
 """
@@ -21,13 +21,14 @@ EVAL_SEED = 99
 
 
 def run_demo(
-    workdir: Path, *, epochs: int = 10, ttt_steps: int = 5, eval_prompts: int = 1000
-) -> dict:
+    workdir: Path, *, epochs: int = 10, ttt_steps: int = 5, eval_prompts: int = 1000, kind: str = "eagle3",
+) -> dict:  # fmt: skip
     from .data.prepare import PrepareConfig, prepare
     from .evaluate import evaluate
-    from .export import export
+    from .export import ExportError, export
     from .extract import ExtractConfig, extract
     from .targets.demo_data import generate_conversations, write_jsonl
+    from .training.kinds import kind as drafter_kind
     from .training.train import TrainConfig, train
     from .verify import verify
 
@@ -87,13 +88,20 @@ def run_demo(
     stage("train")
     tdir = workdir / "train"
     t = train(TrainConfig(data=str(run), out=str(tdir), epochs=epochs, ttt_steps=ttt_steps, lr=3e-3, warmup_steps=10,
-                          batch_tokens=2048, val_fraction=0.1, save_every=50, head_init="target"))  # fmt: skip
+                          batch_tokens=2048, val_fraction=0.1, save_every=50, head_init="target", kind=kind))  # fmt: skip
     done("train")
 
     stage("export")
-    ex_vllm = export(tdir, "vllm", workdir / "drafter-vllm")
-    ex_sglang = export(tdir, "sglang", workdir / "drafter-sglang")
-    console.print(f"exported {ex_vllm} and {ex_sglang}", markup=False, highlight=False)
+    exports = {}
+    for fmt in drafter_kind(kind).export_formats:
+        try:
+            exports[fmt] = export(tdir, fmt, workdir / f"drafter-{fmt}")
+        except ExportError as exc:  # a format that would run another network: said, not written
+            console.print(f"not exported for {fmt}: {exc}", markup=False, highlight=False)
+    ex_vllm = exports["vllm"]
+    console.print(
+        f"exported {', '.join(map(str, exports.values()))}", markup=False, highlight=False
+    )
     done("export")
 
     stage("evaluate")
@@ -107,6 +115,8 @@ def run_demo(
     ed = e.to_dict()
     val = t["val"]
     summary = {
+        "kind": kind,
+        "position_name": drafter_kind(kind).position_name,
         "samples": x.done_before + x.committed,
         "tokens": p.tokens,
         "trainable_tokens": p.trainable_tokens,
@@ -127,7 +137,7 @@ def run_demo(
         "greedy_tokens_per_s": ed["greedy_tokens_per_s"],
         "lossless": ed["lossless"],
         "plots": [str(tdir / "loss.png"), str(tdir / "accuracy.png")],
-        "drafters": [str(ex_vllm), str(ex_sglang)],
+        "drafters": [str(p) for p in exports.values()],
         "seconds": round(time.monotonic() - t_all, 1),
         "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
     }
@@ -147,7 +157,7 @@ def _print_table(s: dict) -> None:
         ("samples", f"{s['samples']}"),
         ("tokens", f"{s['tokens']:,} ({s['trainable_tokens']:,} trainable)"),
         ("bytes per token on disk", f"{s['bytes_per_token']:.0f}"),
-        ("val acc per TTT step", " ".join(f"{a:.2f}" for a in s["val_acc_per_step"])),
+        (f"val acc per {s['position_name']}", " ".join(f"{a:.2f}" for a in s["val_acc_per_step"])),
         ("val conditional acc", " ".join(f"{a:.2f}" for a in s["val_cond_acc_per_step"])),
         (
             "tokens per target forward, K=3",

@@ -27,14 +27,18 @@ class TrainConfig:
     --block-size - 1 tokens in one pass)."""
     epochs: int = 3
     """Passes over the training samples."""
-    ttt_steps: int = 7
-    """eagle3: unrolled training-time-test steps k, the chain of drafts trained for."""
+    ttt_steps: int = 3
+    """eagle3: unrolled training-time-test steps k, the chain of drafts trained for (3: the
+    chain serving engines draft by default)."""
     block_size: int = 4
     """dflash: the block's length S (the last verified token and S-1 drafts)."""
-    drafter_layers: int = 1
+    drafter_layers: int = 2
     """dflash: decoder layers of the drafter."""
     block_decay: float = 4.0
     """dflash: loss weight of block position j is exp(-(j-1)/block_decay)."""
+    anchor_stride: int = 1
+    """dflash: a training block starts at every this many positions of a trainable span (1:
+    at each; --block-size: each position is predicted once per step, at one block position)."""
     step_decay: float = 0.8
     """Weight of TTT step i's loss: step_decay ** i."""
     loss: str = "kl"
@@ -49,14 +53,16 @@ class TrainConfig:
     """Linear warmup steps; default: a tenth of the run's optimizer steps, at most 50."""
     weight_decay: float = 0.0
     """AdamW's decoupled weight decay (of the norms and head only with --optimizer muon)."""
-    optimizer: str = "adamw"
-    """`adamw`, or `muon`: Muon for the matrices of fc and the decoder layer (momentum 0.95,
-    weight decay 0.1, update scaled to AdamW's RMS, at the same lr), AdamW for the rest."""
-    norm_before_fc: bool = False
-    """An RMSNorm over the three concatenated target states before fc."""
-    norm_before_residual: bool = False
+    optimizer: str = "muon"
+    """muon: Muon for the matrices of fc and the decoder layer (momentum 0.95, weight decay
+    0.1, update scaled to AdamW's RMS, at the same lr), AdamW for the rest; or adamw for all
+    (docs/recipe.md: with the three norms below, Muon trains the better drafter)."""
+    norm_before_fc: bool = True
+    """An RMSNorm over the concatenated target states before fc (SGLang's EAGLE-3 model has
+    none of the three norms: to export for SGLang, train with all three off)."""
+    norm_before_residual: bool = True
     """The decoder layer's residual is the normed fused state, not the raw one."""
-    norm_output: bool = False
+    norm_output: bool = True
     """The next TTT step and the head read the drafter's normed state, not its raw one."""
     feature_noise: float = 0.0
     """Training only: Gaussian noise on each of the three fused target states, its standard
@@ -131,7 +137,12 @@ class TrainConfig:
             )
         if self.feature_noise < 0 or self.weight_decay < 0:
             raise ValueError("--feature-noise and --weight-decay must not be negative")
-        if self.block_size < 2 or self.drafter_layers < 1 or self.block_decay <= 0:
+        if (
+            self.block_size < 2
+            or self.drafter_layers < 1
+            or self.block_decay <= 0
+            or self.anchor_stride < 1
+        ):
             raise ValueError(
                 "--block-size must be at least 2, --drafter-layers at least 1, --block-decay positive"
             )

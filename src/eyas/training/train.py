@@ -69,8 +69,8 @@ _RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "
 
 
 # What a training directory made before these options existed was trained with.
-_BEFORE = {"head_init": "random", "pack": False, "follow": False, "feature_noise": 0.0,
-           "kind": "eagle3", "block_size": 4, "drafter_layers": 1, "block_decay": 4.0,
+BEFORE = {"head_init": "random", "pack": False, "follow": False, "feature_noise": 0.0,
+           "kind": "eagle3", "block_size": 4, "drafter_layers": 2, "block_decay": 4.0, "anchor_stride": 1,
            "optimizer": "adamw", "loss": "kl", "norm_before_fc": False, "norm_before_residual": False,
            "norm_output": False}  # fmt: skip
 
@@ -239,7 +239,7 @@ def _record_config(cfg: TrainConfig, resume: bool, rank: int, world: int, run: P
                 f"{saved}: this training directory was made from other data ({prev['data'].get('run')})"
             )
         mine = {k: v for k, v in asdict(cfg).items() if k not in _RESUMABLE}
-        theirs = {**_BEFORE, **{k: v for k, v in prev["config"].items() if k not in _RESUMABLE}}
+        theirs = {**BEFORE, **{k: v for k, v in prev["config"].items() if k not in _RESUMABLE}}
         if mine != theirs:
             diff = ", ".join(
                 f"--{k.replace('_', '-')} {theirs.get(k)} saved, "

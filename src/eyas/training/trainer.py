@@ -151,7 +151,7 @@ class Trainer:
         targets, which come from the clean final state), drawn from a generator seeded by the
         key: a resumed training draws the same noise as an unbroken one."""
         batch["_key"] = noise_key  # in training, what varies from step to step derives from it
-        self.kind.prepare_batch(self.drafter, batch, self.lm_head)
+        self.kind.prepare_batch(self.drafter, batch, self.lm_head, self.cfg)
         if noise_key is not None and self.cfg.feature_noise > 0:
             gen = torch.Generator(device=batch["aux"].device)
             gen.manual_seed(noise_key)

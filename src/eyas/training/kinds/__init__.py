@@ -50,6 +50,8 @@ class Proposer(Protocol):
 class DrafterKind(Protocol):
     name: str
     export_formats: tuple[str, ...]
+    position_name: str
+    """What the metrics' positions are called (TTT step, block position)."""
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         """(drafter, lm_head) for a training of `cfg` on a run (`meta`) of the target in
@@ -67,7 +69,7 @@ class DrafterKind(Protocol):
     def positions(self, cfg) -> int:
         """Predictions per root (or block) that the loss and the metrics count."""
 
-    def prepare_batch(self, model, batch: dict, lm_head) -> None:
+    def prepare_batch(self, model, batch: dict, lm_head, cfg=None) -> None:
         """Add what the loss needs beside the stored tensors (the target's view)."""
 
     def counts(self, batch: dict, cfg) -> list[float]:

@@ -37,6 +37,7 @@ def choose_mask_token(model_dir: str, counts, trust_remote_code: bool = False) -
 class DFlash:
     name = "dflash"
     export_formats = ("vllm", "sglang")
+    position_name = "block position"  # what the metrics' positions are called
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         from ...data.prepare import PreparedDataset
@@ -84,13 +85,12 @@ class DFlash:
     def positions(self, cfg) -> int:
         return cfg.block_size - 1
 
-    def prepare_batch(self, model: DFlashDrafter, batch: dict, lm_head) -> None:
+    def prepare_batch(self, model: DFlashDrafter, batch: dict, lm_head, cfg=None) -> None:
         add_targets(batch, model, lm_head)
+        stride = getattr(cfg, "anchor_stride", 1)
         key = batch.get("_key")
-        phase = int(key) % model.config.block_size if key is not None else 0
-        batch["anchors"] = choose_anchors(
-            batch["loss_mask"], batch["valid"], model.config.block_size, phase
-        )
+        phase = int(key) % stride if key is not None else 0
+        batch["anchors"] = choose_anchors(batch["loss_mask"], batch["valid"], stride, phase)
 
     def _masks(self, batch: dict, S: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per block position j = 1..S-1: (position a+j-1 of the target's distribution,

@@ -23,6 +23,7 @@ _ARCH_FIELDS = {"fc_norm": (False, None), "norm_before_fc": (False, True, None),
 class Eagle3:
     name = "eagle3"
     export_formats = ("vllm", "sglang")
+    position_name = "TTT step"  # what the metrics' positions are called
 
     # ---------------------------------------------------------------- training
 
@@ -65,7 +66,7 @@ class Eagle3:
         """Predictions per root that the loss and the metrics count: the TTT steps."""
         return cfg.ttt_steps
 
-    def prepare_batch(self, model: Drafter, batch: dict, lm_head) -> None:
+    def prepare_batch(self, model: Drafter, batch: dict, lm_head, cfg=None) -> None:
         """The target's view (soft labels, argmax) added before the loss and its counts."""
         add_targets(batch, model, lm_head)
 
