@@ -855,7 +855,8 @@ def evaluate(
     _quiet_transformers()
     if engine not in ("hf", "vllm"):
         raise fail(f"--engine must be hf or vllm, got {engine!r}", EXIT_USAGE)
-    _need(drafter, "export")
+    if Path(drafter).exists():  # a missing one is said after the prompts and the tokenizer
+        _need(drafter, "export")
     kw = dict(k=draft_tokens, max_new_tokens=max_new_tokens, limit=limit or None,
               trust_remote_code=trust_remote_code, max_error_rate=max_error_rate,
               chat_template_kwargs=_json_object(chat_template_kwargs))  # fmt: skip

@@ -401,6 +401,8 @@ def evaluate(
         raise ValueError(f"--device {device}: evaluate runs on cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: this machine has no GPU that torch can use")
+    if not Path(drafter_dir).is_dir():  # before minutes of loading the model
+        raise FileNotFoundError(f"{drafter_dir}: no such exported drafter directory")
     with still_working("loading the target", enabled=progress):
         model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval().to(dev)
     if dev.type == "cpu":
@@ -550,6 +552,8 @@ def evaluate_vllm(
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
     asked = read_prompts(Path(data), limit, max_error_rate)
+    if not Path(drafter_dir).is_dir():
+        raise FileNotFoundError(f"{drafter_dir}: no such exported drafter directory")
     load_export(drafter_dir)  # a clear error for a directory that is not an export
     tok, template_kwargs = _tokenizer_for(
         model_dir, drafter_dir, trust_remote_code, chat_template_kwargs
