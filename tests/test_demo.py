@@ -9,7 +9,7 @@ from conftest import eyas
 
 def test_eyas_demo(tmp_path):
     work = tmp_path / "demo"
-    r = eyas("demo", "--workdir", work, "--json", timeout=900)
+    r = eyas("demo", "--workdir", work, "--eval-prompts", "300", "--json", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout)
     assert s["samples"] == 300 and s["lossless"]

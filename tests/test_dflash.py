@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from conftest import eyas
 
@@ -68,7 +67,6 @@ def test_anchors_tile_the_trainable_spans():
     assert choose_anchors(mask, valid, 3, 1)[0].tolist() == [2, 5, 11]
 
 
-@pytest.mark.slow
 def test_dflash_trains_exports_and_decodes_losslessly(tmp_path):
     """eyas train --kind dflash on the demo target; the export (vLLM's DFlash format) reads
     back to the same logits, and evaluate decodes with it losslessly, drafting blocks."""

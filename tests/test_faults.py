@@ -64,6 +64,7 @@ def _count_samples(run: Path) -> int:
     )
 
 
+@pytest.mark.slow  # the long loop; CI runs it (python -m pytest -m slow)
 def test_sigkill_at_random_moments_then_resume(tmp_path, targets, llama_dataset, reference):
     """SIGKILL the extractor until 10 kills have landed, resuming each time; the end is
     bit-identical. The count is demanded, not raced: a run that completes before its kill

@@ -339,6 +339,7 @@ def test_vllm_states_of_wrong_shape_fail_the_sample(kimi):
     assert isinstance(why, str) and "46973" in why and "(5, 3, 64)" in why
 
 
+@pytest.mark.slow  # the long loop; CI runs it (python -m pytest -m slow)
 def test_the_readme_rehearsal_runs_as_written(tmp_path):
     """The Kimi-K2.5 rehearsal of docs/scale.md, every command as printed, on the shipped data."""
     import shlex

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from conftest import eyas
 
 from eyas.data.prepare import PrepareConfig, PreparedDataset, prepare
@@ -39,7 +38,6 @@ def _write(path: Path, recs: list[dict]) -> Path:
     return path
 
 
-@pytest.mark.slow
 def test_data_made_for_another_tokenizer_is_refused_everywhere(tmp_path, targets, conversations):
     """extract, train and evaluate refuse data prepared with another model's tokenizer: exit
     2, naming both fingerprints and both paths."""
@@ -165,6 +163,7 @@ def test_every_command_names_the_directory_it_was_given(tmp_path, targets, llama
     for cmd in (["verify", tmp_path / "nope"], ["status", tmp_path / "nope"]):
         r = eyas(*cmd)
         assert r.returncode == 2 and "no such" in r.stderr, (cmd, r.stderr)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Hello"}) + "\n")
     r = eyas(
         "evaluate",
         "--model",

@@ -198,6 +198,7 @@ def _retired_lines(run: Path) -> int:
     return sum(1 for e in read_journal(p) if e.get("retired")) if p.exists() else 0
 
 
+@pytest.mark.slow  # the long loop; CI runs it (python -m pytest -m slow)
 def test_sigkills_of_both_sides_then_resume(targets, llama_dataset, tmp_path):
     """At least 10 SIGKILLs, two of each kind, split between the two sides: at random moments,
     right after a retirement (either side: the extractor between journal line and deletion,
@@ -394,6 +395,7 @@ def test_follow_without_a_budget_under_torchrun(targets, llama_dataset, tmp_path
     assert (out / "drafter.safetensors").exists()
 
 
+@pytest.mark.slow  # the long loop; CI runs it (python -m pytest -m slow)
 def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_path):
     """extract --max-store (a quarter of the data) --passes 2 and train --follow --epochs 2 side
     by side, on the demo target (which has something to learn): the store's bytes, sampled

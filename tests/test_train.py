@@ -105,6 +105,7 @@ def _said(err: str) -> list[str]:
     return [x for x in err.splitlines() if any(k in x for k in keys)]
 
 
+@pytest.mark.slow  # the long loop; CI runs it (python -m pytest -m slow)
 def test_sigkill_and_sigterm_then_resume_give_identical_weights(demo_run, tmp_path):
     """Killed, resumed, SIGTERMed, moved to another directory and resumed to the end, with
     a CPU hog competing throughout: weights bit-identical to an uninterrupted run. With
@@ -692,3 +693,33 @@ def test_sglang_refuses_a_drafter_it_would_run_otherwise(trained, tmp_path):
     )
     assert "--no-norm-before-fc --no-norm-before-residual --no-norm-output" in r.stderr
     assert not (tmp_path / "sg").exists()
+
+
+def test_dflash_killed_then_resumed_past_a_damaged_checkpoint_gives_identical_weights(
+    demo_run, tmp_path
+):
+    """The DFlash kind keeps the resume guarantees: SIGKILLed between checkpoints, its
+    newest checkpoint then damaged, resumed to the end: the weights of an uninterrupted run."""
+    opts = ("--kind", "dflash", "--epochs", "1", "--save-every", "2")
+    env = {**os.environ, "EYAS_THREADS": "1"}
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    subprocess.run(_train_cmd(demo_run, ref, *opts), check=True, capture_output=True, env=env)
+    p = subprocess.Popen(_train_cmd(demo_run, out, *opts), stderr=subprocess.DEVNULL, env=env)
+    while p.poll() is None and not (
+        (c := latest_checkpoint(out)) and int(c.name.split("-")[1]) >= 6
+    ):
+        time.sleep(0.005)
+    assert p.poll() is None, "training ended before it could be killed"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    newest = latest_checkpoint(out)
+    weights = newest / "drafter.safetensors"
+    b = bytearray(weights.read_bytes())
+    b[-1] ^= 0x40  # the high byte of the last float32: its exponent
+    weights.write_bytes(bytes(b))
+    r = eyas(*_train_cmd(demo_run, out, *opts, "--resume")[3:], env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"{newest.name} is damaged" in r.stderr and "falling back" in r.stderr, r.stderr
+    a, b = _weights(ref), _weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((out / "drafter_config.json").read_text())["kind"] == "dflash"

@@ -927,6 +927,9 @@ def demo(
     ),
     epochs: int = typer.Option(10, "--epochs", help="Training epochs of the demo's drafter."),
     kind: str = typer.Option("eagle3", "--kind", help="The drafter kind: eagle3 or dflash."),
+    eval_prompts: int = typer.Option(
+        1000, "--eval-prompts", help="Held-out conversations the drafter is evaluated on."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Also print the summary as JSON."),
 ) -> None:
     """Run the whole pipeline on the built-in demo target and conversations."""
@@ -934,7 +937,7 @@ def demo(
 
     _quiet_transformers()
     try:
-        summary = run_demo(workdir, epochs=epochs, kind=kind)
+        summary = run_demo(workdir, epochs=epochs, kind=kind, eval_prompts=eval_prompts)
     except ValueError as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     if as_json:
