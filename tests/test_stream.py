@@ -369,12 +369,13 @@ def test_two_extractor_ranks_under_one_budget(targets, llama_dataset, tmp_path):
     assert v["clean"], v
 
 
-def test_follow_without_a_budget_under_torchrun(targets, llama_dataset, tmp_path):
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_follow_without_a_budget_under_torchrun(targets, llama_dataset, tmp_path, kind):
     """No --max-store, two ranks: epoch 1 follows the extraction (rank 0 decides every window
     and sends it to rank 1, and both wait together), epoch 2 reads the full store; nothing is
-    deleted. The trainer starts before the run exists and waits for it."""
+    deleted. The trainer starts before the run exists and waits for it. Both drafter kinds."""
     run, out = tmp_path / "run", tmp_path / "train"
-    tr = start(*train_cmd(run, out, "--epochs", 2), torchrun=2)
+    tr = start(*train_cmd(run, out, "--epochs", 2, "--kind", kind), torchrun=2)
     deadline = time.monotonic() + 120
     while (
         "to be created by `eyas extract`"
@@ -388,7 +389,8 @@ def test_follow_without_a_budget_under_torchrun(targets, llama_dataset, tmp_path
                "--batch-tokens", BATCH)  # fmt: skip
     finish(ex)
     text = finish(tr)
-    assert json.loads((out / "train.json").read_text())["world"] == 2, text
+    saved = json.loads((out / "train.json").read_text())
+    assert saved["world"] == 2 and saved["config"]["kind"] == kind, text
     assert_each_once(out, 120, 2)
     led = ledger(run)
     assert not any(led.retired) and len(led.present) == 120

@@ -186,14 +186,17 @@ def test_progress_lines_show_values_once(demo_run, tmp_path):
     assert "loss0" in lines[0] and len(lines) == len(set(lines))  # the last line is not repeated
 
 
-def test_data_parallel_matches_single_process(demo_run, tmp_path):
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_data_parallel_matches_single_process(demo_run, tmp_path, kind):
     single, multi = tmp_path / "single", tmp_path / "ddp"
-    subprocess.run(_train_cmd(demo_run, single, "--epochs", "1"), check=True, capture_output=True)
+    args = ["--epochs", "1", "--kind", kind]
+    subprocess.run(_train_cmd(demo_run, single, *args), check=True, capture_output=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
-           "train", "--data", str(demo_run), "--out", str(multi), *TRAIN_ARGS, "--epochs", "1"]  # fmt: skip
+           "train", "--data", str(demo_run), "--out", str(multi), *TRAIN_ARGS, *args]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((multi / "train.json").read_text())["world"] == 2
+    assert json.loads((multi / "train.json").read_text())["config"]["kind"] == kind
 
     def losses(d):
         return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
