@@ -103,7 +103,9 @@ def test_dflash_trains_exports_and_decodes_losslessly(tmp_path):
     assert "DFlash, blocks of 4" in r.stderr
     cfg = json.loads((tmp_path / "tr" / "drafter_config.json").read_text())
     assert cfg["kind"] == "dflash" and cfg["block_size"] == 4
-    eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex", check=True)
+    r = eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex", check=True)
+    # The serving line is the kind's: vLLM's dflash method, a block of 4 drafting 3 tokens.
+    assert '"method":"dflash"' in r.stderr and '"num_speculative_tokens":3' in r.stderr, r.stderr
     ex = json.loads((tmp_path / "ex" / "config.json").read_text())
     assert ex["architectures"] == ["DFlashDraftModel"] and ex["dflash_config"]["block_size"] == 4
     assert (
@@ -124,3 +126,4 @@ def test_dflash_trains_exports_and_decodes_losslessly(tmp_path):
     assert d["lossless"] and d["rounds"] > 0 and len(d["per_position_acceptance"]) == 3
     r = eyas("export", tmp_path / "tr", "--format", "sglang", "--out", tmp_path / "ex2")
     assert r.returncode == 0, r.stderr
+    assert "--speculative-algorithm DFLASH" in r.stderr, r.stderr

@@ -219,6 +219,8 @@ def test_export_roundtrip_and_fields(request, tmp_path, fmt):
     out = tmp_path / fmt
     r = eyas("export", trained, "--format", fmt, "--out", out, "--verifier", "org/Target-8L")
     assert r.returncode == 0, r.stderr
+    serve = {"vllm": '"method":"eagle3"', "sglang": "--speculative-algorithm EAGLE3"}[fmt]
+    assert serve in r.stderr and str(out) in r.stderr, r.stderr
     assert oct(os.stat(out / "model.safetensors").st_mode & 0o777) == oct(0o666 & ~_umask())
     cfg = json.loads((out / "config.json").read_text())
     w = load_file(str(out / "model.safetensors"))

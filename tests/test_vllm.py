@@ -203,12 +203,22 @@ def demo_drafter(tmp_path_factory) -> dict[str, Path]:
     eyas("train", "--data", base / "run", "--out", base / "train-sglang", "--epochs", "3", "--ttt-steps", "5",
          "--lr", "3e-3", "--warmup-steps", "10", "--batch-tokens", "2048", "--val-fraction", "0.1",
          "--no-norm-before-fc", "--no-norm-before-residual", "--no-norm-output", timeout=900, check=True)  # fmt: skip
+    eyas("train", "--data", base / "run", "--out", base / "train-dflash", "--kind", "dflash", "--epochs", "5",
+         "--lr", "3e-3", "--batch-tokens", "2048", "--val-fraction", "0.1", timeout=900, check=True)  # fmt: skip
     out = {"prompts": base / "held-out.jsonl"}
     write_jsonl(out["prompts"], generate_conversations(30, seed=99))
-    for fmt, tr in (("vllm", "train"), ("sglang", "train-sglang")):
+    for fmt, tr in (("vllm", "train"), ("sglang", "train-sglang"), ("dflash", "train-dflash")):
         out[fmt] = base / f"drafter-{fmt}"
-        eyas("export", base / tr, "--format", fmt, "--out", out[fmt], check=True)
+        eyas("export", base / tr, "--format", "sglang" if fmt == "sglang" else "vllm", "--out", out[fmt],
+             check=True)  # fmt: skip
     return out
+
+
+def _judge(drafter: Path, prompts: Path, engine: str) -> subprocess.CompletedProcess:
+    from eyas.targets.demo_target import DEMO_TARGET
+
+    return eyas("evaluate", "--model", DEMO_TARGET, "--drafter", drafter, "--data", prompts, "--limit", "30",
+                "--max-new-tokens", "48", "--engine", engine, "--json", timeout=900)  # fmt: skip
 
 
 def test_vllm_judges_like_eyas_evaluate(demo_drafter):
@@ -228,6 +238,23 @@ def test_vllm_judges_like_eyas_evaluate(demo_drafter):
     # vLLM reads them as hidden_states indices, one layer lower, so only losslessness is asserted.
     sg = judge("vllm", "sglang")
     assert sg["lossless"] and sg["acceptance_length"] > 1.0
+
+
+def test_vllm_serves_a_dflash_export_as_eyas_decodes_it(demo_drafter):
+    """vLLM's `method: dflash` on eyas's DFlash export: the same rounds and acceptances as
+    eyas's own block decoder, both lossless. Where the installed vLLM cannot start DFlash on
+    this machine, the test is skipped with vLLM's own words."""
+    vl = _judge(demo_drafter["dflash"], demo_drafter["prompts"], "vllm")
+    if vl.returncode != 0 and "vLLM could not start" in vl.stderr:
+        said = [x for x in vl.stderr.splitlines() if "Error" in x or "could not start" in x]
+        pytest.skip(f"this vLLM does not serve DFlash here: {(said or ['?'])[-1][-300:]}")
+    assert vl.returncode == 0, vl.stderr[-3000:]
+    hf = _judge(demo_drafter["dflash"], demo_drafter["prompts"], "hf")
+    assert hf.returncode == 0, hf.stderr[-3000:]
+    v, h = json.loads(vl.stdout), json.loads(hf.stdout)
+    assert v["lossless"] and h["lossless"] and v["rounds"] > 0
+    assert len(v["per_position_acceptance"]) == 3 and v["accepted"] > 0, v
+    assert abs(v["acceptance_length"] - h["acceptance_length"]) <= 0.05, (v, h)
 
 
 def test_vllm_loads_a_drafter_whose_draft_vocab_is_the_whole_vocab(vtargets, hf_runs, tmp_path):

@@ -791,10 +791,12 @@ def export(
             shlex.join(["eyas", *sys.argv[1:]]) if sys.argv[1:2] == ["export"] else "export again",
         )
         raise fail(str(exc)) from None
-    if fmt == "vllm":
-        hint = f'vllm serve TARGET --speculative-config \'{{"method":"eagle3","model":"{path}","num_speculative_tokens":{speculative_tokens}}}\''
-    else:
-        hint = f"python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 --speculative-draft-model-path {path}"
+    from .export import export_kind
+    from .run.fsutil import read_json
+
+    hint = export_kind(path).serve_command(
+        fmt, str(path), read_json(Path(path) / "config.json"), speculative_tokens
+    )
     console.print(
         f"exported {fmt} drafter to {path}\n  serve with: {hint}", markup=False, highlight=False
     )

@@ -596,8 +596,8 @@ def evaluate_vllm(
         return [list(o.outputs[0].token_ids) for o in outs], seconds, metrics
 
     base, res.base_seconds, _ = run(None)
-    spec_out, res.spec_seconds, metrics = run(
-        {"method": "eagle3", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": k}
+    spec_out, res.spec_seconds, metrics = run(  # the export's kind names vLLM's method
+        export_kind(drafter_dir).vllm_speculative_config(str(Path(drafter_dir).resolve()), k)
     )
     for m in metrics:
         if m.name == "vllm:spec_decode_num_drafts":

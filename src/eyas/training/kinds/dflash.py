@@ -4,6 +4,8 @@ in the DFlash checkpoint format vLLM (`method: dflash`) and SGLang (`DFLASH`) lo
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +40,18 @@ class DFlash:
     name = "dflash"
     export_formats = ("vllm", "sglang")
     position_name = "block position"  # what the metrics' positions are called
+
+    def vllm_speculative_config(self, path: str, tokens: int) -> dict:
+        return {"method": "dflash", "model": path, "num_speculative_tokens": tokens}
+
+    def serve_command(self, fmt: str, path: str, export_config: dict, tokens: int) -> str:
+        # A block of B drafts B - 1 tokens: the export's block, not --speculative-tokens.
+        drafts = int((export_config.get("dflash_config") or {}).get("block_size", tokens + 1)) - 1
+        if fmt == "sglang":
+            return ("python -m sglang.launch_server --model-path TARGET "
+                    f"--speculative-algorithm DFLASH --speculative-draft-model-path {path}")  # fmt: skip
+        spec = json.dumps(self.vllm_speculative_config(path, drafts), separators=(",", ":"))
+        return f"vllm serve TARGET --speculative-config '{spec}'"
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         from ...data.prepare import PreparedDataset
