@@ -791,12 +791,9 @@ def export(
             shlex.join(["eyas", *sys.argv[1:]]) if sys.argv[1:2] == ["export"] else "export again",
         )
         raise fail(str(exc)) from None
-    from .export import export_kind
-    from .run.fsutil import read_json
+    from .export import serve_command
 
-    hint = export_kind(path).serve_command(
-        fmt, str(path), read_json(Path(path) / "config.json"), speculative_tokens
-    )
+    hint = serve_command(path, fmt, speculative_tokens)
     console.print(
         f"exported {fmt} drafter to {path}\n  serve with: {hint}", markup=False, highlight=False
     )

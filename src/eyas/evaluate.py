@@ -28,7 +28,7 @@ from .data.records import (
     prompt_of,
     read_conversation,
 )
-from .export import export_kind, export_rendering, load_export
+from .export import export_kind, export_rendering, load_export, vllm_speculative_config
 from .host.ui import Reporter, still_working
 from .targets.layers import from_hf
 from .targets.target import load_tokenizer
@@ -596,9 +596,7 @@ def evaluate_vllm(
         return [list(o.outputs[0].token_ids) for o in outs], seconds, metrics
 
     base, res.base_seconds, _ = run(None)
-    spec_out, res.spec_seconds, metrics = run(  # the export's kind names vLLM's method
-        export_kind(drafter_dir).vllm_speculative_config(str(Path(drafter_dir).resolve()), k)
-    )
+    spec_out, res.spec_seconds, metrics = run(vllm_speculative_config(drafter_dir, k))
     for m in metrics:
         if m.name == "vllm:spec_decode_num_drafts":
             res.rounds += m.value

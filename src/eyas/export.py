@@ -197,12 +197,35 @@ def export_rendering(path: str | Path) -> dict:
         return {}
 
 
-def export_kind(path: str | Path):
-    """The drafter kind of an export directory (by its config.json)."""
-    k = kind_for_export(read_json(Path(path) / "config.json"))
+def export_kind(path: str | Path, cfg: dict | None = None):
+    """The drafter kind of an export directory (by its config.json, or `cfg` read from it)."""
+    k = kind_for_export(cfg if cfg is not None else read_json(Path(path) / "config.json"))
     if k is None:
         raise ExportError(f"{path}: not an export of a drafter kind eyas knows")
     return k
+
+
+def vllm_speculative_config(path: str | Path, tokens: int) -> dict:
+    """vLLM's `speculative_config` for the export at `path`: its kind's method, `tokens`
+    drafted a round."""
+    return {"method": export_kind(path).vllm_method, "model": str(Path(path).resolve()),
+            "num_speculative_tokens": tokens}  # fmt: skip
+
+
+def serve_command(path: str | Path, fmt: str, tokens: int) -> str:
+    """The command that serves the export at `path` in `fmt`'s engine, drafting `tokens` a
+    round where its kind lets that vary (a block drafts its block)."""
+    cfg = read_json(Path(path) / "config.json")
+    k = export_kind(path, cfg)
+    if fmt == "sglang":
+        return ("python -m sglang.launch_server --model-path TARGET --speculative-algorithm "
+                f"{k.sglang_algorithm} --speculative-draft-model-path {path}")  # fmt: skip
+    spec = {
+        "method": k.vllm_method,
+        "model": str(path),
+        "num_speculative_tokens": k.drafts_per_round(cfg, tokens),
+    }
+    return f"vllm serve TARGET --speculative-config '{json.dumps(spec, separators=(',', ':'))}'"
 
 
 def load_export(path: str | Path) -> tuple[torch.nn.Module, list[int]]:

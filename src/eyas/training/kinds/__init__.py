@@ -53,12 +53,13 @@ class DrafterKind(Protocol):
     position_name: str
     """What the metrics' positions are called (TTT step, block position)."""
 
-    def serve_command(self, fmt: str, path: str, export_config: dict, tokens: int) -> str:
-        """How an engine serves an export of this kind (`fmt`, at `path`, whose config.json
-        is `export_config`), `tokens` drafted per round where the kind lets that vary."""
+    vllm_method: str
+    """vLLM's `speculative_config` method that serves this kind."""
+    sglang_algorithm: str
+    """SGLang's `--speculative-algorithm` that serves this kind."""
 
-    def vllm_speculative_config(self, path: str, tokens: int) -> dict:
-        """vLLM's `speculative_config` for an export of this kind at `path`."""
+    def drafts_per_round(self, export_config: dict, tokens: int) -> int:
+        """Tokens an export (its config.json) drafts a round, asked for `tokens`."""
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         """(drafter, lm_head) for a training of `cfg` on a run (`meta`) of the target in

@@ -4,8 +4,6 @@ in the DFlash checkpoint format vLLM (`method: dflash`) and SGLang (`DFLASH`) lo
 
 from __future__ import annotations
 
-import json
-
 import torch
 import torch.nn.functional as F
 
@@ -41,17 +39,11 @@ class DFlash:
     export_formats = ("vllm", "sglang")
     position_name = "block position"  # what the metrics' positions are called
 
-    def vllm_speculative_config(self, path: str, tokens: int) -> dict:
-        return {"method": "dflash", "model": path, "num_speculative_tokens": tokens}
+    vllm_method, sglang_algorithm = "dflash", "DFLASH"
 
-    def serve_command(self, fmt: str, path: str, export_config: dict, tokens: int) -> str:
-        # A block of B drafts B - 1 tokens: the export's block, not --speculative-tokens.
-        drafts = int((export_config.get("dflash_config") or {}).get("block_size", tokens + 1)) - 1
-        if fmt == "sglang":
-            return ("python -m sglang.launch_server --model-path TARGET "
-                    f"--speculative-algorithm DFLASH --speculative-draft-model-path {path}")  # fmt: skip
-        spec = json.dumps(self.vllm_speculative_config(path, drafts), separators=(",", ":"))
-        return f"vllm serve TARGET --speculative-config '{spec}'"
+    def drafts_per_round(self, export_config: dict, tokens: int) -> int:
+        # A block of B drafts B - 1 tokens: the export's block, not the tokens asked for.
+        return int((export_config.get("dflash_config") or {}).get("block_size", tokens + 1)) - 1
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         from ...data.prepare import PreparedDataset

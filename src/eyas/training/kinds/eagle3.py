@@ -4,8 +4,6 @@ format and SGLang's EAGLE format, drafting one token per drafter pass."""
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from ...targets.weights import embed_weight, final_norm_weight, lm_head_weight
@@ -27,15 +25,10 @@ class Eagle3:
     export_formats = ("vllm", "sglang")
     position_name = "TTT step"  # what the metrics' positions are called
 
-    def vllm_speculative_config(self, path: str, tokens: int) -> dict:
-        return {"method": "eagle3", "model": path, "num_speculative_tokens": tokens}
+    vllm_method, sglang_algorithm = "eagle3", "EAGLE3"
 
-    def serve_command(self, fmt: str, path: str, export_config: dict, tokens: int) -> str:
-        if fmt == "sglang":
-            return ("python -m sglang.launch_server --model-path TARGET "
-                    f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {path}")  # fmt: skip
-        spec = json.dumps(self.vllm_speculative_config(path, tokens), separators=(",", ":"))
-        return f"vllm serve TARGET --speculative-config '{spec}'"
+    def drafts_per_round(self, export_config: dict, tokens: int) -> int:
+        return tokens  # a chain drafts as many as it is asked
 
     # ---------------------------------------------------------------- training
 
