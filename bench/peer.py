@@ -77,6 +77,45 @@ def ensure_venv(venv: Path) -> Path:
     return py
 
 
+# ------------------------------------------------------------------ the data
+
+
+def build_run(real: Path, n: int, work: Path, max_length: int, draft_vocab: int, skip: int = 0) -> Path:
+    """An extraction of the first `n` ShareGPT records (after `skip`) that open with a user
+    turn and hold an assistant turn, in file order: prepared at `max_length` with a draft
+    vocabulary of `draft_vocab`, extracted with the hf backend; reused when finished."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from real_target import pick_conversations
+
+    from eyas.data.prepare import PrepareConfig, prepare
+    from eyas.extract import ExtractConfig, extract
+    from eyas.run.runmeta import read_run_meta
+
+    w = work / (f"n{n}" if not skip else f"n{n}-from{skip}")
+    run = w / "run"
+    if (run / "run.json").is_file() and (w / "extracted").is_file():
+        print(f"data: reusing {run} ({read_run_meta(run)['samples']} samples)", flush=True)
+        return run
+    w.mkdir(parents=True, exist_ok=True)
+    recs = pick_conversations(real / "sharegpt.jsonl", n + skip, seed=None)[skip:]
+    data = w / "conversations.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+    p = prepare(PrepareConfig(model=str(real / "model"), data=(str(data),), out=str(w / "ds"),
+                              max_length=max_length, draft_vocab_size=draft_vocab, max_error_rate=1.0,
+                              force=True, progress=False))  # fmt: skip
+    left = ", ".join(f"{v} {k}" for k, v in p.reasons.items())
+    print(f"data: {len(recs)} conversations, {p.samples} samples ({p.tokens:,} tokens) kept"
+          + (f"; left out: {left}" if left else ""), flush=True)  # fmt: skip
+    t0 = time.monotonic()
+    if (run / "run.json").is_file():
+        extract(resume=str(run))
+    else:
+        extract(ExtractConfig(model=str(real / "model"), data=str(w / "ds"), out=str(run),
+                              store_dtype="bfloat16", min_free="1G", progress=False))  # fmt: skip
+    (w / "extracted").write_text(f"{time.monotonic() - t0:.0f} s\n")
+    return run
+
+
 # ------------------------------------------------------------------ eyas's side
 
 

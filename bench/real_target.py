@@ -43,7 +43,7 @@ def _role(t: dict) -> str:
 def pick_conversations(
     sharegpt: Path,
     n: int,
-    seed: int,
+    seed: int | None,
     first_turn: bool = False,
     tokenizer=None,
     max_prompt_tokens: int = 0,
@@ -65,7 +65,8 @@ def pick_conversations(
                 a = next(i for i, t in enumerate(turns) if _role(t) == "assistant")
                 r = {**r, "conversations": turns[: a + 1]}
             keep.append(r)
-    random.Random(seed).shuffle(keep)
+    if seed is not None:  # None: in the file's order
+        random.Random(seed).shuffle(keep)
     if max_prompt_tokens:
         short = []
         for r in keep:
