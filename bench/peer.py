@@ -80,7 +80,9 @@ def ensure_venv(venv: Path) -> Path:
 # ------------------------------------------------------------------ the data
 
 
-def build_run(real: Path, n: int, work: Path, max_length: int, draft_vocab: int, skip: int = 0) -> Path:
+def build_run(
+    real: Path, n: int, work: Path, max_length: int, draft_vocab: int, skip: int = 0
+) -> Path:
     """An extraction of the first `n` ShareGPT records (after `skip`) that open with a user
     turn and hold an assistant turn, in file order: prepared at `max_length` with a draft
     vocabulary of `draft_vocab`, extracted with the hf backend; reused when finished."""

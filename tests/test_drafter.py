@@ -203,9 +203,10 @@ def test_packed_rows_equal_padded_rows(attention):
 
 
 def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
-    """kl is the soft cross-entropy, tv one minus the overlap of the two distributions, mix
-    0.1 x the argmax's cross-entropy + 0.9 x tv; a top-K store holding every id gives the
-    same values as the full one."""
+    """kl is the soft cross-entropy, tv one minus the overlap alpha of the two distributions,
+    mix 0.1 x the argmax's cross-entropy + 0.9 x tv, nla -log alpha, lk lambda KL + (1 -
+    lambda) tv with lambda = exp(-3 x alpha's mean over the counted positions); a top-K store
+    holding every id gives the same values as the full one."""
     from eyas.training.loss import position_loss
 
     torch.manual_seed(0)
@@ -224,12 +225,38 @@ def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
     want["mix"] = (
         0.1 * -q.log().gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1) + 0.9 * want["tv"]
     )
+    alpha = torch.minimum(p, q).sum(-1)
+    want["nla"] = -alpha.log()
+    counted = torch.ones(B, T, dtype=torch.bool)
+    counted[:, -n:] = False  # past the end: not counted, so not in lk's mean
+    counted[0, 0] = False
+    lam = torch.exp(-3 * alpha[counted[:, :-n]].mean())
+    want["lk"] = lam * (p * (p.log() - q.log())).sum(-1) + (1 - lam) * want["tv"]
     for kind, w in want.items():
         for batch in (full, topk):
-            got = position_loss(batch, mine, n, kind)[:, :-n]
+            got = position_loss(batch, mine, n, kind, counted)[:, :-n]
             torch.testing.assert_close(
                 got, w.float() if got.dtype == torch.float32 else w, rtol=1e-5, atol=1e-6
             )
+
+
+def test_on_policy_loss_is_forward_kl_on_the_matched_chain_and_decayed_reverse_kl_after():
+    """opd: where every draft before a position matched, the forward KL; at the k-th position
+    after the first miss, 0.8^k x the reverse KL; and in a TTT loss, the chain's first miss
+    is where the drafter's argmax first differs from the target's."""
+    from eyas.training.loss import on_policy
+
+    torch.manual_seed(1)
+    logq = torch.log_softmax(torch.randn(4, 6, dtype=torch.float64), -1)
+    logp = torch.log_softmax(torch.randn(4, 6, dtype=torch.float64), -1)
+    fwd = (logp.exp() * (logp - logq)).sum(-1)
+    rev = (logq.exp() * (logq - logp)).sum(-1)
+    matched = torch.tensor([True, False, False, False])
+    since = torch.tensor([0, 1, 2, 3])
+    got = on_policy(logq, logp, matched, since)
+    want = torch.stack([fwd[0], 0.8 * rev[1], 0.8**2 * rev[2], 0.8**3 * rev[3]])
+    torch.testing.assert_close(got, want)
+    assert (rev > 0).all() and (fwd > 0).all()
 
 
 def test_muon_is_torchs_rule_with_its_iteration_in_float32():

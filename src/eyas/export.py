@@ -26,7 +26,7 @@ from .run.fsutil import (
     is_disk_full,
     read_json,
 )
-from .run.manifest import ManifestError, check_manifest, write_manifest
+from .run.manifest import ManifestError, write_manifest
 from .training.checkpoint import save_safetensors
 from .training.kinds import kind_for_export, kind_of
 
@@ -231,32 +231,10 @@ def serve_command(path: str | Path, fmt: str, tokens: int) -> str:
 def load_export(path: str | Path) -> tuple[torch.nn.Module, list[int]]:
     """A drafter from an export directory of any kind and format, in the architecture its
     config declares, and the target layers it reads (HF `hidden_states` indices)."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ExportError(f"{path}: no config.json (not an exported drafter)")
-    if (path / MANIFEST).is_file():  # eyas's own export: every file as it was written
-        try:
-            m = check_manifest(path, MANIFEST)
-        except ManifestError as exc:
-            raise ExportError(f"{exc}; export the drafter again") from None
-    else:
-        m = {}
-    cfg = json.loads(cfg_file.read_text())
-    arch = (cfg.get("architectures") or ["?"])[0]
-    k = kind_for_export(cfg)
-    if k is None:
-        raise ExportError(f"{cfg_file}: unknown architecture {arch!r}")
-    if m.get("kind", k.name) != k.name:
-        raise ExportError(
-            f"{path}: {MANIFEST} says kind {m.get('kind')!r} but config.json is {arch!r}"
-        )
-    if m.get("format") is not None and m.get("format") not in k.export_formats:
-        raise ExportError(
-            f"{path}: {MANIFEST} says format {m.get('format')!r}, which a {k.name} export is not"
-        )
+    from .training.checkpoint import read_export
+
     try:
-        drafter, layers = k.load_export(cfg, load_file(str(path / "model.safetensors")), cfg_file)
+        _, drafter, layers = read_export(Path(path))
     except ValueError as exc:
         raise ExportError(str(exc)) from None
     return drafter, layers

@@ -239,3 +239,67 @@ def load_final(train_dir: Path) -> tuple[dict, dict]:
         raise ManifestError(
             f"{train_dir / 'drafter.safetensors'}: cannot be loaded ({exc})"
         ) from None
+
+
+EXPORT_MANIFEST = "eyas-manifest.json"  # an export's files and checksums (`eyas.export`)
+
+
+def read_export(path: Path):
+    """(kind, drafter, target layers as HF indices) of an export directory of any kind and
+    format, in the architecture its config declares; ValueError names what is wrong."""
+    import json
+
+    from .kinds import kind_for_export
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{path}: no config.json (not an exported drafter)")
+    m = {}
+    if (path / EXPORT_MANIFEST).is_file():  # eyas's own export: every file as it was written
+        try:
+            m = check_manifest(path, EXPORT_MANIFEST)
+        except ManifestError as exc:
+            raise ValueError(f"{exc}; export the drafter again") from None
+    cfg = json.loads(cfg_file.read_text())
+    arch = (cfg.get("architectures") or ["?"])[0]
+    k = kind_for_export(cfg)
+    if k is None:
+        raise ValueError(f"{cfg_file}: unknown architecture {arch!r}")
+    if m.get("kind", k.name) != k.name:
+        raise ValueError(
+            f"{path}: {EXPORT_MANIFEST} says kind {m.get('kind')!r} but config.json is {arch!r}"
+        )
+    if m.get("format") is not None and m.get("format") not in k.export_formats:
+        raise ValueError(
+            f"{path}: {EXPORT_MANIFEST} says format {m.get('format')!r}, which a {k.name} export is not"
+        )
+    return (k, *k.load_export(cfg, load_file(str(path / "model.safetensors")), cfg_file))
+
+
+def initial_weights(path: Path, model, kind) -> None:
+    """Load --init-from's drafter (a training directory or an export) into `model`, which
+    must be of the same kind and shape; ValueError names what differs."""
+    from .kinds import kind_of
+
+    if (path / FINAL_MANIFEST).is_file():
+        state, cdict = load_final(path)
+        theirs, cdict = kind_of(cdict)
+        what = f"{path} (a {theirs.name} training)"
+    elif (path / "config.json").is_file():
+        theirs, other, _ = read_export(path)
+        state = other.state_dict()
+        what = f"{path} (a {theirs.name} export)"
+    else:
+        raise ValueError(f"--init-from {path}: neither a finished training directory nor an export")
+    if theirs.name != kind.name:
+        raise ValueError(f"--init-from {what}: this training is {kind.name}")
+    mine = model.state_dict()
+    for name, t in mine.items():
+        if name not in state:
+            raise ValueError(f"--init-from {what}: it has no tensor {name}")
+        if tuple(state[name].shape) != tuple(t.shape):
+            raise ValueError(f"--init-from {what}: {name} is {tuple(state[name].shape)}, this drafter's "
+                             f"{tuple(t.shape)} (another target, draft vocabulary or size)")  # fmt: skip
+    if "d2t" in mine and not torch.equal(state["d2t"].long(), mine["d2t"].long()):
+        raise ValueError(f"--init-from {what}: another draft vocabulary than this run's")
+    model.load_state_dict({n: state[n].to(t.dtype) for n, t in mine.items()})

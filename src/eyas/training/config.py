@@ -10,7 +10,7 @@ from dataclasses import dataclass
 ATTENTIONS = ("reference", "chunked", "flex")  # TTT attention implementations (ttt_attention)
 OPTIMIZERS = ("adamw", "muon")
 HEAD_INITS = ("random", "target", "target-frozen")
-LOSSES = ("kl", "tv", "mix")  # training.loss
+LOSSES = ("kl", "tv", "mix", "lk", "nla", "opd")  # training.loss
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,20 +43,29 @@ class TrainConfig:
     """Weight of TTT step i's loss: step_decay ** i."""
     loss: str = "kl"
     """kl (soft cross-entropy against the target's distribution), tv (total variation: one
-    minus speculative sampling's acceptance) or mix (0.1 x cross-entropy of the target's
-    argmax + 0.9 x tv)."""
+    minus speculative sampling's acceptance), mix (0.1 x cross-entropy of the target's argmax
+    + 0.9 x tv), lk (a blend of kl and tv, more tv as acceptance grows), nla (-log of the
+    acceptance), or opd (on-policy distillation: forward KL where the drafts so far match the
+    target, decayed reverse KL after the first miss; for a fine-tune with --init-from)."""
     lr: float | None = None
     """Peak learning rate; default: chosen from the run's size (train prints it)."""
     min_lr_ratio: float = 0.1
     """The cosine schedule ends at lr * min_lr_ratio."""
     warmup_steps: int | None = None
     """Linear warmup steps; default: a tenth of the run's optimizer steps, at most 50."""
+    muon_lr_scale: float = 1.0
+    """--optimizer muon: Muon's learning rate is this times --lr (AdamW, for the norms and the
+    head, keeps --lr)."""
+    init_from: str | None = None
+    """Start from this drafter's weights (a training directory or an export of the same kind,
+    target and draft vocabulary) instead of random ones."""
     weight_decay: float = 0.0
     """AdamW's decoupled weight decay (of the norms and head only with --optimizer muon)."""
     optimizer: str = "muon"
-    """muon: Muon for the matrices of fc and the decoder layer (momentum 0.95, weight decay
-    0.1, update scaled to AdamW's RMS, at the same lr), AdamW for the rest; or adamw for all
-    (docs/recipe.md: with the three norms below, Muon trains the better drafter)."""
+    """muon: Muon for the matrices of fc and the decoder layers (momentum 0.95, its own weight
+    decay 0.1, update scaled to AdamW's RMS, at --lr x --muon-lr-scale), AdamW (with
+    --weight-decay) for the norms and the head; or adamw for all (docs/recipe.md: with the
+    three norms below, Muon trains the better drafter)."""
     norm_before_fc: bool = True
     """An RMSNorm over the concatenated target states before fc (SGLang's EAGLE-3 model has
     none of the three norms: to export for SGLang, train with all three off)."""
@@ -135,6 +144,8 @@ class TrainConfig:
             raise ValueError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
             )
+        if self.muon_lr_scale <= 0:
+            raise ValueError(f"--muon-lr-scale must be positive, got {self.muon_lr_scale}")
         if self.feature_noise < 0 or self.weight_decay < 0:
             raise ValueError("--feature-noise and --weight-decay must not be negative")
         if (

@@ -4,8 +4,11 @@ Step i at root t predicts the target's distribution at position t+1+i, on positi
 predicted token is the assistant's and whose target argmax lies in the draft vocabulary.
 The loss per position is one of `LOSSES`: `kl`, the soft cross-entropy against the target's
 distribution over the draft vocabulary (forward KL up to a constant); `tv`, the total
-variation 1 - sum(min(p, q)), which is one minus the chance that speculative sampling
-accepts the draft; `mix`, 0.1 x the cross-entropy of the target's argmax plus 0.9 x TV.
+variation 1 - alpha, alpha = sum(min(p, q)) being the chance that speculative sampling
+accepts the draft; `mix`, 0.1 x the cross-entropy of the target's argmax plus 0.9 x TV;
+`lk`, lambda KL + (1 - lambda) TV with lambda = exp(-3 alpha), alpha the mean over the
+counted positions, not differentiated; `nla`, -log alpha; `opd`, on-policy distillation
+from stored states, for a fine-tune of a trained drafter (`_on_policy`).
 Pure functions of a batch and a drafter.
 """
 
@@ -16,6 +19,9 @@ import torch.nn.functional as F
 
 from .config import LOSSES  # noqa: F401 - the kinds position_loss computes
 from .drafter import Drafter
+
+LK_ETA = 3.0  # lk: the blend weight of KL is exp(-LK_ETA x the mean acceptance)
+OPD_DECAY = 0.8  # opd: reverse KL at the k-th step after the chain's first miss is weighted 0.8^k
 
 
 def target_view(
@@ -50,38 +56,48 @@ def add_targets(batch: dict, drafter: Drafter, lm_head: torch.Tensor | None) -> 
     batch["in_vocab"] = drafter.t2d[batch["tgt_top"]]  # (B, T)
 
 
-def soft_ce(batch: dict, logits: torch.Tensor, n: int) -> torch.Tensor:
-    """Cross-entropy (B, T) of the drafter's logits (B, T, D) against the target's
-    distribution at position t+n: the full draft-vocabulary softmax, or the renormalised
-    top-K (whose ids index the draft vocabulary)."""
-    logp = F.log_softmax(logits.float(), -1)  # (B, T, D)
-    if "tgt_logits" in batch:
-        p = torch.softmax(shift(batch["tgt_logits"], n).float(), -1)  # (B, T, D)
-        return -(p * logp).sum(-1)
-    p = torch.softmax(shift(batch["topk_lp"], n, -1e4), -1)  # (B, T, K)
-    return -(p * logp.gather(-1, shift(batch["topk_ids"], n))).sum(-1)
-
-
-def _target_probs(batch: dict, logits: torch.Tensor, n: int):
-    """The drafter's log-probabilities and the target's probabilities at position t+n, on
-    the same ids: (logq, p), both (B, T, D) for a full-vocabulary store, (B, T, K) for top-K."""
+def target_logprobs(batch: dict, logits: torch.Tensor, n: int):
+    """The drafter's and the target's log-probabilities at position t+n, on the same ids:
+    (logq, logp), both (B, T, D) for a full-vocabulary store, (B, T, K) for top-K."""
     logq = F.log_softmax(logits.float(), -1)  # (B, T, D)
     if "tgt_logits" in batch:
-        return logq, torch.softmax(shift(batch["tgt_logits"], n).float(), -1)
-    p = torch.softmax(shift(batch["topk_lp"], n, -1e4), -1)  # (B, T, K)
-    return logq.gather(-1, shift(batch["topk_ids"], n)), p
+        return logq, F.log_softmax(shift(batch["tgt_logits"], n).float(), -1)
+    logp = F.log_softmax(shift(batch["topk_lp"], n, -1e4).float(), -1)  # (B, T, K)
+    return logq.gather(-1, shift(batch["topk_ids"], n)), logp
 
 
-def position_loss(batch: dict, logits: torch.Tensor, n: int, kind: str = "kl") -> torch.Tensor:
-    """The loss (B, T) of the drafter's logits (B, T, D) against the target at position t+n."""
+def divergence(
+    logq: torch.Tensor, logp: torch.Tensor, kind: str, mask: torch.Tensor
+) -> torch.Tensor:
+    """The loss (...) of the drafter's log-probabilities against the target's, both (..., D),
+    for `kind` in LOSSES (not opd, which needs the chain: `ttt_loss`). `mask` (...) marks the
+    positions the loss counts: lk's blend weight is their mean acceptance."""
+    p = logp.exp()
     if kind == "kl":
-        return soft_ce(batch, logits, n)
-    logq, p = _target_probs(batch, logits, n)
-    tv = 1 - torch.minimum(p, logq.exp()).sum(-1)  # (B, T)
+        return -(p * logq).sum(-1)  # the cross-entropy: KL up to the target's entropy
+    alpha = torch.minimum(p, logq.exp()).sum(-1)  # speculative sampling's acceptance
     if kind == "tv":
-        return tv
-    hard = -logq.gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)  # the target's argmax
-    return 0.1 * hard + 0.9 * tv
+        return 1 - alpha
+    if kind == "nla":
+        return -torch.log(alpha.clamp_min(1e-6))
+    if kind == "lk":
+        kl = (p * (logp - logq)).sum(-1)
+        m = mask.float()
+        mean_alpha = (alpha.detach() * m).sum() / m.sum().clamp(min=1.0)
+        lam = torch.exp(-LK_ETA * mean_alpha)  # KL's strong gradient while acceptance is low
+        return lam * kl + (1 - lam) * (1 - alpha)
+    if kind == "mix":
+        hard = -logq.gather(-1, logp.argmax(-1, keepdim=True)).squeeze(-1)  # the target's argmax
+        return 0.1 * hard + 0.9 * (1 - alpha)
+    raise ValueError(f"no per-position loss {kind!r}")
+
+
+def position_loss(
+    batch: dict, logits: torch.Tensor, n: int, kind: str = "kl", mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The loss (B, T) of the drafter's logits (B, T, D) against the target at position t+n."""
+    logq, logp = target_logprobs(batch, logits, n)
+    return divergence(logq, logp, kind, mask if mask is not None else torch.ones_like(logq[..., 0]))
 
 
 def loss_masks(batch: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -114,20 +130,36 @@ def ttt_loss(
     )
     total = torch.zeros((), device=batch["aux"].device)
     all_right = torch.ones_like(batch["valid"])
+    missed_at = torch.full_like(batch["input_ids"], -1)  # opd: the step of the chain's first miss
     stats = []
     for i, ((logits, _), (scored, lmask)) in enumerate(
         zip(outs, loss_masks(batch, steps), strict=True)
     ):
-        ce = position_loss(batch, logits, 1 + i, kind)  # (B, T)
+        right = dids[logits.argmax(-1)] == shift(batch["tgt_top"], 1 + i, -1)  # (B, T)
+        if kind == "opd":
+            ce = on_policy(*target_logprobs(batch, logits, 1 + i), all_right, i - missed_at)
+        else:
+            ce = position_loss(batch, logits, 1 + i, kind, lmask)  # (B, T)
         loss_sum = (ce * lmask).sum()
         n = norm[i] if norm is not None else float(lmask.sum())
         total = total + decay**i * loss_sum / max(n, 1.0)
-        right = dids[logits.argmax(-1)] == shift(batch["tgt_top"], 1 + i, -1)  # (B, T)
         cond = scored & all_right
+        missed_at = torch.where(all_right & ~right, i, missed_at)
         all_right = all_right & right
         stats.append([float(loss_sum.detach()), float(lmask.sum()), float((right & scored).sum()), float(scored.sum()),
                       float((right & cond).sum()), float(cond.sum())])  # fmt: skip
     return total, torch.tensor(stats, dtype=torch.float64)
+
+
+def on_policy(logq: torch.Tensor, logp: torch.Tensor, matched: torch.Tensor, since: torch.Tensor):
+    """opd's loss (...) at one position of a chain or block, from log-probabilities (..., D):
+    forward KL where the drafts before it all matched the target's argmax (the drafts serving
+    would verify), reverse KL weighted OPD_DECAY^k at the k-th position after the first miss
+    (mode-seeking where serving would have stopped)."""
+    fwd = (logp.exp() * (logp - logq)).sum(-1)
+    rev = (logq.exp() * (logq - logp)).sum(-1)
+    weight = OPD_DECAY ** since.clamp(min=0).float()
+    return torch.where(matched, fwd, weight * rev)
 
 
 def summarize(stats: torch.Tensor) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint import resume_checkpoint, save_checkpoint
+from .checkpoint import initial_weights, resume_checkpoint, save_checkpoint
 from .drafter import Drafter
 from .kinds import kind
 from .loss import summarize
@@ -102,6 +102,8 @@ class Trainer:
         self.kind = kind(cfg.kind)
         self.positions = self.kind.positions(cfg)
         self.drafter, lm_head = build_drafter(cfg, meta)
+        if cfg.init_from:
+            initial_weights(Path(cfg.init_from), self.drafter, self.kind)
         self.drafter.attention = (
             cfg.attention
             if cfg.attention != "auto"
@@ -168,7 +170,7 @@ class Trainer:
         one process, a stop asked for before a micro-batch abandons the step (StepAbandoned):
         the model and optimizer stay as the last complete step left them."""
         for g in self.opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         self.opt.zero_grad(set_to_none=True)
         stats, tokens = torch.zeros(self.positions, 6, dtype=torch.float64), 0
         # Until the optimizer moves, a signal handler may abandon the step (`interruptible`).
@@ -236,15 +238,17 @@ class Trainer:
 def build_optimizer(drafter: Drafter, cfg) -> torch.optim.Optimizer | Optimizers:
     """AdamW over every trainable parameter, or with `--optimizer muon` Muon over the 2-D
     matrices of `fc` and the decoder layer (momentum 0.95, weight decay 0.1, its update
-    scaled to the RMS of AdamW's so one learning rate serves both) and AdamW over the rest:
-    norms and the head, whose rows are per-token vectors, not a map Muon should orthogonalise."""
+    scaled to the RMS of AdamW's so one learning rate serves both; `--muon-lr-scale` times
+    it) and AdamW over the rest: norms and the head, whose rows are per-token vectors, not a
+    map Muon should orthogonalise."""
     adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW([p for _, p in named], **adamw)
     matrices = [p for n, p in named if p.ndim == 2 and min(p.shape) > 1 and "lm_head" not in n]
     rest = [p for n, p in named if not any(p is q for q in matrices)]
-    muon = Muon(matrices, lr=cfg.lr, momentum=0.95, weight_decay=0.1)
+    muon = Muon([{"params": matrices, "lr_scale": cfg.muon_lr_scale}],
+                lr=cfg.lr * cfg.muon_lr_scale, momentum=0.95, weight_decay=0.1)  # fmt: skip
     return Optimizers([muon, torch.optim.AdamW(rest, **adamw)] if rest else [muon])
 
 

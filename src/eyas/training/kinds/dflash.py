@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ...targets.weights import embed_weight, lm_head_weight
 from ..dflash import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
-from ..loss import add_targets
+from ..loss import add_targets, divergence, on_policy
 
 ARCH = "DFlashDraftModel"
 
@@ -124,16 +124,22 @@ class DFlash:
         dids = model.draft_ids
         total = torch.zeros((), device=logits.device)
         all_right = torch.ones_like(batch["anchors"], dtype=torch.bool)
+        missed_at = torch.full_like(batch["anchors"], -1)  # opd: the first block position missed
         stats = []
         for j, (src, scored, lmask) in enumerate(self._masks(batch, S), start=1):
             lj = logits[:, :, j].float()  # (B, N, D)
             tgt = batch["tgt_logits"].gather(1, src[..., None].expand(-1, -1, lj.shape[-1])).float()
-            per = _divergence(lj, tgt, cfg.loss)  # (B, N)
+            logq, logp = F.log_softmax(lj, -1), F.log_softmax(tgt, -1)  # (B, N, D)
+            right = dids[lj.argmax(-1)] == batch["tgt_top"].gather(1, src)
+            if cfg.loss == "opd":
+                per = on_policy(logq, logp, all_right, j - 1 - missed_at)  # (B, N)
+            else:
+                per = divergence(logq, logp, cfg.loss, lmask)  # (B, N)
             loss_sum = (per * lmask).sum()
             n = norm[j - 1] if norm is not None else float(lmask.sum())
             total = total + float(w[j - 1]) * loss_sum / max(n, 1.0)
-            right = dids[lj.argmax(-1)] == batch["tgt_top"].gather(1, src)
             cond = scored & all_right
+            missed_at = torch.where(all_right & ~right, j - 1, missed_at)
             all_right = all_right & right
             stats.append([float(loss_sum.detach()), float(lmask.sum()), float((right & scored).sum()), float(scored.sum()),
                           float((right & cond).sum()), float(cond.sum())])  # fmt: skip
@@ -220,18 +226,6 @@ class DFlash:
 
     def proposer(self, model: DFlashDrafter, target_layers_hf: list[int]) -> BlockProposer:
         return BlockProposer(model, target_layers_hf)
-
-
-def _divergence(logits: torch.Tensor, tgt_logits: torch.Tensor, kind: str) -> torch.Tensor:
-    """kl, tv or mix of the drafter's logits against the target's, both (..., D) -> (...)."""
-    logq = F.log_softmax(logits, -1)
-    p = torch.softmax(tgt_logits, -1)
-    if kind == "kl":
-        return -(p * logq).sum(-1)
-    tv = 1 - torch.minimum(p, logq.exp()).sum(-1)
-    if kind == "tv":
-        return tv
-    return 0.1 * -logq.gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1) + 0.9 * tv
 
 
 class BlockProposer:
