@@ -1,28 +1,38 @@
 """eyas against the peer users would pick instead: vLLM's speculators 0.9, same data.
 
-    python bench/peer.py --run RUN --real REAL --work WORK [--eyas-train DIR] [--prompts 80]
+    python bench/peer.py --real REAL --work WORK --conversations 300,1000 --seeds 0,1 \
+        [--eyas NAME='train options' ...] [--peer peer-eyas-schedule,peer-own-defaults] \
+        [--holdout RUN] [--jobs 2] [--prompts 80]
 
-On one eyas extraction (RUN), this trains two EAGLE-3 drafters and judges them together:
+For each size N, the first N ShareGPT conversations that open with a user turn (file order)
+are prepared (`--max-length 448`, draft vocabulary 8,192) and extracted once (or `--run`
+gives an extraction); then, for every seed, EAGLE-3 drafters are trained on it and judged
+together:
 
-- **eyas**: `eyas train --ttt-steps 3 --epochs 3` with what eyas chooses (or `--eyas-train`, a
-  finished training directory of RUN, reused as it is).
-- **the peer**: speculators 0.9's own `Eagle3DraftModel` as its CLI builds it (Muon with AdamW,
-  `norm_before_fc`, `norm_before_residual`, `norm_output`, the target's head frozen), its KL
-  loss, TTT alignment, packed collation and grad clip, in a virtual environment of its own
-  (`--venv`; made on first use from the package registry; on a CPU its Muon orthogonalises
-  in float32, as eyas's does, not torch's bfloat16). It trains on the same samples,
-  with eyas's train/validation split, batch plan (batch by batch), learning rate, warm-up
-  and cosine schedule, for the same epochs; the target's stored last state is post-norm, so
-  the peer's verifier norm is set to the identity. Its weights are then moved into eyas's
-  drafter, checked against speculators' own logits, and exported by eyas.
-- **one judge**: validation accuracy per TTT step of both with eyas's metric on the same
-  held-out samples, then `eyas evaluate` (hf) on MT-Bench's first turns, K drafts, greedy,
-  both drafters in one process (greedy decoding shared), with a paired interval over prompts.
+- **eyas**: `eyas train --ttt-steps 3 --epochs 3 --seed S` with what eyas chooses, and any
+  other configuration given by `--eyas NAME=OPTIONS`.
+- **the peer**: speculators 0.9's own `Eagle3DraftModel` as its CLI builds it (Muon with
+  AdamW, `norm_before_fc`, `norm_before_residual`, `norm_output`, the target's head frozen),
+  its KL loss, TTT alignment, packed collation, step decay 1.0 and grad clip 1.0, in a
+  virtual environment of its own (`--venv`; made on first use from the package registry; on
+  a CPU its Muon orthogonalises in float32, as eyas's does). It trains on the same samples
+  with the first eyas configuration's split and batch plan (batch by batch), in two ways:
+  `peer-eyas-schedule` (eyas's learning rate for both optimizers, its warm-up and cosine)
+  and `peer-own-defaults` (speculators 0.9.0's own: lr 1e-3 for both, linear schedule with
+  1% warm-up down to zero). The target's stored last state is post-norm, so the peer's
+  verifier norm is the identity. Its weights are moved into eyas's drafter, checked against
+  speculators' own logits, and exported by eyas.
+- **one judge**: validation accuracy per TTT step with eyas's metric on the same held-out
+  samples (and on every sample of `--holdout`, another extraction), then `eyas evaluate`
+  (hf) on MT-Bench's first turns, K drafts, greedy, every drafter in one process (greedy
+  decoding shared).
 
-It prints both figures and eyas / peer. A benchmark, not a test; where speculators cannot be
-installed it says why and exits 0 without figures. `--peer-optimizer adamw` and
-`--peer-norms off` give the peer's variants (its model with eyas's optimizer or eyas's
-normalisation); `--eyas-args` passes options to eyas's training.
+Trainings run `--jobs` at a time, each on one CPU thread, and are reused when finished; so
+are judged drafters (WORK/nN/judged). The table at the end gives, per size, each
+configuration's mean over seeds, each seed, and against the anchor (the better of the
+peer's configurations) the ratio and the paired difference with its 95% interval over
+prompts (resampled alike for every seed). A benchmark, not a test; where speculators cannot
+be installed it says why and exits 0 without figures.
 """
 
 from __future__ import annotations
@@ -121,21 +131,6 @@ def build_run(
 # ------------------------------------------------------------------ eyas's side
 
 
-def train_eyas(run: Path, out: Path, extra: list[str]) -> Path:
-    if (out / "drafter.manifest.json").is_file():
-        print(f"eyas: reusing the finished training in {out}", flush=True)
-        return out
-    cmd = [sys.executable, "-m", "eyas.cli", "train", "--data", str(run), "--out", str(out),
-           "--ttt-steps", "3", "--epochs", "3", *extra]  # fmt: skip
-    resume = ["--resume"] if (out / "train.json").is_file() else []
-    t0 = time.monotonic()
-    r = subprocess.run(cmd + resume)
-    if r.returncode != 0:
-        raise SystemExit(f"eyas train failed (exit {r.returncode}): {shlex.join(cmd)}")
-    print(f"eyas: trained in {time.monotonic() - t0:.0f} s", flush=True)
-    return out
-
-
 def batch_plan(run: Path, train_dir: Path) -> dict:
     """eyas's training of `train_dir`, batch by batch: samples, split, lr per step."""
     from eyas.data.prepare import PreparedDataset
@@ -221,7 +216,8 @@ def worker(args) -> None:
     plan = json.loads(Path(args.plan).read_text())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(42)  # the peer's CLI seed
+    torch.manual_seed(42 + args.seed)  # the peer's CLI seed, moved by the comparison's seed
+    lrs = plan["lrs"] if args.schedule == "eyas" else own_schedule(len(plan["lrs"]))
     run, model_dir = Path(plan["run"]), plan["model"]
     vcfg = AutoConfig.from_pretrained(model_dir)
     draft_ids = torch.tensor(plan["draft_ids"])
@@ -242,8 +238,8 @@ def worker(args) -> None:
     )  # fmt: skip
     model.verifier_norm = torch.nn.Identity()  # eyas stores the target's post-norm last state
     model.float().train()
-    opt_cfg = argparse.Namespace(optimizer=args.peer_optimizer, lr=plan["lrs"][0], weight_decay=0.01,
-                                 muon_lr=plan["lrs"][0], muon_momentum=0.95, muon_weight_decay=0.1,
+    opt_cfg = argparse.Namespace(optimizer=args.peer_optimizer, lr=lrs[0], weight_decay=0.01,
+                                 muon_lr=lrs[0], muon_momentum=0.95, muon_weight_decay=0.1,
                                  muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw")  # fmt: skip
     opts = build_optimizers(model, opt_cfg)
     loss_cfg = resolve_loss_config("kl_div", "eager")
@@ -274,7 +270,7 @@ def worker(args) -> None:
         for idx in batches:
             for o in opts:
                 for g in o.param_groups:
-                    g["lr"] = plan["lrs"][step]
+                    g["lr"] = lrs[step]
             batch = packed(idx)
             _, loss, metrics = model(**batch, **kw)
             for o in opts:
@@ -362,39 +358,187 @@ def _to_eyas(model, packed, plan: dict, norms: bool, out: Path, eyas_train: Path
 # ------------------------------------------------------------------ the comparison
 
 
-def judge(args, real: Path, drafters: dict[str, Path]) -> dict:
-    """Both exports on the same prompts in one process, greedy decoding shared."""
-    from eyas.evaluate import evaluate
+class Job:
+    """One training in its own process on one CPU thread; done when `done` exists."""
 
+    def __init__(self, name: str, cmd: list[str], done: Path, log: Path, env: dict, after: Path | None = None):  # fmt: skip
+        self.name, self.cmd, self.done, self.log, self.env, self.after = (
+            name,
+            cmd,
+            done,
+            log,
+            env,
+            after,
+        )
+        self.proc = None
+
+    def ready(self) -> bool:
+        return self.after is None or self.after.exists()
+
+
+def run_jobs(jobs: list[Job], at_once: int) -> None:
+    """Every job not yet done, `at_once` at a time, each once what it waits for exists."""
+    t0 = time.monotonic()
+    todo = [j for j in jobs if not j.done.exists()]
+    running: list[Job] = []
+    while todo or running:
+        for j in [j for j in todo if j.ready()][: max(0, at_once - len(running))]:
+            todo.remove(j)
+            j.log.parent.mkdir(parents=True, exist_ok=True)
+            print(f"[{time.monotonic() - t0:.0f} s] start {j.name} (log {j.log})", flush=True)
+            j.proc = subprocess.Popen(
+                j.cmd, stdout=open(j.log, "a"), stderr=subprocess.STDOUT, env=j.env
+            )
+            running.append(j)
+        for j in list(running):
+            if j.proc.poll() is not None:
+                running.remove(j)
+                ok = j.proc.returncode == 0 and j.done.exists()
+                print(f"[{time.monotonic() - t0:.0f} s] {j.name}: {'done' if ok else f'FAILED (exit {j.proc.returncode}), see {j.log}'}",
+                      flush=True)  # fmt: skip
+        if todo and not running and not any(j.ready() for j in todo):
+            raise SystemExit(
+                f"nothing can start: {', '.join(j.name for j in todo)} wait for files no job makes"
+            )
+        time.sleep(2)
+
+
+def one_thread() -> dict:
+    return {
+        **os.environ,
+        "EYAS_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO / "src"),
+    }
+
+
+def eyas_job(run: Path, out: Path, options: str, seed: int) -> Job:
+    cmd = [sys.executable, "-m", "eyas.cli", "train", "--data", str(run), "--out", str(out),
+           "--ttt-steps", "3", "--epochs", "3", "--seed", str(seed), *shlex.split(options)]  # fmt: skip
+    if (out / "train.json").is_file():
+        cmd.append("--resume")
+    return Job(
+        f"eyas {out.name}",
+        cmd,
+        out / "drafter.manifest.json",
+        out.with_suffix(".log"),
+        one_thread(),
+    )
+
+
+def peer_job(py: Path, run: Path, base: Path, out: Path, config: str, seed: int) -> Job:
+    """The peer trained on the batch plan of eyas's training `base` (its split, batches and
+    schedule), once `base` has written its train.json."""
+    optimizer, norms, schedule = PEER_CONFIGS[config]
+    plan = out.with_name(out.name + ".plan.json")
+    cmd = [sys.executable, __file__, "plan", "--run", str(run), "--eyas-train", str(base), "--out", str(plan),
+           "&&", str(py), __file__, "worker", "--plan", str(plan), "--out", str(out), "--eyas-train", str(base),
+           "--peer-optimizer", optimizer, "--peer-norms", norms, "--schedule", schedule, "--seed", str(seed)]  # fmt: skip
+    shell = ["bash", "-c", " ".join(c if c == "&&" else shlex.quote(c) for c in cmd)]
+    return Job(f"peer {out.name}", shell, out / "eyas-train" / "drafter.manifest.json",
+               out.with_suffix(".log"), one_thread(), after=base / "train.json")  # fmt: skip
+
+
+# name -> (optimizer, normalisations, schedule): the peer as its CLI builds it, at eyas's
+# schedule (eyas's lr for both optimizers, warm-up and cosine) or at its own defaults
+# (speculators 0.9.0's TrainConfig: lr 1e-3 for AdamW and Muon alike, a linear schedule with
+# 1% warm-up down to zero); both with its step decay 1.0, grad clip 1.0 and weight decays.
+PEER_CONFIGS = {"peer-eyas-schedule": ("muon", "on", "eyas"), "peer-own-defaults": ("muon", "on", "own"),
+                "peer-adamw": ("adamw", "on", "eyas"), "peer-no-norms": ("muon", "off", "eyas")}  # fmt: skip
+
+
+def own_schedule(total: int, lr: float = 1e-3) -> list[float]:
+    """speculators 0.9.0's default schedule: linear warm-up over 1% of the steps (from 0, as
+    transformers' linear schedule starts), then linear down to 0 at the last step."""
+    warm = total // 100
+    return [lr * (s / max(1, warm) if s < warm else max(0.0, (total - s) / max(1, total - warm)))
+            for s in range(total)]  # fmt: skip
+
+
+def judge_all(args, real: Path, run: Path, exports: dict[str, Path], trainings: dict[str, Path],
+              plan: dict, cache: Path) -> dict:  # fmt: skip
+    """Every export on the same MT-Bench prompts in one process (greedy decoding shared), and
+    its validation accuracy on the run's held-out samples (and --holdout's); each result kept
+    in `cache` so a rerun judges only what is new."""
+    from eyas.evaluate import EvalResult, evaluate
+    from eyas.export import load_export
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from recipe import holdout_accuracy
+
+    cache.mkdir(parents=True, exist_ok=True)
     greedy: dict = {}
     out = {}
-    for name, ex in drafters.items():
+    for name, ex in exports.items():
+        f = cache / f"{name}.json"
+        if f.is_file():
+            out[name] = json.loads(f.read_text())
+            continue
         t0 = time.monotonic()
-        r = evaluate(str(real / "model"), str(ex), str(real / "mtbench.jsonl"), k=args.k,
-                     max_new_tokens=args.max_new_tokens, limit=args.prompts, precision=None,
-                     progress=False, greedy_cache=greedy)  # fmt: skip
-        out[name] = r
+        val = val_accuracy(load_export(ex)[0], run, plan)
+        hold = holdout_accuracy(trainings[name], args.holdout, 3) if args.holdout else None
+        r: EvalResult = evaluate(str(real / "model"), str(ex), str(real / "mtbench.jsonl"), k=args.k,
+                                 max_new_tokens=args.max_new_tokens, limit=args.prompts, precision=None,
+                                 progress=False, greedy_cache=greedy)  # fmt: skip
         d = r.to_dict()
-        print(f"{name}: tokens/forward {d['tokens_per_forward']} {d['tokens_per_forward_ci95']}, "
-              f"per position {d['per_position_acceptance']}, lossless {d['lossless']}, "
-              f"{time.monotonic() - t0:.0f} s", flush=True)  # fmt: skip
+        rec = {"val": val, "holdout": hold, "mtbench": d, "per_prompt": r.per_prompt,
+               "seconds": round(time.monotonic() - t0)}  # fmt: skip
+        f.write_text(json.dumps(rec))
+        out[name] = rec
+        print(f"{name}: tokens/forward {d['tokens_per_forward']} {d['tokens_per_forward_ci95']}, per position "
+              f"{d['per_position_acceptance']}, lossless {d['lossless']}, val est. acceptance "
+              f"{val['accept_len'][-1]:.3f}" + (f", held-out {hold['accept_len'][-1]:.3f}" if hold else "")
+              + f", {rec['seconds']} s", flush=True)  # fmt: skip
     return out
 
 
-def paired(a, b, n: int = 4000, seed: int = 0) -> tuple[float, list[float], int]:
-    """Tokens per forward of a minus b, with a 95% bootstrap interval over prompts resampled
-    in pairs, and on how many prompts a is ahead."""
+def tpf(rows) -> float:
     import numpy as np
 
-    x, y = np.array(a.per_prompt, dtype=float), np.array(b.per_prompt, dtype=float)
-    idx = np.random.default_rng(seed).integers(0, len(x), (n, len(x)))
-    diff = x[idx, 2].sum(1) / x[idx, 0].sum(1) - y[idx, 2].sum(1) / y[idx, 0].sum(1)
-    ahead = int(((x[:, 2] / x[:, 0]) > (y[:, 2] / y[:, 0])).sum())
-    return (
-        a.tokens_per_forward - b.tokens_per_forward,
-        [float(v) for v in np.percentile(diff, [2.5, 97.5])],
-        ahead,
-    )
+    a = np.asarray(rows, dtype=float)
+    return float(a[..., 2].sum(-1) / a[..., 0].sum(-1))
+
+
+def paired_over_seeds(
+    mine: list, theirs: list, n: int = 4000, seed: int = 0
+) -> tuple[float, list[float]]:
+    """Mean over seeds of tokens per forward, mine minus theirs, with a 95% bootstrap interval
+    over prompts (the same prompts resampled for every seed and both sides)."""
+    import numpy as np
+
+    x = np.array(mine, dtype=float)  # (seeds, prompts, 3)
+    y = np.array(theirs, dtype=float)
+    idx = np.random.default_rng(seed).integers(0, x.shape[1], (n, x.shape[1]))
+
+    def mean_tpf(a):  # (seeds, prompts, 3) -> (n,)
+        s = a[:, idx]  # (seeds, n, prompts, 3)
+        return (s[..., 2].sum(-1) / s[..., 0].sum(-1)).mean(0)
+
+    diff = mean_tpf(x) - mean_tpf(y)
+    point = float(np.mean([tpf(r) for r in x]) - np.mean([tpf(r) for r in y]))
+    return point, [float(v) for v in np.percentile(diff, [2.5, 97.5])]
+
+
+def table(size: int, results: dict, rows: dict[str, list[str]], anchor: str) -> list[str]:
+    """One table for one size: each configuration's mean over seeds, each seed, against the
+    anchor (the better of the peer's configurations)."""
+    lines = [f"\n{size} conversations: MT-Bench first turns, tokens per target forward (mean over seeds; "
+             f"paired against {anchor} over prompts and seeds)",
+             f"{'configuration':<28} {'mean':>6}  {'per seed':<22} {'held-out est.':>13}  vs anchor"]  # fmt: skip
+    base = [results[n]["per_prompt"] for n in rows[anchor]]
+    for conf, names in rows.items():
+        per = [tpf(results[n]["per_prompt"]) for n in names]
+        hold = [results[n]["holdout"]["accept_len"][-1] for n in names if results[n].get("holdout")]
+        mean = sum(per) / len(per)
+        vs = ""
+        if conf != anchor and len(names) == len(base):
+            d, ci = paired_over_seeds([results[n]["per_prompt"] for n in names], base)
+            vs = f"x{mean / (sum(tpf(b) for b in base) / len(base)):.3f}  {d:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+        held = f"{sum(hold) / len(hold):13.3f}" if hold else f"{'-':>13}"
+        lines.append(
+            f"{conf:<28} {mean:6.3f}  {' '.join(f'{x:.3f}' for x in per):<22} {held}  {vs}"
+        )
+    return lines
 
 
 def main() -> None:
@@ -406,78 +550,102 @@ def main() -> None:
     w.add_argument("--eyas-train", required=True, help="eyas's training directory (its train.json)")
     w.add_argument("--peer-optimizer", default="muon", choices=("muon", "adamw"))
     w.add_argument("--peer-norms", default="on", choices=("on", "off"))
-    ap.add_argument("--run", type=Path, help="an eyas extraction run (verified)")
+    w.add_argument("--schedule", default="eyas", choices=("eyas", "own"))
+    w.add_argument("--seed", type=int, default=0, help="added to the peer CLI's seed (42)")
+    pl = sub.add_parser("plan", help="(internal) eyas's batch plan of a training, as JSON")
+    pl.add_argument("--run", type=Path, required=True)
+    pl.add_argument("--eyas-train", type=Path, required=True)
+    pl.add_argument("--out", type=Path, required=True)
     ap.add_argument(
-        "--real", type=Path, help="scripts/real_target.py's --out: the target and MT-Bench"
+        "--real", type=Path, help="scripts/real_target.py's --out: the target, ShareGPT, MT-Bench"
     )
-    ap.add_argument("--work", type=Path, help="where the trainings and exports go")
-    ap.add_argument("--eyas-train", type=Path, default=None,
-                    help="a finished eyas training of --run to judge (default: train one in WORK/eyas)")  # fmt: skip
-    ap.add_argument("--eyas-args", default="", help="more options for eyas train, as one string")
-    ap.add_argument("--also", action="append", default=[],
-                    help="NAME=TRAIN_DIR: another finished eyas training of --run, judged beside (repeat)")  # fmt: skip
+    ap.add_argument("--work", type=Path, help="where the data, trainings and exports go")
+    ap.add_argument("--conversations", default="300",
+                    help="comma-separated sizes: the first N ShareGPT conversations of each (default 300)")  # fmt: skip
+    ap.add_argument(
+        "--run",
+        type=Path,
+        default=None,
+        help="an eyas extraction to use instead of --conversations",
+    )
+    ap.add_argument(
+        "--seeds", default="0", help="comma-separated seeds (eyas's --seed; the peer's 42 + seed)"
+    )
+    ap.add_argument("--eyas", action="append", default=[],
+                    help="NAME=OPTIONS: an eyas configuration (eyas train options; repeat). "
+                         "Default: eyas= (eyas as it is); the first one's batch plan is the peer's")  # fmt: skip
+    ap.add_argument("--peer", default="peer-eyas-schedule,peer-own-defaults",
+                    help=f"the peer's configurations, of {', '.join(PEER_CONFIGS)}; the better is the anchor")  # fmt: skip
+    ap.add_argument("--holdout", type=Path, default=None,
+                    help="an extraction of other conversations: every drafter's accuracy on all of it too")  # fmt: skip
+    ap.add_argument("--jobs", type=int, default=2, help="trainings at once, one CPU thread each")
+    ap.add_argument("--train-only", action="store_true", help="train everything, judge nothing")
+    ap.add_argument("--max-length", type=int, default=448, help="prepare --max-length")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="prepare --draft-vocab-size")
     ap.add_argument("--venv", type=Path, default=Path("/tmp/eyas-peer-venv"),
                     help="the peer's virtual environment (made on first use)")  # fmt: skip
-    ap.add_argument("--peer-optimizer", default="muon", choices=("muon", "adamw"),
-                    help="the peer's optimizer (its CLI's default: muon)")  # fmt: skip
-    ap.add_argument("--peer-norms", default="on", choices=("on", "off"),
-                    help="the peer's three normalisations (its CLI's default: on)")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=80, help="MT-Bench first turns to judge on")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply")
     ap.add_argument("--k", type=int, default=3, help="drafts per round")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads of the peer's training")
     args = ap.parse_args()
     if args.role == "worker":
         return worker(args)
-    if not (args.run and args.real and args.work):
-        ap.error("--run, --real and --work are needed")
+    if args.role == "plan":
+        args.out.write_text(json.dumps(batch_plan(args.run, args.eyas_train)))
+        return None
+    if not (args.real and args.work):
+        ap.error("--real and --work are needed")
     try:
         py = ensure_venv(args.venv)
     except Skip as exc:
         print(f"skipped: {exc}")
-        return
-    from eyas.export import export, load_export
+        return None
+    from eyas.export import export
 
-    args.work.mkdir(parents=True, exist_ok=True)
-    mine = args.eyas_train or train_eyas(args.run, args.work / "eyas", shlex.split(args.eyas_args))
-    plan = batch_plan(args.run, mine)
-    (args.work / "plan.json").write_text(json.dumps(plan))
-    print(f"plan: {sum(len(e) for e in plan['epochs'])} steps over {len(plan['epochs'])} epochs, "
-          f"lr {plan['eyas']['lr']}, batch {plan['eyas']['batch_tokens']} tokens, "
-          f"{sum(len(b) for b in plan['val'])} held-out samples", flush=True)  # fmt: skip
-    peer_dir = args.work / f"peer-{args.peer_optimizer}-norms-{args.peer_norms}"
-    if not (peer_dir / "eyas-train" / "drafter.manifest.json").is_file():
-        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-        if args.threads:
-            env["EYAS_THREADS"] = env["OMP_NUM_THREADS"] = str(args.threads)
-        cmd = [str(py), __file__, "worker", "--plan", str(args.work / "plan.json"), "--out", str(peer_dir),
-               "--eyas-train", str(mine), "--peer-optimizer", args.peer_optimizer, "--peer-norms", args.peer_norms]  # fmt: skip
-        if subprocess.run(cmd, env=env).returncode != 0:
-            raise SystemExit("the peer's training failed (above)")
-    exports = {}
-    trainings = [("eyas", mine), ("peer", peer_dir / "eyas-train")]
-    trainings += [(n, Path(d)) for n, d in (a.split("=", 1) for a in args.also)]
-    for name, tdir in trainings:
-        exports[name] = export(tdir, "vllm", args.work / f"export-{name}-{tdir.parent.name if name == 'peer' else tdir.name}",
-                               force=True)  # fmt: skip
-    val = {n: val_accuracy(load_export(e)[0], args.run, plan) for n, e in exports.items()}
-    for n, v in val.items():
-        print(f"{n}: validation acc per TTT step {[round(a, 3) for a in v['acc']]}, conditional "
-              f"{[round(a, 3) for a in v['cond_acc']]}, est. acceptance {v['accept_len'][-1]:.3f}", flush=True)  # fmt: skip
-    res = judge(args, args.real, exports)
-    summary = {"val": val, **{n: r.to_dict() for n, r in res.items()}, "vs_peer": {}}
-    p = res["peer"].tokens_per_forward
-    print(
-        "\nMT-Bench first turns, tokens per target forward (paired over prompts against the peer):"
-    )
-    for name in [n for n in res if n != "peer"]:
-        d, ci, ahead = paired(res[name], res["peer"])
-        e = res[name].tokens_per_forward
-        summary["vs_peer"][name] = {"ratio": round(e / p, 4), "difference": round(d, 4),
-                                    "ci95": [round(x, 4) for x in ci], "ahead_on": ahead}  # fmt: skip
-        print(f"  {name}: {e:.3f} against the peer's {p:.3f}: x{e / p:.3f}, {d:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}], "
-              f"ahead on {ahead} of {len(res[name].per_prompt)} prompts", flush=True)  # fmt: skip
-    (args.work / "result.json").write_text(json.dumps(summary, indent=1))
+    eyas_confs = dict(e.split("=", 1) for e in (args.eyas or ["eyas="]))
+    peers = [p for p in args.peer.split(",") if p]
+    unknown = [p for p in peers if p not in PEER_CONFIGS]
+    if unknown:
+        ap.error(f"unknown peer configuration(s) {unknown}; known: {', '.join(PEER_CONFIGS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    sizes = [int(n) for n in args.conversations.split(",")] if args.run is None else [0]
+    report = []
+    for size in sizes:
+        run = args.run or build_run(
+            args.real, size, args.work / "data", args.max_length, args.draft_vocab
+        )
+        wn = args.work / (f"n{size}" if size else run.parent.name)
+        first = next(iter(eyas_confs))
+        jobs = []
+        for seed in seeds:
+            for name, options in eyas_confs.items():
+                jobs.append(eyas_job(run, wn / f"{name}-s{seed}", options, seed))
+            for conf in peers:
+                jobs.append(
+                    peer_job(py, run, wn / f"{first}-s{seed}", wn / f"{conf}-s{seed}", conf, seed)
+                )
+        run_jobs(jobs, args.jobs)
+        if args.train_only:
+            continue
+        trainings = {f"{n}-s{s}": wn / f"{n}-s{s}" for n in eyas_confs for s in seeds}
+        trainings |= {f"{c}-s{s}": wn / f"{c}-s{s}" / "eyas-train" for c in peers for s in seeds}
+        exports = {}
+        for name, tdir in trainings.items():
+            dest = wn / f"export-{name}"
+            if not (dest / "eyas-manifest.json").is_file():
+                export(tdir, "vllm", dest, force=True)
+            exports[name] = dest
+        plan = batch_plan(run, wn / f"{first}-s{seeds[0]}")
+        results = judge_all(args, args.real, run, exports, trainings, plan, wn / "judged")
+        rows = {c: [f"{c}-s{s}" for s in seeds] for c in [*eyas_confs, *peers]}
+        means = {c: sum(tpf(results[n]["per_prompt"]) for n in rows[c]) / len(seeds) for c in peers}
+        anchor = max(means, key=means.get)
+        report += table(size or len(plan["val"]), results, rows, anchor)
+        (wn / "result.json").write_text(json.dumps({"anchor": anchor, "rows": rows, "seeds": seeds,
+                                                    "results": {n: {k: v for k, v in r.items() if k != "per_prompt"}
+                                                                for n, r in results.items()}}, indent=1))  # fmt: skip
+    print("\n".join(report))
+    return None
 
 
 if __name__ == "__main__":
