@@ -17,13 +17,13 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .data.config import PrepareConfig
-from .host.cpu import pin_runtime_env
-from .host.ui import console
-from .options import OPTS, config_options
-from .run.fsutil import human_duration
-from .run.lock import LockHeld as LockHeldError
-from .training.config import TrainConfig
+from eyas.data.config import PrepareConfig
+from eyas.host.cpu import pin_runtime_env
+from eyas.host.ui import console
+from eyas.options import OPTS, config_options
+from eyas.run.fsutil import human_duration
+from eyas.run.lock import LockHeld as LockHeldError
+from eyas.training.config import TrainConfig
 
 pin_runtime_env()  # before torch loads
 report = Console(soft_wrap=True)  # reports go to stdout; progress and errors to stderr
@@ -55,7 +55,7 @@ def _root(
     ),
 ) -> None:
     if version:
-        from . import __version__
+        from eyas import __version__
 
         print(f"eyas {__version__}")
         raise typer.Exit(0)
@@ -81,7 +81,7 @@ def _need(path, kind: str) -> None:
     """A directory the command reads must be there, and not an eyas directory of another
     kind (`kind`: run, dataset, training, export): either is a usage error (exit 2) that
     says what the path is and which command reads it."""
-    from .status import wrong_kind
+    from eyas.status import wrong_kind
 
     if path is None:
         return
@@ -100,7 +100,7 @@ def fail(msg: str, code: int = EXIT_PROBLEMS) -> typer.Exit:
 
 def _disk_full(exc: BaseException, then: str) -> None:
     """A full disk is a clean, resumable stop in every stage: exit 75 and one line."""
-    from .run.fsutil import is_disk_full
+    from eyas.run.fsutil import is_disk_full
 
     if is_disk_full(exc):
         raise fail(f"disk full: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}. "
@@ -153,7 +153,7 @@ def tiny_target(
     Its weights are random: it rehearses the machinery (extract, train, export, evaluate),
     and a drafter trained on it learns nothing (accuracy about 0). `eyas demo`'s target is
     the one that learns."""
-    from .targets.tiny import TinySizes, build_tiny_target
+    from eyas.targets.tiny import TinySizes, build_tiny_target
 
     _quiet_transformers()
     heads = 4 if hidden_size % 4 == 0 else 1
@@ -188,15 +188,15 @@ def prepare(
     opts: dict = OPTS,
 ) -> None:
     """Render conversations with the model's chat template; write ids, loss masks, vocab counts."""
-    from .data.prepare import prepare as run
+    from eyas.data.prepare import prepare as run
 
     _quiet_transformers()
     cfg = _config(
         PrepareConfig, model=str(model), data=tuple(str(p) for p in [*data, *(extra_data or [])]),
         out=str(out), chat_template_kwargs=_json_object(chat_template_kwargs), **opts,
     )  # fmt: skip
-    from .data.prepare import PrepareFailed
-    from .targets.target import ModelDirError
+    from eyas.data.prepare import PrepareFailed
+    from eyas.targets.target import ModelDirError
 
     try:
         s = run(cfg)
@@ -217,7 +217,7 @@ def prepare(
 
 
 def _prepare_report(s, written: bool) -> None:
-    from .data.records import REASONS
+    from eyas.data.records import REASONS
 
     def say(msg: str) -> None:
         console.print(msg, markup=False, highlight=False)
@@ -286,8 +286,8 @@ def generate(
     ),
 ) -> None:
     """Replace assistant turns with the target's own answers, through a serving endpoint, exactly once."""
-    from .data.generate import EndpointUnreachable, GenerateConfig, GenerateStopped
-    from .data.generate import generate as run_generate
+    from eyas.data.generate import EndpointUnreachable, GenerateConfig, GenerateStopped
+    from eyas.data.generate import generate as run_generate
 
     cfg = _config(
         GenerateConfig, endpoint=endpoint, model=model, data=tuple(str(p) for p in data), out=str(out),
@@ -318,7 +318,7 @@ def generate(
         markup=False, highlight=False,
     )  # fmt: skip
     if s.failed:
-        from .data.generate import state_dir
+        from eyas.data.generate import state_dir
 
         raise fail(
             f"{s.failed} records failed; see {state_dir(out) / 'errors.jsonl'}; rerun the same command to retry them"
@@ -421,12 +421,12 @@ def extract(
     ),
 ) -> None:
     """Run the target over a prepared dataset; store aux and final hidden states, crash-safe."""
-    from .extract import ExtractConfig, ExtractStopped, OutDirError
-    from .extract import extract as run_extract
-    from .host.gpu import GpuBusy
-    from .run.lock import LockHeld
-    from .run.store import StoreError
-    from .targets.target import ModelDirError
+    from eyas.extract import ExtractConfig, ExtractStopped, OutDirError
+    from eyas.extract import extract as run_extract
+    from eyas.host.gpu import GpuBusy
+    from eyas.run.lock import LockHeld
+    from eyas.run.store import StoreError
+    from eyas.targets.target import ModelDirError
 
     _quiet_transformers()
     layers = None
@@ -513,9 +513,9 @@ def estimate(
     ),
 ) -> None:
     """Disk an extraction run will take, before there is a dataset or a GPU."""
-    from .run.fsutil import human_bytes
-    from .run.store import Layout, overhead_per_sample, projected_bytes
-    from .targets.target import DTYPES, ModelDirError, target_facts
+    from eyas.run.fsutil import human_bytes
+    from eyas.run.store import Layout, overhead_per_sample, projected_bytes
+    from eyas.targets.target import DTYPES, ModelDirError, target_facts
 
     try:
         H = hidden_size or (target_facts(model).hidden_size if model else None)
@@ -526,7 +526,7 @@ def estimate(
         raise fail(f"--device must be auto, cpu or cuda, got {device!r}", EXIT_USAGE)
     how = ""
     if store_dtype == "auto":  # as extract decides: its compute dtype on that device
-        from .targets.target import resolve_device, resolve_dtype
+        from eyas.targets.target import resolve_device, resolve_dtype
 
         where = resolve_device(device)
         store_dtype = str(resolve_dtype("auto", where)).removeprefix("torch.")
@@ -569,9 +569,9 @@ def verify(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check every committed sample; report missing, corrupt, orphan and duplicate samples."""
-    from .run.store import StoreError
-    from .verify import render as render_verify
-    from .verify import verify as run_verify
+    from eyas.run.store import StoreError
+    from eyas.verify import render as render_verify
+    from eyas.verify import verify as run_verify
 
     _need(run, "run")
     try:
@@ -595,9 +595,9 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """Done/remaining/failed samples, bytes, free space, throughput, ETA and the lock holder."""
-    from .data.generate import STATE_SUFFIX, format_generation, generation_status
-    from .run.store import StoreError
-    from .status import describe_other, format_status, run_status
+    from eyas.data.generate import STATE_SUFFIX, format_generation, generation_status
+    from eyas.run.store import StoreError
+    from eyas.status import describe_other, format_status, run_status
 
     if not run.exists() and not run.with_name(run.name + STATE_SUFFIX).exists():
         raise fail(f"{run}: no such run, training, dataset, drafter or generation", EXIT_USAGE)
@@ -635,8 +635,8 @@ def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
 ) -> None:
     """Assess GPUs, disks and runs after a failure; end with an ordered plan."""
-    from .doctor import doctor as run_doctor
-    from .doctor import render as render_doctor
+    from eyas.doctor import doctor as run_doctor
+    from eyas.doctor import render as render_doctor
 
     rep = run_doctor(list(runs or []), deep=deep)
     if as_json:
@@ -666,10 +666,10 @@ def train(
     opts: dict = OPTS,
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
-    from .run.store import StoreError
-    from .targets.target import ModelDirError
-    from .training.train import TrainStopped
-    from .training.train import train as run_train
+    from eyas.run.store import StoreError
+    from eyas.targets.target import ModelDirError
+    from eyas.training.train import TrainStopped
+    from eyas.training.train import train as run_train
 
     _quiet_transformers()
     opts = {"data": str(data) if data else None, "model": str(model) if model else None, **opts}
@@ -728,7 +728,7 @@ def _saved_options(opts: dict, out: Path, ctx: typer.Context) -> dict:
         prev = json.loads(saved.read_text())["config"]
     except (OSError, ValueError, KeyError) as exc:
         raise fail(f"{saved}: unreadable ({exc}); give every option again", EXIT_PROBLEMS) from None
-    from .training.train import BEFORE
+    from eyas.training.train import BEFORE
 
     out_opts = dict(opts)
     for k in opts:
@@ -767,8 +767,8 @@ def export(
 ) -> None:
     """Write the trained drafter in a format vLLM or SGLang loads (atomically: --out is
     always a whole export, the old one or the new one)."""
-    from .export import ExportError, ExportUsage
-    from .export import export as run_export
+    from eyas.export import ExportError, ExportUsage
+    from eyas.export import export as run_export
 
     _need(train_dir, "training")
     try:
@@ -791,7 +791,7 @@ def export(
             shlex.join(["eyas", *sys.argv[1:]]) if sys.argv[1:2] == ["export"] else "export again",
         )
         raise fail(str(exc)) from None
-    from .export import serve_command
+    from eyas.export import serve_command
 
     hint = serve_command(path, fmt, speculative_tokens)
     console.print(
@@ -846,10 +846,10 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check."""
-    from .evaluate import evaluate as run_hf
-    from .evaluate import evaluate_vllm
-    from .export import ExportError
-    from .targets.target import ModelDirError
+    from eyas.evaluate import evaluate as run_hf
+    from eyas.evaluate import evaluate_vllm
+    from eyas.export import ExportError
+    from eyas.targets.target import ModelDirError
 
     _quiet_transformers()
     if engine not in ("hf", "vllm"):
@@ -932,7 +932,7 @@ def demo(
     as_json: bool = typer.Option(False, "--json", help="Also print the summary as JSON."),
 ) -> None:
     """Run the whole pipeline on the built-in demo target and conversations."""
-    from .demo import run_demo
+    from eyas.demo import run_demo
 
     _quiet_transformers()
     try:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from .host.ui import console
-from .targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.host.ui import console
+from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
 
 MARKER = ".eyas-demo"
 EVAL_SEED = 99
@@ -23,14 +23,14 @@ EVAL_SEED = 99
 def run_demo(
     workdir: Path, *, epochs: int = 10, ttt_steps: int = 5, eval_prompts: int = 1000, kind: str = "eagle3",
 ) -> dict:  # fmt: skip
-    from .data.prepare import PrepareConfig, prepare
-    from .evaluate import evaluate
-    from .export import ExportError, export
-    from .extract import ExtractConfig, extract
-    from .targets.demo_data import generate_conversations, write_jsonl
-    from .training.kinds import kind as drafter_kind
-    from .training.train import TrainConfig, train
-    from .verify import verify
+    from eyas.data.prepare import PrepareConfig, prepare
+    from eyas.evaluate import evaluate
+    from eyas.export import ExportError, export
+    from eyas.extract import ExtractConfig, extract
+    from eyas.targets.demo_data import generate_conversations, write_jsonl
+    from eyas.training.kinds import kind as drafter_kind
+    from eyas.training.train import TrainConfig, train
+    from eyas.verify import verify
 
     workdir = Path(workdir)
     if workdir.exists() and any(workdir.iterdir()):

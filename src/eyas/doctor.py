@@ -13,12 +13,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .host.gpu import GpuReport, query_gpus
-from .run.fsutil import human_bytes
-from .run.journal import read_errors
-from .run.runmeta import load_run_meta
-from .run.store import StoreError
-from .status import ago, run_status
+from eyas.host.gpu import GpuReport, query_gpus
+from eyas.run.fsutil import human_bytes
+from eyas.run.journal import read_errors
+from eyas.run.runmeta import load_run_meta
+from eyas.run.store import StoreError
+from eyas.status import ago, run_status
 
 FOREIGN_GPU_BYTES = 2 << 30  # what counts as "holding" a GPU, as in extract's preflight
 
@@ -98,13 +98,13 @@ def doctor(
 
 
 def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
-    from .data.generate import STATE_SUFFIX
+    from eyas.data.generate import STATE_SUFFIX
 
     gen = run if (run / "generate.json").is_file() else run.with_name(run.name + STATE_SUFFIX)
     if (gen / "generate.json").is_file():
         return _check_generation(gen, actions)
     rep = RunReport(str(run))
-    from .status import describe_other, kind_of
+    from eyas.status import describe_other, kind_of
 
     if kind_of(run) not in (None, "run") and (other := describe_other(run)) is not None:
         for line in other.splitlines():  # not an extraction run, and nothing wrong with it
@@ -164,8 +164,8 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
 
 def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:
     """The run's target and prepared dataset: still in place, and unchanged."""
-    from .data.prepare import PreparedDataset
-    from .targets.target import model_fingerprint
+    from eyas.data.prepare import PreparedDataset
+    from eyas.targets.target import model_fingerprint
 
     model = Path(meta["model_path"])
     try:
@@ -193,15 +193,15 @@ def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:
                 "error",
                 f"dataset: {data} changed (fingerprint {ds.fingerprint}, run made from {meta['dataset_fingerprint']})",
             )
-            from .data.prepare import prepare_command
+            from eyas.data.prepare import prepare_command
 
             actions.append(Action(f"restore the prepared dataset at {data}, or start a new run"
                                   + (" (rebuild it from the same inputs:)" if meta.get("dataset_prepare") else ""),
                                   prepare_command(meta["dataset_prepare"]) + " --force"
                                   if meta.get("dataset_prepare") else None))  # fmt: skip
     except (OSError, ValueError, KeyError) as exc:
-        from .data.prepare import prepare_command
-        from .extract import rebuild_hint
+        from eyas.data.prepare import prepare_command
+        from eyas.extract import rebuild_hint
 
         rep.add("error", f"dataset: not usable at {data} ({exc})")
         if meta.get("dataset_prepare"):
@@ -214,7 +214,7 @@ def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:
 
 def _check_disk(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
     """Free space against what the run still needs, and the filesystem's own warning."""
-    from .run.fsutil import filesystem_info
+    from eyas.run.fsutil import filesystem_info
 
     fs = filesystem_info(run)
     margin = fs.free_bytes - st.bytes_needed
@@ -257,7 +257,7 @@ def _check_leftovers(run: Path, st, rep: RunReport) -> None:
 def _check_integrity(run: Path, st, deep: bool, rep: RunReport, actions: list[Action]) -> dict:
     """verify's findings (headers and sizes, or every checksum with `deep`), and what repairs
     them; the count of each kind of problem."""
-    from .verify import verify
+    from eyas.verify import verify
 
     v = verify(run, quick=not deep)
     kinds = {
@@ -299,7 +299,7 @@ def _check_integrity(run: Path, st, deep: bool, rep: RunReport, actions: list[Ac
 def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
     """A streamed run: the store against its budget, each follower, who waits on whom, and
     the command that resumes each side."""
-    from .status import bottleneck, leftover_after_stream
+    from eyas.status import bottleneck, leftover_after_stream
 
     if st.budget or st.retired:
         budget = f" of its {human_bytes(st.budget)} budget" if st.budget else ""
@@ -346,9 +346,9 @@ def _verify_cost(run: Path, total_bytes: int) -> str:
     """How long a full `eyas verify` would take, from checksumming a couple of samples."""
     import time
 
-    from .run.fsutil import human_duration
-    from .run.journal import committed
-    from .run.store import check_sample_file, sample_relpath
+    from eyas.run.fsutil import human_duration
+    from eyas.run.journal import committed
+    from eyas.run.store import check_sample_file, sample_relpath
 
     done = committed(run)
     picked = [done[i] for i in sorted(done)[:: max(1, len(done) // 2)][:2]]
@@ -367,8 +367,8 @@ def _verify_cost(run: Path, total_bytes: int) -> str:
 
 def _check_generation(state: Path, actions: list[Action]) -> RunReport:
     """A generation directory (`eyas generate`): progress, failures, writer, what to run."""
-    from .data.generate import generation_status
-    from .run.lock import live_locks
+    from eyas.data.generate import generation_status
+    from eyas.run.lock import live_locks
 
     g = generation_status(state)
     rep = RunReport(str(state))

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .data.prepare import chat_text
-from .data.records import (
+from eyas.data.prepare import chat_text
+from eyas.data.records import (
     REASONS,
     RecordError,
     iter_records,
@@ -28,10 +28,10 @@ from .data.records import (
     prompt_of,
     read_conversation,
 )
-from .export import export_kind, export_rendering, load_export, vllm_speculative_config
-from .host.ui import Reporter, still_working
-from .targets.layers import from_hf
-from .targets.target import load_tokenizer
+from eyas.export import export_kind, export_rendering, load_export, vllm_speculative_config
+from eyas.host.ui import Reporter, still_working
+from eyas.targets.layers import from_hf
+from eyas.targets.target import load_tokenizer
 
 
 @dataclass
@@ -240,7 +240,7 @@ def _tokenizer_for(model_dir: str, drafter_dir: str, trust_remote_code: bool,
                    template_kwargs: dict | None) -> tuple[object, dict | None]:  # fmt: skip
     """The target's tokenizer, refused when the drafter's training data was made with
     another one; and the template variables to render with (given, or the data's)."""
-    from .data.prepare import TokenizerMismatch, tokenizer_fingerprint
+    from eyas.data.prepare import TokenizerMismatch, tokenizer_fingerprint
 
     tok = load_tokenizer(model_dir, trust_remote_code)
     made = export_rendering(drafter_dir)
@@ -384,7 +384,7 @@ def evaluate(
     and drafter both run there, in float32. Prompts are rendered as the drafter's training
     data was (its template variables unless `chat_template_kwargs` is given), and a target
     whose tokenizer is not the one that data was made with is refused."""
-    from .targets.target import check_model_dir, load_causal_lm, resolve_device
+    from eyas.targets.target import check_model_dir, load_causal_lm, resolve_device
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
     asked = read_prompts(Path(data), limit, max_error_rate)  # before minutes of loading the model
@@ -406,7 +406,7 @@ def evaluate(
     with still_working("loading the target", enabled=progress):
         model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval().to(dev)
     if dev.type == "cpu":
-        from .host.cpu import configure_threads
+        from eyas.host.cpu import configure_threads
 
         configure_threads(model.config.hidden_size)
     drafter, aux_hf = load_export(drafter_dir)
@@ -540,15 +540,15 @@ def evaluate_vllm(
 
     import torch
 
-    from .host.ui import console
-    from .run.store import Layout
-    from .targets.backends import BackendSpec, backend_module
+    from eyas.host.ui import console
+    from eyas.run.store import Layout
+    from eyas.targets.backends import BackendSpec, backend_module
 
     engine_kwargs, import_vllm = (
         backend_module("vllm").engine_kwargs,
         backend_module("vllm").import_vllm,
     )
-    from .targets.target import check_model_dir, resolve_dtype
+    from eyas.targets.target import check_model_dir, resolve_dtype
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
     asked = read_prompts(Path(data), limit, max_error_rate)

@@ -19,16 +19,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .run.fsutil import (
+from eyas.run.fsutil import (
     DiskFullError,
     atomic_write_json,
     fsync_dir,
     is_disk_full,
     read_json,
 )
-from .run.manifest import ManifestError, write_manifest
-from .training.checkpoint import save_safetensors
-from .training.kinds import kind_for_export, kind_of
+from eyas.run.manifest import ManifestError, write_manifest
+from eyas.training.checkpoint import save_safetensors
+from eyas.training.kinds import kind_for_export, kind_of
 
 FORMATS = ("vllm", "sglang")
 MANIFEST = "eyas-manifest.json"  # the export's files and checksums, written last
@@ -46,7 +46,7 @@ class ExportUsage(ExportError):
 def trained_weights(train_dir: Path) -> tuple[dict, dict, dict]:
     """(state dict, drafter config dict, train.json) of a finished training directory, its
     final drafter checked against its manifest."""
-    from .training.checkpoint import FINAL_MANIFEST, load_final
+    from eyas.training.checkpoint import FINAL_MANIFEST, load_final
 
     train_dir = Path(train_dir)
     if not (train_dir / "train.json").is_file():
@@ -231,7 +231,7 @@ def serve_command(path: str | Path, fmt: str, tokens: int) -> str:
 def load_export(path: str | Path) -> tuple[torch.nn.Module, list[int]]:
     """A drafter from an export directory of any kind and format, in the architecture its
     config declares, and the target layers it reads (HF `hidden_states` indices)."""
-    from .training.checkpoint import read_export
+    from eyas.training.checkpoint import read_export
 
     try:
         _, drafter, layers = read_export(Path(path))

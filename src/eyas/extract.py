@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .data.prepare import PreparedDataset, check_tokenizer
-from .host.gpu import gpu_preflight
-from .host.ui import Reporter, console, still_working
-from .run.fsutil import (
+from eyas import __version__
+from eyas.data.prepare import PreparedDataset, check_tokenizer
+from eyas.host.gpu import gpu_preflight
+from eyas.host.ui import Reporter, console, still_working
+from eyas.run.fsutil import (
     DiskFullError,
     filesystem_info,
     free_bytes,
@@ -48,7 +48,7 @@ from .run.fsutil import (
     is_disk_full,
     parse_size,
 )
-from .run.journal import (
+from eyas.run.journal import (
     Journal,
     Ledger,
     append_error,
@@ -60,10 +60,10 @@ from .run.journal import (
     scan_journals,
     set_aside_damaged_lines,
 )
-from .run.lock import LockHeld, WriterLock
-from .run.recovery import check_journaled_files, recover
-from .run.runmeta import load_run_meta, write_run_meta
-from .run.store import (
+from eyas.run.lock import LockHeld, WriterLock
+from eyas.run.recovery import check_journaled_files, recover
+from eyas.run.runmeta import load_run_meta, write_run_meta
+from eyas.run.store import (
     STORE_VERSION,
     Layout,
     Sample,
@@ -72,11 +72,11 @@ from .run.store import (
     commit_samples,
     foreign_run_entries,
 )
-from .run.stream import Retirer
-from .status import RATE_WINDOW, recent_rate
-from .targets.backends import BACKENDS, BackendSpec, open_backend
-from .targets.layers import hf_indices
-from .targets.target import (
+from eyas.run.stream import Retirer
+from eyas.status import RATE_WINDOW, recent_rate
+from eyas.targets.backends import BACKENDS, BackendSpec, open_backend
+from eyas.targets.layers import hf_indices
+from eyas.targets.target import (
     DTYPES,
     ModelDirError,
     check_layers_present,
@@ -315,7 +315,7 @@ class OutDirError(ValueError):
 
 def rebuild_hint(meta: dict) -> str:
     """How to bring a run's dataset back: the exact `prepare` command, where run.json has it."""
-    from .data.prepare import prepare_command
+    from eyas.data.prepare import prepare_command
 
     if not meta.get("dataset_prepare"):
         return f"Restore it at {meta['dataset_path']} (fingerprint {meta['dataset_fingerprint']})"

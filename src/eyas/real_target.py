@@ -19,7 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .run.fsutil import atomic_write_bytes, sha256_file
+from eyas.run.fsutil import atomic_write_bytes, sha256_file
 
 
 @dataclass(frozen=True)

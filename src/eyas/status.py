@@ -17,11 +17,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .run.fsutil import filesystem_info
-from .run.journal import ledger, pass_of, read_errors
-from .run.lock import all_locks, live_locks
-from .run.runmeta import load_run_meta
-from .run.store import stray_temp_files
+from eyas.run.fsutil import filesystem_info
+from eyas.run.journal import ledger, pass_of, read_errors
+from eyas.run.lock import all_locks, live_locks
+from eyas.run.runmeta import load_run_meta
+from eyas.run.store import stray_temp_files
 
 RATE_WINDOW = 300.0  # seconds of commits that make the live rate
 
@@ -80,8 +80,8 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
     run = Path(run)
     mr = load_run_meta(run)
     meta = mr.meta
-    from .run.journal import scan_journals
-    from .run.stream import read_followers
+    from eyas.run.journal import scan_journals
+    from eyas.run.stream import read_followers
 
     scans = scan_journals(run)
     n = meta["samples"]
@@ -127,7 +127,7 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
                           "waiting": f.waiting, "rate": f.rate(), "updated": f.updated, "command": f.command,
                           "live": bool(f.out) and bool(live_locks(Path(f.out))), "problem": f.problem,
                           "path": str(f.path), "lost": lost})  # fmt: skip
-    from .run.fsutil import parse_size
+    from eyas.run.fsutil import parse_size
 
     budget = parse_size(conf["max_store"], 1) if conf.get("max_store") else None
     store = sum(e["size"] for e in led.present.values())
@@ -162,14 +162,14 @@ def recent_rate(commits: list[tuple[float, int]], now: float, window: float = RA
 def ago(t: float | None) -> str:
     if t is None:
         return "never"
-    from .run.fsutil import human_duration
+    from eyas.run.fsutil import human_duration
 
     return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))} ({human_duration(time.time() - t)} ago)"
 
 
 def format_status(st: RunStatus) -> str:
     """The status for people: one fact per line."""
-    from .run.fsutil import human_bytes, human_duration
+    from eyas.run.fsutil import human_bytes, human_duration
 
     # Floored, so that a run one sample short never reads 100.0%.
     pct = math.floor(1000 * st.done / st.total) / 10 if st.total else 100.0
@@ -260,7 +260,7 @@ def bottleneck(st: RunStatus) -> str | None:
 
 
 def _stream_lines(st: RunStatus) -> list[str]:
-    from .run.fsutil import human_bytes
+    from eyas.run.fsutil import human_bytes
 
     out = []
     if st.passes > 1:
@@ -322,9 +322,9 @@ def wrong_kind(path: Path, want: str) -> str | None:
 def describe_other(path: Path) -> str | None:
     """What a directory that is not an extraction run is, and which command reads it: a
     training directory, a prepared dataset or an exported drafter. None for anything else."""
-    from .run.fsutil import read_json
-    from .run.lock import live_locks
-    from .training.checkpoint import latest_checkpoint
+    from eyas.run.fsutil import read_json
+    from eyas.run.lock import live_locks
+    from eyas.training.checkpoint import latest_checkpoint
 
     path = Path(path)
     if (path / "train.json").is_file():

@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .run.fsutil import fsync_dir, is_temp_file
-from .run.journal import (
+from eyas.run.fsutil import fsync_dir, is_temp_file
+from eyas.run.journal import (
     journal_files,
     ledger,
     pass_of,
@@ -34,9 +34,9 @@ from .run.journal import (
     scan_journals,
     set_aside_damaged_lines,
 )
-from .run.lock import LockHeld, WriterLock
-from .run.runmeta import load_run_meta, restore_run_meta
-from .run.store import (
+from eyas.run.lock import LockHeld, WriterLock
+from eyas.run.runmeta import load_run_meta, restore_run_meta
+from eyas.run.store import (
     Layout,
     StoreError,
     check_sample_file,

@@ -31,11 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import __version__
-from ..host.ui import Reporter
-from ..run.fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
-from ..run.lock import WriterLock
-from .records import (
+from eyas import __version__
+from eyas.data.records import (
     RawRecord,
     RecordError,
     iter_records,
@@ -43,6 +40,9 @@ from .records import (
     read_conversation,
     record_id,
 )
+from eyas.host.ui import Reporter
+from eyas.run.fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
+from eyas.run.lock import WriterLock
 
 STATE_SUFFIX = ".eyas-gen"
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -613,7 +613,7 @@ def _write_out(out: Path, recs: list[RawRecord], done: dict[int, dict]) -> None:
 
 def generation_status(state: Path) -> dict:
     """What `status` and `doctor` say about a generation directory."""
-    from ..run.lock import all_locks
+    from eyas.run.lock import all_locks
 
     job = read_json(state / "generate.json")
     done = read_log(state / "log.jsonl") if (state / "log.jsonl").exists() else {}

@@ -27,9 +27,18 @@ import numpy as np
 from safetensors.numpy import load_file as np_load_file
 from safetensors.numpy import save as np_save
 
-from .. import __version__
-from ..host.ui import Reporter
-from ..run.fsutil import (
+from eyas import __version__
+from eyas.data.config import PrepareConfig
+from eyas.data.records import (
+    RawRecord,
+    RecordError,
+    iter_records,
+    parse_record,
+    read_conversation,
+    record_id,
+)
+from eyas.host.ui import Reporter
+from eyas.run.fsutil import (
     atomic_write,
     atomic_write_bytes,
     atomic_write_json,
@@ -38,16 +47,7 @@ from ..run.fsutil import (
     read_json,
     sha256_file,
 )
-from ..targets.target import ModelDirError, load_tokenizer
-from .config import PrepareConfig
-from .records import (
-    RawRecord,
-    RecordError,
-    iter_records,
-    parse_record,
-    read_conversation,
-    record_id,
-)
+from eyas.targets.target import ModelDirError, load_tokenizer
 
 FORMAT_VERSION = 1
 

@@ -114,7 +114,7 @@ class Reporter:
         self._noting = msg is not None
 
     def _eta_text(self) -> str:
-        from ..run.fsutil import human_duration
+        from eyas.run.fsutil import human_duration
 
         if self.eta is not None:
             left = self.eta()
@@ -175,7 +175,7 @@ class still_working:  # noqa: N801 - used as a context manager, like a function
             self._thread = None
 
     def _beat(self) -> None:
-        from ..run.fsutil import human_duration
+        from eyas.run.fsutil import human_duration
 
         while not self._done.wait(self.every):
             console.print(f"... {self.what}: {human_duration(time.monotonic() - self._t0)} so far",

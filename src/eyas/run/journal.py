@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fsutil import DiskFullError, atomic_write_bytes, reserve_beyond_eof
+from eyas.run.fsutil import DiskFullError, atomic_write_bytes, reserve_beyond_eof
 
 
 def journal_path(run: Path, rank: int) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import xxhash
 
-from .fsutil import atomic_write_json, hash_file
+from eyas.run.fsutil import atomic_write_json, hash_file
 
 
 class ManifestError(ValueError):

@@ -15,8 +15,15 @@ import shutil
 import time
 from pathlib import Path
 
-from .journal import Journal, Ledger, journal_files, pass_of, read_journal, rewrite_journal
-from .store import Layout, check_sample_file, journal_entry, read_head, sample_names, sample_relpath
+from eyas.run.journal import Journal, Ledger, journal_files, pass_of, read_journal, rewrite_journal
+from eyas.run.store import (
+    Layout,
+    check_sample_file,
+    journal_entry,
+    read_head,
+    sample_names,
+    sample_relpath,
+)
 
 
 def recover(
@@ -65,7 +72,7 @@ def check_journaled_files(
     missing or not of its journaled size is not done. Its entry is dropped from this rank's
     journal (from every journal when this writer holds the whole run) and the file, if
     any, moved to quarantine; the sample is then extracted again. Returns the problems."""
-    from .fsutil import fsync_dir
+    from eyas.run.fsutil import fsync_dir
 
     lost: dict[int, str] = {}
     root = str(run)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import xxhash
 
-from .fsutil import atomic_write_bytes
-from .store import STORE_VERSION, StoreError
+from eyas.run.fsutil import atomic_write_bytes
+from eyas.run.store import STORE_VERSION, StoreError
 
 PRIMARY = "run.json"
 BACKUP = "run.backup.json"

@@ -38,7 +38,7 @@ import torch
 import xxhash
 from safetensors.torch import load as st_load
 
-from .fsutil import atomic_write, fsync_dir, is_temp_file
+from eyas.run.fsutil import atomic_write, fsync_dir, is_temp_file
 
 STORE_VERSION = 1
 SAMPLES_PER_DIR = 1000

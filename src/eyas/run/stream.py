@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fsutil import atomic_write_json, fsync_dir, human_bytes, read_json
-from .journal import Journal, Ledger, pass_of
-from .store import sample_relpath
+from eyas.run.fsutil import atomic_write_json, fsync_dir, human_bytes, read_json
+from eyas.run.journal import Journal, Ledger, pass_of
+from eyas.run.store import sample_relpath
 
 HISTORY = 20  # publications kept in a follower's file: its consumption rate
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .demo_data import corpus_text, generate_conversations, write_jsonl
-from .tiny import LLAMA3_TEMPLATE, TinySizes, build_tiny_target, train_tokenizer
+from eyas.targets.demo_data import corpus_text, generate_conversations, write_jsonl
+from eyas.targets.tiny import LLAMA3_TEMPLATE, TinySizes, build_tiny_target, train_tokenizer
 
 ASSETS = Path(__file__).parents[1] / "assets"  # the package's data, beside the layers
 DEMO_TARGET = ASSETS / "demo-target"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..run.fsutil import read_json
+from eyas.run.fsutil import read_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -167,7 +167,7 @@ def check_layers_present(model_dir: str | Path) -> None:
     backend. The loaders check tensor by tensor once they load."""
     import re
 
-    from .weights import weight_map
+    from eyas.targets.weights import weight_map
 
     f = target_facts(model_dir)
     names = list(weight_map(model_dir))
@@ -194,14 +194,14 @@ def text_config(model_dir: str | Path, trust_remote_code: bool = False):
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
     """[1, n//2-1, n-4] as outputs of 0-based decoder layers (the EAGLE-3 default)."""
-    from .layers import default_eagle3
+    from eyas.targets.layers import default_eagle3
 
     return default_eagle3(n_layers)
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
     """Hash of the config and the weight layout (names, shapes, dtypes, sizes), not the weights."""
-    from .weights import weight_layout
+    from eyas.targets.weights import weight_layout
 
     d = Path(model_dir)
     cfg = read_json(d / "config.json")

@@ -175,7 +175,7 @@ class TinySizes:
 
 def offline_corpus(extra: list[str] | None = None, max_chars: int = 400_000) -> list[str]:
     """Text that exists on every machine: Python standard library sources plus `extra`."""
-    from .demo_data import corpus_text, generate_conversations
+    from eyas.targets.demo_data import corpus_text, generate_conversations
 
     texts = list(extra or []) + corpus_text(generate_conversations(400, seed=1))
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -325,7 +325,7 @@ _SIZE_KEYS = {
 def _like_config(like: Path, sizes: TinySizes, vocab_size: int, tokenizer=None):
     from transformers import AutoConfig
 
-    from ..run.fsutil import read_json
+    from eyas.run.fsutil import read_json
 
     raw = read_json(like / "config.json")
     if isinstance(raw.get("text_config"), dict) and "vision_config" in raw:  # a wrapper (Kimi-K2.5)
@@ -415,7 +415,7 @@ def build_tiny_target(
         like = Path(like)
         if not (like / "config.json").exists():
             raise FileNotFoundError(f"--like {like}: no config.json there")
-        from .target import load_tokenizer
+        from eyas.targets.target import load_tokenizer
 
         tokenizer = load_tokenizer(str(like), trust_remote_code)
         if not tokenizer.chat_template:
@@ -453,8 +453,8 @@ def build_tiny_target(
 
 
 def _quantization_of(like: Path) -> str | None:
-    from ..run.fsutil import read_json
-    from .target import _quantization
+    from eyas.run.fsutil import read_json
+    from eyas.targets.target import _quantization
 
     return _quantization(read_json(like / "config.json"))
 
@@ -464,7 +464,7 @@ def _compare_names(out: Path, like: Path) -> None:
     numbers aside): quantized experts, say, are named otherwise in the real one."""
     import re
 
-    from .weights import weight_map
+    from eyas.targets.weights import weight_map
 
     shape = lambda names: {re.sub(r"\.\d+\.", ".N.", n) for n in names}  # noqa: E731
     ours, real = shape(weight_map(out)), shape(weight_map(like))
@@ -483,7 +483,7 @@ def _as_on_the_hub(out: Path, model_type: str, like: Path | None) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    from ..run.fsutil import read_json
+    from eyas.run.fsutil import read_json
 
     renames = _HUB_NAMES.get(model_type, [])
     for shard in sorted(out.glob("*.safetensors")):

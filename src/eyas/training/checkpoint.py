@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..run.fsutil import (
+from eyas.run.fsutil import (
     DiskFullError,
     atomic_write_json,
     fsync_dir,
@@ -26,8 +26,8 @@ from ..run.fsutil import (
     is_disk_full,
     read_json,
 )
-from ..run.manifest import ManifestError, check_manifest, write_manifest
-from .drafter import Drafter
+from eyas.run.manifest import ManifestError, check_manifest, write_manifest
+from eyas.training.drafter import Drafter
 
 
 def save_safetensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
@@ -204,8 +204,8 @@ def latest_checkpoint(out: Path) -> Path | None:
 def save_final(out: Path, drafter, kind=None) -> None:
     """The trained drafter and its config (its kind's name first), then their manifest
     (written last)."""
-    from .kinds import kind as kind_named
-    from .kinds import with_kind
+    from eyas.training.kinds import kind as kind_named
+    from eyas.training.kinds import with_kind
 
     kind = kind or kind_named(None)
     save_safetensors(
@@ -217,7 +217,7 @@ def save_final(out: Path, drafter, kind=None) -> None:
 
 def load_trained(train_dir: Path):
     """(drafter, kind) of a training directory's final drafter, checked against its manifest."""
-    from .kinds import kind_of
+    from eyas.training.kinds import kind_of
 
     state, cdict = load_final(train_dir)
     kind, cdict = kind_of(cdict)
@@ -249,7 +249,7 @@ def read_export(path: Path):
     format, in the architecture its config declares; ValueError names what is wrong."""
     import json
 
-    from .kinds import kind_for_export
+    from eyas.training.kinds import kind_for_export
 
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -279,7 +279,7 @@ def read_export(path: Path):
 def initial_weights(path: Path, model, kind) -> None:
     """Load --init-from's drafter (a training directory or an export) into `model`, which
     must be of the same kind and shape; ValueError names what differs."""
-    from .kinds import kind_of
+    from eyas.training.kinds import kind_of
 
     if (path / FINAL_MANIFEST).is_file():
         state, cdict = load_final(path)

@@ -134,7 +134,7 @@ class TrainConfig:
             raise ValueError(
                 f"--head-init must be one of {', '.join(HEAD_INITS)}, got {self.head_init!r}"
             )
-        from .kinds import KINDS
+        from eyas.training.kinds import KINDS
 
         if self.kind not in KINDS:
             raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ttt_attention
+from eyas.training import ttt_attention
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,12 +24,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..run.fsutil import human_bytes, parse_size
-from ..run.journal import Ledger, journal_files, ledger, pass_of, read_errors
-from ..run.lock import all_locks, live_locks
-from ..run.stream import from_ranges, publish, to_ranges
-from ..targets.target import plan_batches
-from .train_data import SampleReader, StopRequested, StoreSource, pack_batches, split_samples
+from eyas.run.fsutil import human_bytes, parse_size
+from eyas.run.journal import Ledger, journal_files, ledger, pass_of, read_errors
+from eyas.run.lock import all_locks, live_locks
+from eyas.run.stream import from_ranges, publish, to_ranges
+from eyas.targets.target import plan_batches
+from eyas.training.train_data import (
+    SampleReader,
+    StopRequested,
+    StoreSource,
+    pack_batches,
+    split_samples,
+)
 
 POLL = 0.5  # seconds between looks at the journals while waiting
 HEARTBEAT = 5.0  # rank 0 tells the other ranks it is still waiting (collectives time out)
@@ -40,7 +46,7 @@ class FollowSource:
 
     def __init__(self, cfg, run: Path, out: Path, meta: dict, rank: int, world: int,
                  reader: SampleReader, log):  # fmt: skip
-        from ..data.prepare import PreparedDataset
+        from eyas.data.prepare import PreparedDataset
 
         self.cfg, self.run, self.out, self.rank, self.world = cfg, Path(run), Path(out), rank, world
         self.reader, self.log = reader, log

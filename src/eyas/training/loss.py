@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import LOSSES  # noqa: F401 - the kinds position_loss computes
-from .drafter import Drafter
+from eyas.training.config import LOSSES  # noqa: F401 - the kinds position_loss computes
+from eyas.training.drafter import Drafter
 
 LK_ETA = 3.0  # lk: the blend weight of KL is exp(-LK_ETA x the mean acceptance)
 OPD_DECAY = 0.8  # opd: reverse KL at the k-th step after the chain's first miss is weighted 0.8^k

@@ -34,25 +34,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..host.cpu import choose_threads, configure_threads
-from ..host.ui import Reporter, console, still_working
-from ..run.fsutil import (
+from eyas.host.cpu import choose_threads, configure_threads
+from eyas.host.ui import Reporter, console, still_working
+from eyas.run.fsutil import (
     DiskFullError,
     atomic_write_bytes,
     atomic_write_json,
     is_disk_full,
     read_json,
 )
-from ..run.lock import WriterLock
-from ..run.runmeta import read_run_meta
-from .checkpoint import (
+from eyas.run.lock import WriterLock
+from eyas.run.runmeta import read_run_meta
+from eyas.training.checkpoint import (
     latest_checkpoint,
     remove_stale_temp,
     save_final,
 )
-from .config import TrainConfig
-from .loss import add_targets, loss_masks, summarize, target_view, ttt_loss
-from .train_data import (
+from eyas.training.config import TrainConfig
+from eyas.training.loss import add_targets, loss_masks, summarize, target_view, ttt_loss
+from eyas.training.train_data import (
     SampleReader,
     StopRequested,
     StoreSource,
@@ -60,7 +60,13 @@ from .train_data import (
     split_samples,
     usable_samples,
 )
-from .trainer import StepAbandoned, Trainer, all_reduce_cpu, build_drafter, draft_vocab_for
+from eyas.training.trainer import (
+    StepAbandoned,
+    Trainer,
+    all_reduce_cpu,
+    build_drafter,
+    draft_vocab_for,
+)
 
 # May differ on resume. Paths may change (a moved run or training directory resumes):
 # the data and the target are identified by their fingerprints, not where they live.
@@ -208,7 +214,7 @@ def _wait_for_run(run: Path) -> None:
 def _check_complete(run: Path, meta: dict, allow_partial: bool) -> dict[int, dict]:
     """Refuse a run whose extraction is unfinished unless asked: hours spent on part of
     the data should be a choice, never a surprise."""
-    from ..run.journal import ledger, read_errors
+    from eyas.run.journal import ledger, read_errors
 
     led = ledger(run)
     if led.passes_seen() > 1 or any(led.retired):
@@ -308,7 +314,7 @@ def _train(
             os.fsync(f.fileno())
 
     if cfg.follow:
-        from .follow import FollowSource
+        from eyas.training.follow import FollowSource
 
         reader = SampleReader(run, {}, cfg.verify_data, pin=device.type == "cuda", report=skipped)
         source = FollowSource(cfg, run, out, meta, rank, world, reader, log)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from ..run.journal import committed
-from ..run.store import StoreError, check_sample_file, read_into, sample_relpath, stored_layout
-from ..targets.target import plan_batches
+from eyas.run.journal import committed
+from eyas.run.store import StoreError, check_sample_file, read_into, sample_relpath, stored_layout
+from eyas.targets.target import plan_batches
 
 
 def usable_samples(
@@ -349,7 +349,7 @@ def _zero(t: torch.Tensor) -> None:
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """A batch from `SampleReader.batch` on the device, in what training computes with: the
     stored bytes travel, the upcast (and float8 dequantisation) happens on the device."""
-    from ..run.store import dequantize_fp8
+    from eyas.run.store import dequantize_fp8
 
     t = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     out = {

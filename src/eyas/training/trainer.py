@@ -17,19 +17,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint import initial_weights, resume_checkpoint, save_checkpoint
-from .drafter import Drafter
-from .kinds import kind
-from .loss import summarize
-from .muon import Muon
-from .train_data import SampleReader, prefetch, to_device
+from eyas.training.checkpoint import initial_weights, resume_checkpoint, save_checkpoint
+from eyas.training.drafter import Drafter
+from eyas.training.kinds import kind
+from eyas.training.loss import summarize
+from eyas.training.muon import Muon
+from eyas.training.train_data import SampleReader, prefetch, to_device
 
 
 def build_drafter(cfg, meta: dict) -> tuple[torch.nn.Module, torch.Tensor | None]:
     """The drafter of `cfg`'s kind for the run's target (checked to be the run's, with the
     tokenizer its data was made with), and the target's lm_head where its loss needs it."""
-    from ..data.prepare import PreparedDataset, check_tokenizer
-    from ..targets.target import check_model_dir, model_fingerprint
+    from eyas.data.prepare import PreparedDataset, check_tokenizer
+    from eyas.targets.target import check_model_dir, model_fingerprint
 
     model_dir = cfg.model or meta["model_path"]
     check_model_dir(model_dir, weights=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...run.store import Layout, quantize_fp8
+from eyas.run.store import Layout, quantize_fp8
 
 # name -> (module, class): the one place a backend is named; `open_backend` and
 # `backend_module` import it on first use.

@@ -14,7 +14,7 @@ import queue
 
 import torch
 
-from . import Backend, BackendSpec, Pending, StateShaper
+from eyas.targets.backends import Backend, BackendSpec, Pending, StateShaper
 
 
 class Capture:
@@ -52,7 +52,7 @@ class Capture:
 
 def load_target(model_dir: str, device: str, dtype: torch.dtype, trust_remote_code: bool = False):
     """(model, input device); `multi` spreads layers over all GPUs."""
-    from ..target import load_causal_lm
+    from eyas.targets.target import load_causal_lm
 
     if device == "multi":
         model = load_causal_lm(model_dir, dtype, trust_remote_code, device_map="auto")
@@ -97,8 +97,8 @@ class HFBackend(Backend):
     def __init__(self, spec: BackendSpec, log=print):
         self.spec = spec
         if spec.device == "cpu":
-            from ...host.cpu import configure_threads
-            from ..target import target_facts
+            from eyas.host.cpu import configure_threads
+            from eyas.targets.target import target_facts
 
             configure_threads(target_facts(spec.model).hidden_size)
         self.model, self.device = load_target(

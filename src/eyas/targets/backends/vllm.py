@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ...run.fsutil import read_json
-from ..layers import hf_indices
-from ..target import PLAIN_RMSNORM, rms_norm, target_facts
-from ..weights import final_norm_weight
-from . import Backend, BackendSpec, Pending, StateShaper
+from eyas.run.fsutil import read_json
+from eyas.targets.backends import Backend, BackendSpec, Pending, StateShaper
+from eyas.targets.layers import hf_indices
+from eyas.targets.target import PLAIN_RMSNORM, rms_norm, target_facts
+from eyas.targets.weights import final_norm_weight
 
 
 def engine_kwargs(spec: BackendSpec) -> dict:
@@ -149,7 +149,7 @@ class VLLMBackend(Backend):
         self.norm_weight = final_norm_weight(spec.model).to(spec.dtype)
         lm_head = None
         if spec.layout.topk:
-            from ..weights import lm_head_weight
+            from eyas.targets.weights import lm_head_weight
 
             lm_head = lm_head_weight(spec.model).to(spec.dtype)
         self.shape = StateShaper(spec, lm_head)

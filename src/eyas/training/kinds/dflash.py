@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...targets.weights import embed_weight, lm_head_weight
-from ..dflash import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
-from ..loss import add_targets, divergence, on_policy
+from eyas.targets.weights import embed_weight, lm_head_weight
+from eyas.training.dflash import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
+from eyas.training.loss import add_targets, divergence, on_policy
 
 ARCH = "DFlashDraftModel"
 
@@ -18,7 +18,7 @@ def choose_mask_token(model_dir: str, counts, trust_remote_code: bool = False) -
     """The id whose embedding fills a block's masked positions: the highest-id special (added)
     token the training data never trains on and that is not the end, start or padding token;
     failing that, the vocabulary's last id if the data never trains on it."""
-    from ...targets.target import load_tokenizer
+    from eyas.targets.target import load_tokenizer
 
     tok = load_tokenizer(model_dir, trust_remote_code)
     taken = {tok.eos_token_id, tok.bos_token_id, tok.pad_token_id}
@@ -46,8 +46,8 @@ class DFlash:
         return int((export_config.get("dflash_config") or {}).get("block_size", tokens + 1)) - 1
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
-        from ...data.prepare import PreparedDataset
-        from ...targets.target import text_config
+        from eyas.data.prepare import PreparedDataset
+        from eyas.targets.target import text_config
 
         if "topk" in str(meta.get("layout", "")):
             raise ValueError(
@@ -148,7 +148,7 @@ class DFlash:
     # ---------------------------------------------------------------- export
 
     def export(self, fmt: str, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int):
-        from ... import __version__
+        from eyas import __version__
 
         c = DFlashConfig(**cdict)
         tensors = {}
@@ -194,7 +194,7 @@ class DFlash:
         return (cfg.get("architectures") or [None])[0] == ARCH
 
     def load_export(self, cfg: dict, raw: dict, cfg_file) -> tuple[DFlashDrafter, list[int]]:
-        from ...targets.layers import hf_indices
+        from eyas.targets.layers import hf_indices
 
         d = cfg.get("dflash_config") or {}
         for key in ("causal", "use_swa"):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ...targets.weights import embed_weight, final_norm_weight, lm_head_weight
-from ..drafter import Drafter, DrafterConfig
-from ..loss import add_targets, loss_masks, ttt_loss
+from eyas.targets.weights import embed_weight, final_norm_weight, lm_head_weight
+from eyas.training.drafter import Drafter, DrafterConfig
+from eyas.training.loss import add_targets, loss_masks, ttt_loss
 
 _ARCHS = {"vllm": "Eagle3Speculator", "sglang": "LlamaForCausalLMEagle3"}
 _LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
@@ -35,7 +35,7 @@ class Eagle3:
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         """Drafter sized from the target, with its frozen embeddings; the target's lm_head
         too (None when the run stores the target's top-K: the loss needs no head then)."""
-        from ...targets.target import text_config
+        from eyas.targets.target import text_config
 
         over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
         norms = {k: getattr(cfg, k) for k in _SGLANG_LACKS}
@@ -186,8 +186,8 @@ def export_config(
     fmt: str, c: DrafterConfig, aux_layers: list[int], target: dict, dtype: str, k: int
 ) -> dict:
     """The config.json of an export; `aux_layers` are outputs of 0-based decoder layers."""
-    from ... import __version__
-    from ...targets.layers import hf_indices, sglang_ids
+    from eyas import __version__
+    from eyas.targets.layers import hf_indices, sglang_ids
 
     if fmt == "vllm":
         return {
