@@ -273,16 +273,17 @@ def test_an_endpoint_nothing_answers_is_said_at_once(inputs, tmp_path):
 
 
 @contextlib.contextmanager
-def _refusing_server():
-    """A server that answers every request with the same HTTP 404 (a model it does not serve)."""
+def _loopback(reply):
+    """A loopback server answering each request body (parsed) with `reply(req)`: (status, body)."""
     import http.server
     import threading
 
-    class Refuse(http.server.BaseHTTPRequestHandler):
+    class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - the stdlib's name
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            body = b'{"error": {"message": "The model `target` does not exist."}}'
-            self.send_response(404)
+            status, body = reply(
+                json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            )
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -291,7 +292,7 @@ def _refusing_server():
         def log_message(self, *_):
             pass
 
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     try:
@@ -299,6 +300,13 @@ def _refusing_server():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def _refusing_server():
+    """A server that answers every request with the same HTTP 404 (a model it does not serve)."""
+    return _loopback(
+        lambda _req: (404, b'{"error": {"message": "The model `target` does not exist."}}')
+    )
 
 
 def test_every_request_failing_alike_stops_the_job(inputs, tmp_path):
@@ -315,3 +323,35 @@ def test_every_request_failing_alike_stops_the_job(inputs, tmp_path):
     assert 8 <= sum('"request"' in e for e in errors) < 24  # the rest were never asked for
     assert "generate: 0/" in p.stderr and "pending" in p.stderr and "failed" in p.stderr
     assert not out.exists()
+
+
+def test_a_target_served_without_chat_template(inputs, tmp_path):
+    """A server whose target has no chat template refuses every chat request as vLLM does: the
+    job stops with the way out named; with --chat-template FILE every request carries the
+    file's text (vLLM's per-request `chat_template`) and the job completes."""
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    seen: list[str | None] = []
+
+    def reply(req):
+        seen.append(req.get("chat_template"))
+        if not req.get("chat_template"):
+            return 400, b'{"error": {"message": "default chat template is no longer allowed"}}'
+        msg = {"role": "assistant", "content": "ok"}
+        return 200, json.dumps({"choices": [{"message": msg, "finish_reason": "stop"}],
+                                "usage": {"prompt_tokens": 3, "completion_tokens": 1}}).encode()  # fmt: skip
+
+    (tmp_path / "chat.jinja").write_text(template)
+    with _loopback(reply) as url:
+        p = subprocess.run(_cmd(url, inputs, tmp_path / "a.jsonl", "--retries", "0"),
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert p.returncode == 75, p.stderr
+        assert "the server has no chat template" in p.stderr and "--chat-template FILE" in p.stderr
+        seen.clear()
+        p = subprocess.run(_cmd(url, inputs, tmp_path / "b.jsonl", "--chat-template", tmp_path / "chat.jinja"),
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 1 and "2 records failed" in p.stderr, (
+        p.stderr
+    )  # the two bad input records
+    assert seen and set(seen) == {template}
+    made = json.loads((tmp_path / "b.jsonl.eyas-gen" / "generate.json").read_text())
+    assert made["sampling"]["chat_template"]

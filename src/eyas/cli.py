@@ -147,6 +147,9 @@ def tiny_target(
     trust_remote_code: bool = typer.Option(
         False, "--trust-remote-code", help="Let --like's tokenizer code run."
     ),
+    base: bool = typer.Option(
+        False, "--base", help="A base checkpoint: its tokenizer has no chat template."
+    ),
 ) -> None:
     """Build a small random target of a real architecture, with tokenizer and chat template.
 
@@ -163,7 +166,7 @@ def tiny_target(
     )  # fmt: skip
     try:
         path = build_tiny_target(out, arch, like=like, sizes=sizes, seed=seed,
-                                 trust_remote_code=trust_remote_code)  # fmt: skip
+                                 trust_remote_code=trust_remote_code, base=base)  # fmt: skip
     except (FileNotFoundError, OSError, ValueError) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     console.print(
@@ -284,6 +287,11 @@ def generate(
     max_response_bytes: int = typer.Option(
         64 << 20, "--max-response-bytes", help="Largest answer accepted (bytes)."
     ),
+    chat_template: Path | None = typer.Option(
+        None,
+        "--chat-template",
+        help="Jinja chat template file sent with every request (vLLM's chat API takes one per request), for a target served without one.",
+    ),  # fmt: skip
 ) -> None:
     """Replace assistant turns with the target's own answers, through a serving endpoint, exactly once."""
     from eyas.data.generate import EndpointUnreachable, GenerateConfig, GenerateStopped
@@ -293,7 +301,7 @@ def generate(
         GenerateConfig, endpoint=endpoint, model=model, data=tuple(str(p) for p in data), out=str(out),
         concurrency=concurrency, max_tokens=max_tokens, temperature=temperature, seed=seed, timeout=timeout,
         retries=retries, backoff=backoff, turns=turns, api_key_env=api_key_env,
-        max_response_bytes=max_response_bytes,
+        max_response_bytes=max_response_bytes, chat_template=str(chat_template) if chat_template else None,
     )  # fmt: skip
     command = (
         shlex.join(["eyas", *sys.argv[1:]])
@@ -838,6 +846,11 @@ def evaluate(
         "--chat-template-kwargs",
         help="JSON object of chat-template variables (default: those the drafter's training data was prepared with).",
     ),  # fmt: skip
+    chat_template: Path | None = typer.Option(
+        None,
+        "--chat-template",
+        help="Jinja chat template file to render the prompts with (default: the one the drafter's data was prepared with, else the tokenizer's).",
+    ),  # fmt: skip
     max_error_rate: float = typer.Option(
         0.01,
         "--max-error-rate",
@@ -858,7 +871,8 @@ def evaluate(
         _need(drafter, "export")
     kw = dict(k=draft_tokens, max_new_tokens=max_new_tokens, limit=limit or None,
               trust_remote_code=trust_remote_code, max_error_rate=max_error_rate,
-              chat_template_kwargs=_json_object(chat_template_kwargs))  # fmt: skip
+              chat_template_kwargs=_json_object(chat_template_kwargs),
+              chat_template=str(chat_template) if chat_template else None)  # fmt: skip
     if engine == "vllm":
         kw["tensor_parallel_size"] = tensor_parallel_size
     else:
@@ -880,6 +894,9 @@ def evaluate(
                             for v in res.inputs["skipped"].values())  # fmt: skip
             report.print(f"{data}: {res.inputs['used']} of {res.inputs['records']} records used as prompts; "
                          f"left out: {why}", markup=False, highlight=False)  # fmt: skip
+        if res.inputs.get("raw_text"):
+            report.print(f"{res.inputs['raw_text']} of {res.inputs['used']} prompts are raw text, tokenized "
+                         "as they are and continued (no chat template)", markup=False, highlight=False)  # fmt: skip
         pos = ", ".join(f"{a:.2f}" if a is not None else "-" for a in d["per_position_acceptance"])
 
         def ci(key: str) -> str:

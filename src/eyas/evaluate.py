@@ -31,7 +31,7 @@ from eyas.data.records import (
 from eyas.export import export_kind, export_rendering, load_export, vllm_speculative_config
 from eyas.host.ui import Reporter, still_working
 from eyas.targets.layers import from_hf
-from eyas.targets.target import load_tokenizer
+from eyas.targets.target import load_tokenizer, read_chat_template, require_chat_template
 
 
 @dataclass
@@ -166,6 +166,19 @@ class Prompt:
     messages: list[dict]
     category: str | None = None
     tools: list | None = None
+    form: str = "openai"
+    """The record's form (records.Conversation.form): `text` is continued as it is, and so is
+    `prompt` for a target without a chat template."""
+    text: str | None = None
+    """The text of a `text` record."""
+
+    def raw(self, tokenizer) -> str | None:
+        """The text to tokenize as it is, or None where the chat template renders it."""
+        if self.form == "text":
+            return self.text
+        if self.form == "prompt" and not tokenizer.chat_template:
+            return self.messages[0]["content"]
+        return None
 
 
 @dataclass
@@ -177,6 +190,8 @@ class PromptSet:
     """Records read (up to the one that filled `limit`)."""
     skipped: dict[str, list[int]] = field(default_factory=dict)
     """Per reason code, the lines (JSON elements) of the records left out."""
+    raw_text: int = 0
+    """Prompts tokenized as they are, without a chat template (set once the tokenizer is known)."""
 
     def summary(self) -> str:
         """One line: kept, left out and why (each reason with its first lines)."""
@@ -195,7 +210,7 @@ class PromptSet:
         return len(self.prompts)
 
     def to_dict(self) -> dict:
-        return {"records": self.records, "used": len(self.prompts),
+        return {"records": self.records, "used": len(self.prompts), "raw_text": self.raw_text,
                 "skipped": {code: {"count": len(lines), "reason": REASONS.get(code, code), "first_lines": lines[:5]}
                             for code, lines in sorted(self.skipped.items())}}  # fmt: skip
 
@@ -203,7 +218,7 @@ class PromptSet:
 def read_prompts(path: Path, limit: int | None, max_error_rate: float = 1.0) -> PromptSet:
     """The prompts of `path`, checked before any model loads: a record whose last turn is
     the user's is a prompt as it is, as is `{"prompt": "..."}`; a conversation is cut before
-    its last assistant turn. A `category` field is kept for the per-category figures, the
+    its last assistant turn; a `{"text": ...}` record is continued as it is. A `category` field is kept for the per-category figures, the
     record's `tools` for the chat template. Records that cannot be prompts are counted by
     reason; more than `max_error_rate` of them is an error, as in `prepare`."""
     path = Path(path)
@@ -218,12 +233,15 @@ def read_prompts(path: Path, limit: int | None, max_error_rate: float = 1.0) -> 
         got.records += 1
         try:
             obj = parse_record(rec)
-            conv = prompt_of(read_conversation(obj, prompt=True))
+            conv = read_conversation(obj, prompt=True)
+            if conv.form != "text":
+                conv = prompt_of(conv)
         except RecordError as exc:
             got.skipped.setdefault(exc.code, []).append(rec.line)
             continue
         cat = obj.get("category")
-        got.prompts.append(Prompt(conv.messages, str(cat) if cat is not None else None, conv.tools))
+        got.prompts.append(Prompt(conv.messages, str(cat) if cat is not None else None, conv.tools,
+                                  conv.form, conv.text))  # fmt: skip
         if limit and len(got.prompts) >= limit:
             break
     if not got.prompts:
@@ -237,19 +255,28 @@ def read_prompts(path: Path, limit: int | None, max_error_rate: float = 1.0) -> 
 
 
 def _tokenizer_for(model_dir: str, drafter_dir: str, trust_remote_code: bool,
-                   template_kwargs: dict | None) -> tuple[object, dict | None]:  # fmt: skip
+                   template_kwargs: dict | None, chat_template: str | None,
+                   asked: PromptSet, data: str) -> tuple[object, dict | None]:  # fmt: skip
     """The target's tokenizer, refused when the drafter's training data was made with
-    another one; and the template variables to render with (given, or the data's)."""
+    another one; and the template variables to render with (given, or the data's). The chat
+    template is the `chat_template` file's where given, else the one the training data was
+    prepared with (`prepare --chat-template`), else the tokenizer's own; conversations for a
+    target with none of them are refused here, before the model loads."""
     from eyas.data.prepare import TokenizerMismatch, tokenizer_fingerprint
 
-    tok = load_tokenizer(model_dir, trust_remote_code)
     made = export_rendering(drafter_dir)
+    template = read_chat_template(chat_template) or made.get("chat_template")
+    tok = load_tokenizer(model_dir, trust_remote_code, template)
+    chats = sum(p.raw(tok) is None for p in asked.prompts)
+    require_chat_template(tok, model_dir, chats, len(asked.prompts), f"--data {data}")
+    asked.raw_text = len(asked.prompts) - chats
     want, got = made.get("tokenizer_fingerprint"), tokenizer_fingerprint(tok)
     if want and want != got:
         raise TokenizerMismatch(
             f"{drafter_dir} was trained on data made with another tokenizer or chat template "
             f"(fingerprint {want}) than {model_dir}'s (fingerprint {got}): it would be judged on "
-            "prompts it never saw the like of. Give the target it was trained for"
+            "prompts it never saw the like of. Give the target it was trained for, and no "
+            "--chat-template or the one its data was prepared with"
         )
     return tok, template_kwargs if template_kwargs is not None else made.get("chat_template_kwargs")
 
@@ -262,11 +289,14 @@ def render_prompts(
     tokenizer, prompts: list[Prompt], template_kwargs: dict | None = None
 ) -> list[list[int]]:
     """Each prompt rendered as `prepare` renders a conversation (the record's tools, the
-    dataset's template variables), with a generation prompt, and tokenized as `prepare` does."""
+    dataset's template variables), with a generation prompt, and tokenized as `prepare` does;
+    raw text (`Prompt.raw`) tokenized as `prepare` tokenizes a text record."""
     out = []
     for p in prompts:
-        text = chat_text(tokenizer, p.messages, tools=p.tools, template_kwargs=template_kwargs,
-                         generation_prompt=True)  # fmt: skip
+        text = p.raw(tokenizer)
+        if text is None:
+            text = chat_text(tokenizer, p.messages, tools=p.tools, template_kwargs=template_kwargs,
+                             generation_prompt=True)  # fmt: skip
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return out
 
@@ -373,6 +403,7 @@ def evaluate(
     greedy_cache: dict | None = None,
     device: str = "auto",
     chat_template_kwargs: dict | None = None,
+    chat_template: str | None = None,
     max_error_rate: float = 0.01,
 ) -> EvalResult:
     """Speculative against greedy decoding over the prompts of `data` (at most `limit`),
@@ -389,7 +420,7 @@ def evaluate(
     check_model_dir(model_dir, tokenizer=True, weights=True)
     asked = read_prompts(Path(data), limit, max_error_rate)  # before minutes of loading the model
     tok, template_kwargs = _tokenizer_for(
-        model_dir, drafter_dir, trust_remote_code, chat_template_kwargs
+        model_dir, drafter_dir, trust_remote_code, chat_template_kwargs, chat_template, asked, data
     )
     try:
         dev = torch.device(resolve_device(device))
@@ -531,6 +562,7 @@ def evaluate_vllm(
     trust_remote_code: bool = False,
     progress: bool = True,
     chat_template_kwargs: dict | None = None,
+    chat_template: str | None = None,
     max_error_rate: float = 0.01,
 ) -> EvalResult:
     """The same measurement with vLLM as the judge: greedy generation without and with the
@@ -556,7 +588,7 @@ def evaluate_vllm(
         raise FileNotFoundError(f"{drafter_dir}: no such exported drafter directory")
     load_export(drafter_dir)  # a clear error for a directory that is not an export
     tok, template_kwargs = _tokenizer_for(
-        model_dir, drafter_dir, trust_remote_code, chat_template_kwargs
+        model_dir, drafter_dir, trust_remote_code, chat_template_kwargs, chat_template, asked, data
     )
     import_vllm()
     from vllm import LLM, SamplingParams

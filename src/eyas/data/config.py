@@ -29,6 +29,10 @@ class PrepareConfig:
     """Processes that tokenize in parallel."""
     chat_template_kwargs: dict | None = None
     """Extra variables for the chat template (e.g. {"thinking": false}); kept in dataset.json."""
+    chat_template: str | None = None
+    """A Jinja chat template file to render the conversations with instead of the tokenizer's
+    (a base target has none); kept in dataset.json, so extract, train and evaluate render and
+    check alike."""
     per_turn_samples: bool = False
     """One sample per assistant turn (the conversation up to and including it, trained on that
     turn only), so every turn's reasoning is trained as the target produced it, even where the

@@ -43,6 +43,7 @@ from eyas.data.records import (
 from eyas.host.ui import Reporter
 from eyas.run.fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
 from eyas.run.lock import WriterLock
+from eyas.targets.target import read_chat_template
 
 STATE_SUFFIX = ".eyas-gen"
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -76,6 +77,9 @@ class GenerateConfig:
     """Name of an environment variable holding the API key (the key is never written)."""
     max_response_bytes: int = 64 << 20
     """Largest answer accepted; a larger one is a failed request (it cannot be a sane reply)."""
+    chat_template: str | None = None
+    """A Jinja chat template file whose text is sent with every request (`chat_template`, as
+    vLLM's chat API takes it), for a target served without a template of its own."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -97,6 +101,7 @@ class GenerateConfig:
             raise ValueError(f"--endpoint must be an http(s) URL, got {self.endpoint!r}")
         if self.api_key_env and self.api_key_env not in os.environ:
             raise ValueError(f"--api-key-env {self.api_key_env}: no such environment variable")
+        object.__setattr__(self, "_template", read_chat_template(self.chat_template))
 
     def sampling(self) -> dict:
         return {
@@ -104,7 +109,10 @@ class GenerateConfig:
             "temperature": self.temperature,
             "seed": self.seed,
             "turns": self.turns,
-        }
+            # Another template is another rendering of every prompt: fixed for the run.
+            **({"chat_template": hashlib.sha256(self._template.encode()).hexdigest()[:16]}
+               if self._template else {}),
+        }  # fmt: skip
 
 
 class _SameFailure:
@@ -320,6 +328,8 @@ def post_chat(
         body["seed"] = cfg.seed
     if tools:
         body["tools"] = tools
+    if cfg._template:
+        body["chat_template"] = cfg._template
     headers = {"Content-Type": "application/json"}
     if cfg.api_key_env:
         headers["Authorization"] = f"Bearer {os.environ[cfg.api_key_env]}"
@@ -332,6 +342,9 @@ def post_chat(
             status, raw = _send(cfg, data, headers)
             if status >= 400:
                 last = f"HTTP {status}: {raw[:200].decode('utf-8', 'replace')}"
+                if "chat template" in last.lower() or "chat_template" in last:
+                    last += (" (the server has no chat template for this target: start it with "
+                             "--chat-template FILE, or give eyas generate --chat-template FILE)")  # fmt: skip
                 if status not in RETRY_STATUS:
                     raise RequestFailed(last)
             else:

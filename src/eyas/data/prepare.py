@@ -47,7 +47,12 @@ from eyas.run.fsutil import (
     read_json,
     sha256_file,
 )
-from eyas.targets.target import ModelDirError, load_tokenizer
+from eyas.targets.target import (
+    ModelDirError,
+    load_tokenizer,
+    read_chat_template,
+    require_chat_template,
+)
 
 FORMAT_VERSION = 1
 
@@ -347,9 +352,9 @@ def _tokens_before(tokenizer, text: str, ids: list[int], edge: int) -> tuple[int
 _TOK = None
 
 
-def _init_worker(model: str, trust_remote_code: bool) -> None:
+def _init_worker(model: str, trust_remote_code: bool, chat_template: str | None) -> None:
     global _TOK
-    _TOK = load_tokenizer(model, trust_remote_code)
+    _TOK = load_tokenizer(model, trust_remote_code, chat_template)
 
 
 def _prepare_one(rec: RawRecord, cfg: PrepareConfig) -> list[Prepared] | tuple[str, str, str]:
@@ -443,7 +448,8 @@ def check_tokenizer(ds_path, ds_meta: dict, model: str, tokenizer=None,
     want = ds_meta.get("tokenizer_fingerprint")
     if not want:
         return
-    tok = tokenizer if tokenizer is not None else load_tokenizer(model, trust_remote_code)
+    tok = (tokenizer if tokenizer is not None
+           else load_tokenizer(model, trust_remote_code, ds_meta.get("chat_template")))  # fmt: skip
     got = tokenizer_fingerprint(tok)
     if got != want:
         made_with = ds_meta.get("model") or "another model"
@@ -471,7 +477,8 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
             raise FileNotFoundError(f"--data {f} is a directory; give JSONL or JSON files")
         if not Path(f).is_file():
             raise FileNotFoundError(f"input file not found: {f}")
-    tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    template = read_chat_template(cfg.chat_template)
+    tok = load_tokenizer(cfg.model, cfg.trust_remote_code, template)
     global _TOK
     _TOK = tok
     raws: list[RawRecord] = []
@@ -480,6 +487,8 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
         if not p.is_file():
             raise FileNotFoundError(f"input file not found: {p}")
         raws.extend(iter_records(p))
+    if not tok.chat_template:
+        require_chat_template(tok, cfg.model, _conversations(raws), len(raws), "--data")
 
     summary = PrepareSummary(out=str(out), records=len(raws))
     chunks = [(raws[i : i + 256], cfg) for i in range(0, len(raws), 256)]
@@ -489,7 +498,7 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
             with ProcessPoolExecutor(
                 cfg.num_workers,
                 initializer=_init_worker,
-                initargs=(cfg.model, cfg.trust_remote_code),
+                initargs=(cfg.model, cfg.trust_remote_code, template),
             ) as ex:
                 for res in ex.map(_prepare_chunk, chunks):
                     results.extend(res)
@@ -571,6 +580,18 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     return summary
 
 
+def _conversations(raws: list[RawRecord]) -> int:
+    """How many records are conversations (need a chat template); unreadable ones are left
+    to the per-record errors."""
+    n = 0
+    for rec in raws:
+        try:
+            n += read_conversation(parse_record(rec)).form != "text"
+        except RecordError:
+            pass
+    return n
+
+
 class PrepareFailed(ValueError):
     """Too many records failed: the errors are written, the dataset is not."""
 
@@ -630,6 +651,7 @@ def write_dataset(
         "fingerprint": fp,
         "model": str(Path(cfg.model).resolve()),
         "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+        "chat_template": tok.chat_template if cfg.chat_template else None,
         "vocab_size": vocab,
         "draft_vocab_size": min(cfg.draft_vocab_size, vocab),
         "files": {k: {"name": v, "sha256": sha256_file(out / v)} for k, v in files.items()},
@@ -846,6 +868,8 @@ def prepare_command(config: dict) -> str:
             cmd.append(f"--{key.replace('_', '-')}")
     if config.get("chat_template_kwargs"):
         cmd += ["--chat-template-kwargs", json.dumps(config["chat_template_kwargs"])]
+    if config.get("chat_template"):
+        cmd += ["--chat-template", config["chat_template"]]
     return cd + shlex.join(cmd)
 
 

@@ -256,8 +256,48 @@ def plan_batches(lengths, indices: list[int], batch_tokens: int) -> list[list[in
     return batches
 
 
-def load_tokenizer(model: str, trust_remote_code: bool = False):
-    """The model's tokenizer: a fast one, or one that is Python code (then with the flag)."""
+def load_tokenizer(model: str, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The model's tokenizer: a fast one, or one that is Python code (then with the flag).
+    `chat_template`, where given, is the text of a Jinja template used instead of the
+    tokenizer's own (it is then part of the tokenizer's fingerprint)."""
+    tok = _load_tokenizer(model, trust_remote_code)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+class NoChatTemplate(ModelDirError):
+    """Conversations given for a target whose tokenizer has no chat template (exit 2)."""
+
+
+def read_chat_template(path: str | Path | None) -> str | None:
+    """The text of a `--chat-template` file (None for None); a usage error if unreadable."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise ModelDirError(f"--chat-template {p}: no such file (give a Jinja chat template)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelDirError(f"--chat-template {p}: cannot be read ({exc})") from None
+    if not text.strip():
+        raise ModelDirError(f"--chat-template {p} is empty")
+    return text
+
+
+def require_chat_template(tokenizer, model: str, conversations: int, of: int, what: str) -> None:
+    """Refuse, once and before any work, `conversations` (of `of` records of `what`) for a
+    target whose tokenizer has no chat template, naming the two ways out."""
+    if conversations and not tokenizer.chat_template:
+        raise NoChatTemplate(
+            f"{model} has no chat template (a base checkpoint?), and {conversations} of {of} "
+            f"records of {what} are conversations, which need one to be rendered: give them as "
+            'plain text ({"text": ...} records), or give a Jinja template with --chat-template FILE'
+        )
+
+
+def _load_tokenizer(model: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
     check_model_dir(model, tokenizer=True)

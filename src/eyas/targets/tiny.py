@@ -405,8 +405,10 @@ def build_tiny_target(
     seed: int = 0,
     tokenizer=None,
     trust_remote_code: bool = False,
+    base: bool = False,
 ) -> Path:
-    """Write a tiny random target to `out` and return it; float32 weights."""
+    """Write a tiny random target to `out` and return it; float32 weights. `base`: a base
+    checkpoint's twin, whose tokenizer has no chat template."""
     from transformers import AutoModelForCausalLM
 
     sizes = sizes or TinySizes()
@@ -418,8 +420,9 @@ def build_tiny_target(
         from eyas.targets.target import load_tokenizer
 
         tokenizer = load_tokenizer(str(like), trust_remote_code)
-        if not tokenizer.chat_template:
-            raise ValueError(f"--like {like}: the tokenizer has no chat template")
+        if not tokenizer.chat_template and not base:
+            raise ValueError(f"--like {like}: the tokenizer has no chat template (a base "
+                             "checkpoint: pass --base)")  # fmt: skip
         config = _like_config(like, sizes, len(tokenizer), tokenizer)
         if _quantization_of(like):
             print(f"note: the twin leaves out {like}'s quantization config ({_quantization_of(like)}): "
@@ -444,6 +447,8 @@ def build_tiny_target(
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    if base:
+        tokenizer.chat_template = None
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -271,11 +271,13 @@ def _record_config(cfg: TrainConfig, resume: bool, rank: int, world: int, run: P
 
 def _rendering(meta: dict) -> dict:
     """How the training data was rendered, for `evaluate` to render its prompts alike: the
-    tokenizer (and chat template) fingerprint and the template variables of the dataset."""
+    tokenizer (and chat template) fingerprint, the template variables of the dataset, and the
+    template itself where `prepare --chat-template` gave one."""
     ds = Path(meta["dataset_path"]) / "dataset.json"
-    fp = read_json(ds).get("tokenizer_fingerprint") if ds.is_file() else None
+    made = read_json(ds) if ds.is_file() else {}
     kwargs = (meta.get("dataset_prepare") or {}).get("chat_template_kwargs")
-    return {"tokenizer_fingerprint": fp, "chat_template_kwargs": kwargs}
+    return {"tokenizer_fingerprint": made.get("tokenizer_fingerprint"),
+            "chat_template_kwargs": kwargs, "chat_template": made.get("chat_template")}  # fmt: skip
 
 
 def _train(
