@@ -103,9 +103,12 @@ def test_dflash_trains_exports_and_decodes_losslessly(tmp_path):
     assert "DFlash, blocks of 4" in r.stderr
     cfg = json.loads((tmp_path / "tr" / "drafter_config.json").read_text())
     assert cfg["kind"] == "dflash" and cfg["block_size"] == 4
-    r = eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex", check=True)
-    # The serving line is the kind's: vLLM's dflash method, a block of 4 drafting 3 tokens.
+    r = eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex",
+             "--speculative-tokens", "5", check=True)  # fmt: skip
+    # The serving line is the kind's: vLLM's dflash method, a block of 4 drafting 3 tokens;
+    # a chain length asked for is said not to apply, not dropped without a word.
     assert '"method":"dflash"' in r.stderr and '"num_speculative_tokens":3' in r.stderr, r.stderr
+    assert "--speculative-tokens 5 does not apply" in r.stderr and "drafts 3 tokens" in r.stderr
     ex = json.loads((tmp_path / "ex" / "config.json").read_text())
     assert ex["architectures"] == ["DFlashDraftModel"] and ex["dflash_config"]["block_size"] == 4
     assert (
@@ -119,11 +122,17 @@ def test_dflash_trains_exports_and_decodes_losslessly(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(trained.eval().forward_blocks(ids, states, torch.tensor([[3, 9]])),
                                    back.forward_blocks(ids, states, torch.tensor([[3, 9]])))  # fmt: skip
+    # evaluate drafts what the export serves unless told, and says what it judged.
     r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--data", src, "--limit", "6",
-             "--draft-tokens", "3", "--json")  # fmt: skip
+             "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(r.stdout)
     assert d["lossless"] and d["rounds"] > 0 and len(d["per_position_acceptance"]) == 3
+    assert d["drafter"] == {"path": str((tmp_path / "ex").resolve()), "kind": "dflash",
+                            "draft_tokens": 3, "serves": 3}  # fmt: skip
+    r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--data", src,
+             "--draft-tokens", "5")  # fmt: skip
+    assert r.returncode == 2 and "drafts 3 tokens a round" in r.stderr, r.stderr
     r = eyas("export", tmp_path / "tr", "--format", "sglang", "--out", tmp_path / "ex2")
     assert r.returncode == 0, r.stderr
     assert "--speculative-algorithm DFLASH" in r.stderr, r.stderr

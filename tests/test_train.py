@@ -221,6 +221,16 @@ def test_export_roundtrip_and_fields(request, tmp_path, fmt):
     assert r.returncode == 0, r.stderr
     serve = {"vllm": '"method":"eagle3"', "sglang": "--speculative-algorithm EAGLE3"}[fmt]
     assert serve in r.stderr and str(out) in r.stderr, r.stderr
+    # The serving line runs what was trained and evaluated: the target it was exported for and
+    # a chain of 3 (SGLang's defaults would run a tree).
+    line = r.stderr.split("serve with: ")[1]
+    assert {"vllm": "vllm serve org/Target-8L ",
+            "sglang": "--model-path org/Target-8L "}[fmt] in line, line  # fmt: skip
+    if fmt == "sglang":
+        assert ("--speculative-num-steps 3 --speculative-eagle-topk 1 "
+                "--speculative-num-draft-tokens 4") in line, line  # fmt: skip
+    else:
+        assert '"num_speculative_tokens":3' in line, line
     assert oct(os.stat(out / "model.safetensors").st_mode & 0o777) == oct(0o666 & ~_umask())
     cfg = json.loads((out / "config.json").read_text())
     w = load_file(str(out / "model.safetensors"))

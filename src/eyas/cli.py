@@ -761,8 +761,10 @@ def export(
         ..., "--out", help="Directory to write config.json and model.safetensors to."
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
-    speculative_tokens: int = typer.Option(
-        3, "--speculative-tokens", help="Default draft length in the vLLM config."
+    speculative_tokens: int | None = typer.Option(
+        None,
+        "--speculative-tokens",
+        help="Tokens a chain (EAGLE-3) drafts a round when served (default 3); a DFlash block drafts its block.",
     ),
     verifier: str | None = typer.Option(
         None,
@@ -799,12 +801,15 @@ def export(
             shlex.join(["eyas", *sys.argv[1:]]) if sys.argv[1:2] == ["export"] else "export again",
         )
         raise fail(str(exc)) from None
-    from eyas.export import serve_command
+    from eyas.export import drafts_per_round, serve_command
 
-    hint = serve_command(path, fmt, speculative_tokens)
-    console.print(
-        f"exported {fmt} drafter to {path}\n  serve with: {hint}", markup=False, highlight=False
-    )
+    served = drafts_per_round(path)
+    if speculative_tokens is not None and served != speculative_tokens:
+        console.print(f"note: --speculative-tokens {speculative_tokens} does not apply to this drafter: its "
+                      f"block drafts {served} tokens a round (set by train --block-size)",
+                      markup=False, highlight=False)  # fmt: skip
+    console.print(f"exported {fmt} drafter to {path}, drafting {served} tokens a round\n"
+                  f"  serve with: {serve_command(path, fmt)}", markup=False, highlight=False)  # fmt: skip
 
 
 @app.command()
@@ -817,7 +822,11 @@ def evaluate(
         help='JSONL prompts: a last user turn, {"prompt": ...}, or conversations cut before '
         "their last assistant turn; a category field gives a table per category.",
     ),
-    draft_tokens: int = typer.Option(3, "--draft-tokens", help="Chain length K."),
+    draft_tokens: int | None = typer.Option(
+        None,
+        "--draft-tokens",
+        help="Tokens drafted a round, K (default: what the export serves: a chain's --speculative-tokens, a block's size - 1).",
+    ),  # fmt: skip
     max_new_tokens: int = typer.Option(
         64,
         "--max-new-tokens",
@@ -859,8 +868,8 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check."""
+    from eyas.evaluate import DraftLengthRefused, evaluate_vllm
     from eyas.evaluate import evaluate as run_hf
-    from eyas.evaluate import evaluate_vllm
     from eyas.export import ExportError
     from eyas.targets.target import ModelDirError
 
@@ -881,11 +890,12 @@ def evaluate(
         res = (evaluate_vllm if engine == "vllm" else run_hf)(
             str(model), str(drafter), str(data), **kw
         )
-    except (ModelDirError, FileNotFoundError) as exc:
+    except (ModelDirError, FileNotFoundError, DraftLengthRefused) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     except (ExportError, ValueError, OSError) as exc:
         raise fail(str(exc)) from None
     d = {"engine": engine, **res.to_dict()}
+    judged = d["drafter"]
     if as_json:
         _print_json(d)
     else:
@@ -903,7 +913,9 @@ def evaluate(
             return f" (95% interval {d[key][0]:.2f}-{d[key][1]:.2f} over prompts)" if d[key] else ""
 
         report.print(
-            f"{d['prompts']} prompts, {d['rounds']} rounds (K={draft_tokens}):\n"
+            f"{judged['kind']} drafter {judged['path']}, {judged['draft_tokens']} drafts a round "
+            f"(it serves {judged['serves']}):\n"
+            f"{d['prompts']} prompts, {d['rounds']} rounds (K={judged['draft_tokens']}):\n"
             f"  tokens emitted per target forward {d['tokens_per_forward']:.2f}{ci('tokens_per_forward_ci95')}, "
             "cut where each reply ends\n"
             f"  acceptance length {d['acceptance_length']:.2f}{ci('acceptance_length_ci95')}, engine-style "

@@ -28,7 +28,13 @@ from eyas.data.records import (
     prompt_of,
     read_conversation,
 )
-from eyas.export import export_kind, export_rendering, load_export, vllm_speculative_config
+from eyas.export import (
+    drafts_per_round,
+    export_kind,
+    export_rendering,
+    load_export,
+    vllm_speculative_config,
+)
 from eyas.host.ui import Reporter, still_working
 from eyas.targets.layers import from_hf
 from eyas.targets.target import load_tokenizer, read_chat_template, require_chat_template
@@ -54,6 +60,7 @@ class EvalResult:
     )  # per prompt, where the data names one
     stopped_by: str | None = None  # a signal's name: a partial result over the prompts done
     planned: int = 0  # the prompts asked for
+    drafter: dict = field(default_factory=dict)  # what was judged: path, kind, drafts a round
     inputs: dict = field(default_factory=dict)  # records read, used, left out and why
 
     def compare(self, prompt: int, spec: list[int], base: list[int], tok) -> None:
@@ -117,6 +124,7 @@ class EvalResult:
     def to_dict(self) -> dict:
         ci = self.intervals()
         return {
+            **({"drafter": self.drafter} if self.drafter else {}),
             "prompts": self.prompts, "rounds": self.rounds, "draft_tokens": self.drafted, "accepted": self.accepted,
             "tokens_per_forward": round(self.tokens_per_forward, 3),
             "tokens_per_forward_ci95": ci["tokens_per_forward"],
@@ -281,6 +289,22 @@ def _tokenizer_for(model_dir: str, drafter_dir: str, trust_remote_code: bool,
     return tok, template_kwargs if template_kwargs is not None else made.get("chat_template_kwargs")
 
 
+class DraftLengthRefused(ValueError):
+    """More draft tokens a round asked for than the export drafts (a usage error, exit 2)."""
+
+
+def draft_length(drafter_dir: str, k: int | None) -> tuple[int, dict]:
+    """The tokens to draft a round (`k`, else what the export serves) and what is judged (its
+    path, kind and drafts a round, for the report); more than a block drafts is refused."""
+    served = drafts_per_round(drafter_dir, k)
+    if k is not None and k > served:
+        raise DraftLengthRefused(f"--draft-tokens {k}: {drafter_dir} drafts {served} tokens a round "
+                                 f"(its block); give --draft-tokens {served} or fewer")  # fmt: skip
+    k = k or served
+    return k, {"path": str(Path(drafter_dir).resolve()), "kind": export_kind(drafter_dir).name,
+               "draft_tokens": k, "serves": served}  # fmt: skip
+
+
 class PromptsRefused(ValueError):
     """Too many records of --data cannot be prompts (exit 1, before the model loads)."""
 
@@ -394,7 +418,7 @@ def evaluate(
     drafter_dir: str,
     data: str,
     *,
-    k: int = 3,
+    k: int | None = None,
     max_new_tokens: int = 64,
     limit: int | None = 1000,
     precision: float | None = 0.05,
@@ -434,6 +458,7 @@ def evaluate(
         raise ValueError(f"--device {device}: this machine has no GPU that torch can use")
     if not Path(drafter_dir).is_dir():  # before minutes of loading the model
         raise FileNotFoundError(f"{drafter_dir}: no such exported drafter directory")
+    k, judged = draft_length(drafter_dir, k)
     with still_working("loading the target", enabled=progress):
         model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval().to(dev)
     if dev.type == "cpu":
@@ -452,7 +477,8 @@ def evaluate(
     eos.discard(None)
     prompts = render_prompts(tok, asked.prompts, template_kwargs)
     res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)],
-                     categories=[p.category for p in asked.prompts], inputs=asked.to_dict())  # fmt: skip
+                     categories=[p.category for p in asked.prompts], inputs=asked.to_dict(),
+                     drafter=judged)  # fmt: skip
     tap = AuxTap(model, aux_hf)
     proposer = export_kind(drafter_dir).proposer(drafter, aux_hf)
 
@@ -555,7 +581,7 @@ def evaluate_vllm(
     drafter_dir: str,
     data: str,
     *,
-    k: int = 3,
+    k: int | None = None,
     max_new_tokens: int = 64,
     limit: int | None = 20,
     tensor_parallel_size: int = 1,
@@ -587,6 +613,7 @@ def evaluate_vllm(
     if not Path(drafter_dir).is_dir():
         raise FileNotFoundError(f"{drafter_dir}: no such exported drafter directory")
     load_export(drafter_dir)  # a clear error for a directory that is not an export
+    k, judged = draft_length(drafter_dir, k)
     tok, template_kwargs = _tokenizer_for(
         model_dir, drafter_dir, trust_remote_code, chat_template_kwargs, chat_template, asked, data
     )
@@ -603,9 +630,8 @@ def evaluate_vllm(
                        max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 8)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    res = EvalResult(
-        prompts=len(prompts), per_position=[[0, 0] for _ in range(k)], inputs=asked.to_dict()
-    )
+    res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)],
+                     inputs=asked.to_dict(), drafter=judged)  # fmt: skip
 
     def run(speculative: dict | None) -> tuple[list[list[int]], float, object]:
         if progress:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from eyas.training.kinds import kind_for_export, kind_of
 
 FORMATS = ("vllm", "sglang")
 MANIFEST = "eyas-manifest.json"  # the export's files and checksums, written last
+DEFAULT_TOKENS = 3  # a chain's draft length where nothing else says
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -79,7 +81,7 @@ def export(
     out: str | Path,
     *,
     dtype: str = "float32",
-    speculative_tokens: int = 3,
+    speculative_tokens: int | None = None,
     verifier: str | None = None,
     force: bool = False,
 ) -> Path:
@@ -108,10 +110,9 @@ def export(
         "path": verifier or info["model_path"],
         "architectures": target_cfg.get("architectures", []),
     }
+    tokens = speculative_tokens or DEFAULT_TOKENS
     try:
-        tensors, config = k.export(
-            fmt, state, cdict, info, target, _DTYPES[dtype], speculative_tokens
-        )
+        tensors, config = k.export(fmt, state, cdict, info, target, _DTYPES[dtype], tokens)
     except ValueError as exc:
         raise ExportError(f"{train_dir}: {exc}") from None
     out = Path(out).absolute()
@@ -124,7 +125,8 @@ def export(
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", config)
         write_manifest(tmp, ["model.safetensors", "config.json"], MANIFEST, format=fmt, kind=k.name,
-                       rendering=info.get("rendering") or {})  # fmt: skip
+                       rendering=info.get("rendering") or {}, target=target["path"],
+                       drafts_per_round=k.drafts_per_round(config, tokens))  # fmt: skip
         _swap_into_place(tmp, out)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -212,20 +214,40 @@ def vllm_speculative_config(path: str | Path, tokens: int) -> dict:
             "num_speculative_tokens": tokens}  # fmt: skip
 
 
-def serve_command(path: str | Path, fmt: str, tokens: int) -> str:
-    """The command that serves the export at `path` in `fmt`'s engine, drafting `tokens` a
-    round where its kind lets that vary (a block drafts its block)."""
+def export_serving(path: str | Path) -> dict:
+    """What an export serves, from its manifest: `target` (the path or name it was exported
+    for) and `drafts_per_round`; {} for an export that does not say (another tool's, older)."""
+    m = Path(path) / MANIFEST
+    try:
+        made = read_json(m) if m.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return {key: made[key] for key in ("target", "drafts_per_round") if key in made}
+
+
+def drafts_per_round(path: str | Path, tokens: int | None = None) -> int:
+    """Tokens the export at `path` drafts a round: `tokens` where its kind lets that vary
+    (a chain), else what it was exported to serve (a block drafts its block)."""
+    cfg = read_json(Path(path) / "config.json")
+    asked = tokens or export_serving(path).get("drafts_per_round") or DEFAULT_TOKENS
+    return export_kind(path, cfg).drafts_per_round(cfg, asked)
+
+
+def serve_command(path: str | Path, fmt: str, tokens: int | None = None) -> str:
+    """The command that serves the export at `path` in `fmt`'s engine as it was trained and
+    evaluated: the target it was exported for, its kind's method, and the tokens it drafts a
+    round (`tokens`, else the export's own)."""
     cfg = read_json(Path(path) / "config.json")
     k = export_kind(path, cfg)
+    target = str(export_serving(path).get("target") or "TARGET")
+    n = drafts_per_round(path, tokens)
     if fmt == "sglang":
-        return ("python -m sglang.launch_server --model-path TARGET --speculative-algorithm "
-                f"{k.sglang_algorithm} --speculative-draft-model-path {path}")  # fmt: skip
-    spec = {
-        "method": k.vllm_method,
-        "model": str(path),
-        "num_speculative_tokens": k.drafts_per_round(cfg, tokens),
-    }
-    return f"vllm serve TARGET --speculative-config '{json.dumps(spec, separators=(',', ':'))}'"
+        return shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target,
+                           "--speculative-algorithm", k.sglang_algorithm,
+                           "--speculative-draft-model-path", str(path), *k.sglang_flags(cfg, n)])  # fmt: skip
+    spec = {"method": k.vllm_method, "model": str(path), "num_speculative_tokens": n}
+    return shlex.join(["vllm", "serve", target, "--speculative-config",
+                       json.dumps(spec, separators=(",", ":"))])  # fmt: skip
 
 
 def load_export(path: str | Path) -> tuple[torch.nn.Module, list[int]]:

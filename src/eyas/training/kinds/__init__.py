@@ -61,6 +61,10 @@ class DrafterKind(Protocol):
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         """Tokens an export (its config.json) drafts a round, asked for `tokens`."""
 
+    def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
+        """SGLang's options that make it run the drafter as it was trained and evaluated,
+        drafting `tokens` a round (its defaults may run another shape, a tree)."""
+
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         """(drafter, lm_head) for a training of `cfg` on a run (`meta`) of the target in
         `model_dir`: the drafter, and the target's lm_head where the loss needs it."""

@@ -45,6 +45,9 @@ class DFlash:
         # A block of B drafts B - 1 tokens: the export's block, not the tokens asked for.
         return int((export_config.get("dflash_config") or {}).get("block_size", tokens + 1)) - 1
 
+    def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
+        return []  # the block is in the drafter's own config
+
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         from eyas.data.prepare import PreparedDataset
         from eyas.targets.target import text_config

@@ -30,6 +30,11 @@ class Eagle3:
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         return tokens  # a chain drafts as many as it is asked
 
+    def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
+        # A chain: one candidate per step (top-k 1), K steps, K + 1 tokens verified a round.
+        return ["--speculative-num-steps", str(tokens), "--speculative-eagle-topk", "1",
+                "--speculative-num-draft-tokens", str(tokens + 1)]  # fmt: skip
+
     # ---------------------------------------------------------------- training
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
