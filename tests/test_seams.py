@@ -117,6 +117,36 @@ def test_prepare_counts_what_the_template_drops(tmp_path, targets):
     assert PreparedDataset.open(tmp_path / "q").meta["counts"]["dropped_fields"] == {}
 
 
+def test_turns_and_history_a_template_drops_are_counted_and_named(tmp_path, targets):
+    """qwen3's template renders no `developer` turn and drops the reasoning of turns before
+    the last user turn: both are counted in dataset.json and named with the way to keep them
+    (not refused: the served target sees the conversation the same way); --per-turn-samples
+    trains every turn with its reasoning, and then only the developer turn is counted."""
+    from eyas.data.prepare import PrepareConfig, prepare
+
+    dev = {"messages": [{"role": "developer", "content": "Always answer in French."},
+                        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "bonjour"}]}  # fmt: skip
+    two = {"messages": [{"role": "user", "content": "q1"},
+                        {"role": "assistant", "content": "a1", "reasoning_content": "first I think of q1"},
+                        {"role": "user", "content": "q2"},
+                        {"role": "assistant", "content": "a2", "reasoning_content": "then of q2"}]}  # fmt: skip
+    plain = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+             for i in range(198)]  # fmt: skip
+    src = _write(tmp_path / "r.jsonl", [dev, two, *plain])
+    r = eyas("prepare", "--model", targets["qwen3"], "--data", src, "--out", tmp_path / "ds")
+    assert r.returncode == 0, r.stderr
+    assert "1  developer turns the chat template does not render (in 1 records)" in r.stderr
+    assert (
+        "earlier assistant turns whose reasoning" in r.stderr and "--per-turn-samples" in r.stderr
+    )
+    counts = PreparedDataset.open(tmp_path / "ds").meta["counts"]
+    assert counts["dropped_fields"] == {"developer": 1, "reasoning_in_history": 1}
+    assert counts["records_with_dropped_fields"] == 2
+    s = prepare(PrepareConfig(model=str(targets["qwen3"]), data=(str(src),), out=str(tmp_path / "pt"),
+                              per_turn_samples=True, progress=False))  # fmt: skip
+    assert s.dropped == {"developer": 1}
+
+
 def test_evaluate_says_what_it_left_out(tmp_path, targets):
     """A record with an unknown role and a cut-off last line are named, counted and, above
     --max-error-rate, refused before any model loads."""

@@ -231,8 +231,17 @@ def _prepare_report(s, written: bool) -> None:
         f"{s.skipped_overlong} skipped as overlong, {len(s.emptied)} emptied by truncation, "
         f"{s.failed} failed" + (f" -> {s.out}" if written else ""))  # fmt: skip
     for f, n in sorted(s.dropped.items()):
-        say(f"  {n:6d}  assistant turns whose {f.replace('_', ' ')} the chat template does not render "
-            f"(in {s.dropped_records} records): not trained on")  # fmt: skip
+        where = f"(in {s.dropped_in.get(f, s.dropped_records)} records)"
+        if f in ("tool_calls", "reasoning"):
+            say(f"  {n:6d}  assistant turns whose {f.replace('_', ' ')} the chat template does not render "
+                f"{where}: not trained on")  # fmt: skip
+        elif f == "reasoning_in_history":
+            say(f"  {n:6d}  earlier assistant turns whose reasoning the chat template drops from the history "
+                f"{where}: not trained on; --per-turn-samples trains each turn with its reasoning")  # fmt: skip
+        else:
+            say(f"  {n:6d}  {f} turns the chat template does not render {where}: the drafter learns the "
+                f"answers without them, as the served target sees them; a template that renders {f} "
+                "turns (--chat-template FILE) keeps them")  # fmt: skip
     for code, n in s.reasons.items():
         extra = ""
         if code == "unknown-role" and s.unknown_roles:

@@ -92,6 +92,8 @@ class PrepareSummary:
     """Assistant turns whose tool calls (`tool_calls`) or reasoning (`reasoning`) the chat
     template did not render, so training never sees them."""
     dropped_records: int = 0
+    dropped_in: dict[str, int] = field(default_factory=dict)
+    """Per name in `dropped`, the records where it happens."""
     notes: list[str] = field(default_factory=list)
     """What was changed from what was asked, in words (printed under the summary)."""
 
@@ -161,8 +163,11 @@ def assistant_spans(
     at the first end-of-turn marker after it, and must hold the turn's text. A turn that
     cannot be placed is an error naming it, never a guess.
 
-    `dropped`, where given, receives a field name (`tool_calls`, `reasoning`) for each turn
-    whose tool calls or reasoning the template does not render even as the last turn."""
+    `dropped`, where given, receives a name for each part of the conversation the template
+    leaves out: `tool_calls` or `reasoning` for a trained turn's that it does not render even
+    as the last turn, `reasoning_in_history` for a trained turn's reasoning that it renders
+    only as the last turn (it rewrites history), and a role (`developer`, `system`, ...) for
+    each other turn whose content it does not render."""
 
     def render(msgs, gen=False):
         return chat_text(tokenizer, msgs, tools=tools, template_kwargs=template_kwargs,
@@ -177,6 +182,7 @@ def assistant_spans(
             continue
         upto = render(messages[: i + 1])
         before = _prefix_before(render, messages, i, upto)
+        turn_drops = len(dropped) if dropped is not None else 0
         if dropped is not None:
             dropped.extend(
                 _unrendered(messages[i], upto[len(before) :] if upto.startswith(before) else upto)
@@ -189,7 +195,25 @@ def assistant_spans(
             start, end = _place_by_marks(full, marks[0], k, len(turns), messages[i], i)
         if end > start:
             spans.append((start, end))
+            if dropped is not None and "reasoning" not in dropped[turn_drops:]:
+                reasoning = (messages[i].get("reasoning_content") or "").strip()
+                if reasoning and reasoning not in full:
+                    dropped.append("reasoning_in_history")
+    if dropped is not None:
+        dropped.extend(_unrendered_turns(messages, full))
     return full, spans
+
+
+def _unrendered_turns(messages: list[dict], full: str) -> list[str]:
+    """The role of each turn other than the assistant's whose content the rendering lacks."""
+    out = []
+    for m in messages:
+        text = m.get("content")
+        if m["role"] == "assistant" or not isinstance(text, str) or not text.strip():
+            continue
+        if text.strip() not in full and json.dumps(text.strip())[1:-1] not in full:  # or as JSON
+            out.append(m["role"])
+    return out
 
 
 def _unrendered(message: dict, rendered: str) -> list[str]:
@@ -556,18 +580,24 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
         for f in smp.dropped:
             summary.dropped[f] = summary.dropped.get(f, 0) + 1
     summary.dropped_records = len({(smp.file, smp.line) for smp in samples if smp.dropped})
+    for f in summary.dropped:
+        summary.dropped_in[f] = len({(s.file, s.line) for s in samples if f in s.dropped})
+    # Trained turns that lose their tool calls or reasoning train on something the target never
+    # wrote: refused above --max-error-rate. The rest (history a template rewrites, turns it
+    # leaves out) is as the served target sees it: counted and named, not refused.
+    refused = {f: n for f, n in summary.dropped.items() if f in ("tool_calls", "reasoning")}
+    refused_records = len({(s.file, s.line) for s in samples if set(s.dropped) & refused.keys()})
     summary.truncated = sum(s.truncated for s in samples)
     summary.tokens = sum(len(s.input_ids) for s in samples)
     summary.trainable_tokens = sum(sum(s.loss_mask) for s in samples)
     if not raws:
         raise ValueError(f"no records in {', '.join(cfg.data)}: the input is empty")
-    lost = summary.dropped_records / summary.records if summary.records else 0.0
+    lost = refused_records / summary.records if summary.records else 0.0
     if samples and lost > cfg.max_error_rate and not cfg.allow_dropped_fields:
         what = " and ".join(
-            f"{n} assistant turn(s)' {f.replace('_', ' ')}"
-            for f, n in sorted(summary.dropped.items())
+            f"{n} assistant turn(s)' {f.replace('_', ' ')}" for f, n in sorted(refused.items())
         )
-        raise PrepareFailed(f"the chat template of {cfg.model} does not render {what} ({summary.dropped_records} "
+        raise PrepareFailed(f"the chat template of {cfg.model} does not render {what} ({refused_records} "
                             f"of {summary.records} records, > --max-error-rate {cfg.max_error_rate:.1%}): training "
                             "would never see them. Use a model whose template renders them, or pass "
                             "--allow-dropped-fields to train without them; no dataset was written", summary)  # fmt: skip
