@@ -365,6 +365,25 @@ def test_status_names_a_training_dataset_or_drafter_directory(demo_run, trained,
     shutil.copytree(trained, part)
     (part / "drafter.safetensors").unlink()
     assert f"next       eyas train --resume --out {part}" in eyas("status", part, check=True).stdout
+    # doctor's plan says to resume it too (not "nothing to do")
+    doc = eyas("doctor", part)
+    assert doc.returncode == 0 and "nothing to do" not in doc.stdout, doc.stdout
+    assert (
+        f"resume the training in {part}" in doc.stdout
+        and f"$ eyas train --resume --out {part}" in doc.stdout
+    )
+    # an input file and a directory eyas did not write: exit 2, said what they are, for every reader
+    src = tmp_path / "chats.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    (tmp_path / "other").mkdir()
+    for cmd in ("status", "verify", "doctor"):
+        r = eyas(cmd, src)
+        assert r.returncode == 2 and "is a file" in r.stderr and "eyas prepare" in r.stderr, (
+            cmd,
+            r.stderr,
+        )
+        r = eyas(cmd, tmp_path / "other")
+        assert r.returncode == 2 and "not a directory eyas wrote" in r.stderr, (cmd, r.stderr)
 
 
 def test_report_to_tensorboard_writes_the_metrics(demo_run, tmp_path):

@@ -77,17 +77,20 @@ _KIND_NAMES = {"run": "extraction run directory", "dataset": "prepared dataset d
                "training": "training directory", "export": "exported drafter directory"}  # fmt: skip
 
 
-def _need(path, kind: str) -> None:
+def _need(path, kind: str, eyas_only: bool = False) -> None:
     """A directory the command reads must be there, and not an eyas directory of another
-    kind (`kind`: run, dataset, training, export): either is a usage error (exit 2) that
-    says what the path is and which command reads it."""
-    from eyas.status import wrong_kind
+    kind (`kind`: run, dataset, training, export), nor a file; with `eyas_only`, nor a
+    directory eyas did not write. Each is a usage error (exit 2) that says what the path is
+    and which command reads it."""
+    from eyas.status import not_eyas, wrong_kind
 
     if path is None:
         return
     if not Path(path).exists():
         raise fail(f"{path}: no such {_KIND_NAMES[kind]}", EXIT_USAGE)
     if (msg := wrong_kind(Path(path), kind)) is not None:
+        raise fail(msg, EXIT_USAGE)
+    if (Path(path).is_file() or eyas_only) and (msg := not_eyas(Path(path))) is not None:
         raise fail(msg, EXIT_USAGE)
 
 
@@ -590,7 +593,7 @@ def verify(
     from eyas.verify import render as render_verify
     from eyas.verify import verify as run_verify
 
-    _need(run, "run")
+    _need(run, "run", eyas_only=True)
     try:
         rep = run_verify(run, quick=quick, repair=repair)
     except (StoreError, OSError) as exc:
@@ -614,10 +617,12 @@ def status(
     """Done/remaining/failed samples, bytes, free space, throughput, ETA and the lock holder."""
     from eyas.data.generate import STATE_SUFFIX, format_generation, generation_status
     from eyas.run.store import StoreError
-    from eyas.status import describe_other, format_status, run_status
+    from eyas.status import describe_other, format_status, not_eyas, run_status
 
     if not run.exists() and not run.with_name(run.name + STATE_SUFFIX).exists():
         raise fail(f"{run}: no such run, training, dataset, drafter or generation", EXIT_USAGE)
+    if (msg := not_eyas(run)) is not None:
+        raise fail(msg, EXIT_USAGE)
     gen = run if (run / "generate.json").is_file() else run.with_name(run.name + STATE_SUFFIX)
     if (gen / "generate.json").is_file():
         g = generation_status(gen)
@@ -652,8 +657,18 @@ def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
 ) -> None:
     """Assess GPUs, disks and runs after a failure; end with an ordered plan."""
+    from eyas.data.generate import STATE_SUFFIX
     from eyas.doctor import doctor as run_doctor
     from eyas.doctor import render as render_doctor
+    from eyas.status import not_eyas
+
+    for r in (
+        runs or []
+    ):  # a path that is no eyas directory is a usage error, said before the checks
+        if not r.exists() and not r.with_name(r.name + STATE_SUFFIX).exists():
+            raise fail(f"{r}: no such run, training, dataset, drafter or generation", EXIT_USAGE)
+        if (msg := not_eyas(r)) is not None:
+            raise fail(msg, EXIT_USAGE)
 
     rep = run_doctor(list(runs or []), deep=deep)
     if as_json:

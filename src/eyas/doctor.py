@@ -109,6 +109,8 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
     if kind_of(run) not in (None, "run") and (other := describe_other(run)) is not None:
         for line in other.splitlines():  # not an extraction run, and nothing wrong with it
             rep.add("ok", line)
+        if kind_of(run) == "training":
+            _plan_training(run, actions)
         return rep
     try:
         mr = load_run_meta(run)
@@ -340,6 +342,21 @@ def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
                 "samples are still on disk (the extractor deletes them on its next start)")  # fmt: skip
         actions.append(Action("delete the samples the finished trainer consumed", f"eyas extract --resume {run}",
                               blocking=False))  # fmt: skip
+
+
+def _plan_training(out: Path, actions: list[Action]) -> None:
+    """A training that stopped before its last step (killed, or stopped) is resumed."""
+    from eyas.run.lock import live_locks
+    from eyas.training.checkpoint import latest_checkpoint
+
+    if (out / "drafter.safetensors").is_file() or live_locks(out):
+        return
+    ckpt = latest_checkpoint(out)
+    since = (
+        f"from its checkpoint at step {int(ckpt.name.split('-')[-1])}" if ckpt else "from the start"
+    )
+    actions.append(Action(f"resume the training in {out}: it stopped before its last step and continues "
+                          f"{since}", f"eyas train --resume --out {out}", blocking=False))  # fmt: skip
 
 
 def _verify_cost(run: Path, total_bytes: int) -> str:

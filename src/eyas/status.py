@@ -308,6 +308,27 @@ def kind_of(path: Path) -> str | None:
     return None
 
 
+def not_eyas(path: Path) -> str | None:
+    """One line for a path that exists and is no eyas directory at all (an input file, or a
+    directory eyas did not write): what it is and what to run on it. None otherwise."""
+    from eyas.data.generate import STATE_SUFFIX
+
+    path = Path(path)
+    if (path / "generate.json").is_file() or (
+        path.with_name(path.name + STATE_SUFFIX) / "generate.json"
+    ).is_file():
+        return None  # generate's output, or its state directory
+    if path.is_file():
+        return (f"{path} is a file, not a directory eyas writes; if it holds records, prepare it with "
+                f"`eyas prepare --model TARGET --data {path} --out DATASET_DIR`, or give it to "
+                f"`eyas evaluate --data {path}` as prompts")  # fmt: skip
+    if path.is_dir() and kind_of(path) is None:
+        return (f"{path} is not a directory eyas wrote (no run.json, train.json, dataset.json or "
+                "eyas-manifest.json); if an extract into it was stopped before it wrote anything, "
+                "run the original `eyas extract --model ... --data ... --out` again")  # fmt: skip
+    return None
+
+
 def wrong_kind(path: Path, want: str) -> str | None:
     """One line for a directory of another kind than `want` (run, dataset, training,
     export): what it is, what made it and the command that reads it. None otherwise."""
