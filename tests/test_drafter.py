@@ -286,3 +286,30 @@ def test_muon_is_torchs_rule_with_its_iteration_in_float32():
         torch.testing.assert_close(x, y)
     s = torch.linalg.svdvals(orthogonalise(torch.randn(32, 48)))
     assert 0.5 < float(s.min()) and float(s.max()) < 1.5
+
+
+def test_evaluation_by_context_length_buckets():
+    """Each prompt counts in the bucket of its length, empty buckets are left out, and each
+    bucket's figures are its own prompts' (rounds, accepted drafts, per position)."""
+    from eyas.evaluate import EvalResult
+
+    # (length, rounds, accepted, emitted, accepted per position)
+    rows = [(100, 10, 10, 20, [6, 3, 1]), (300, 10, 20, 30, [9, 7, 4]),
+            (600, 10, 5, 15, [4, 1, 0]), (9000, 5, 0, 5, [0, 0, 0]), (20000, 4, 4, 8, [3, 1, 0])]  # fmt: skip
+    res = EvalResult(prompts=5, per_position=[[0, 0]] * 3, lengths=[r[0] for r in rows],
+                     per_prompt=[list(r[1:4]) for r in rows], positions=[r[4] for r in rows],
+                     rounds=sum(r[1] for r in rows), accepted=sum(r[2] for r in rows))  # fmt: skip
+    got = res.by_length()
+    assert list(got) == ["< 512", "512-2K", "8K-16K", ">= 16K"]
+    short = got["< 512"]
+    assert short["prompts"] == 2 and short["tokens_per_forward"] == 2.5  # (20 + 30) / 20 rounds
+    assert short["acceptance_length"] == 2.5 and short["per_position_acceptance"] == [
+        0.75,
+        0.5,
+        0.25,
+    ]
+    assert (
+        got["8K-16K"]["tokens_per_forward"] == 1.0
+        and got["8K-16K"]["tokens_per_forward_ci95"] is None
+    )
+    assert got[">= 16K"]["mean_prompt_tokens"] == 20000

@@ -343,6 +343,11 @@ def test_evaluate_is_lossless_and_accepts(trained, tmp_path):
         assert lo <= d[key.removesuffix("_ci95")] <= hi
     assert len(d["per_position_acceptance"]) == 3
     assert d["per_position_acceptance"][0] >= d["per_position_acceptance"][2]
+    # Figures per context length, always: these prompts are all short, one bucket, the whole.
+    assert list(d["by_length"]) == ["< 512"], d["by_length"]
+    b = d["by_length"]["< 512"]
+    assert b["prompts"] == 12 and b["tokens_per_forward"] == d["tokens_per_forward"]
+    assert b["per_position_acceptance"] == d["per_position_acceptance"]
 
 
 def test_status_names_a_training_dataset_or_drafter_directory(demo_run, trained, tmp_path):

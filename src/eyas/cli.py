@@ -958,6 +958,22 @@ def evaluate(
                 t.add_row(cat, str(c["prompts"]), f"{c['tokens_per_forward']:.2f}",
                           f"{iv[0]:.2f}-{iv[1]:.2f}" if iv else "-", f"{c['acceptance_length']:.2f}")  # fmt: skip
             report.print(t)
+        if d.get("by_length"):
+            from rich.table import Table
+
+            t = Table("prompt tokens", "prompts", "tokens/forward", "95% interval", "acceptance length",
+                      "per-position acceptance", title="by context length")  # fmt: skip
+            for name, c in d["by_length"].items():
+                iv = c["tokens_per_forward_ci95"]
+                t.add_row(name, str(c["prompts"]), f"{c['tokens_per_forward']:.2f}",
+                          f"{iv[0]:.2f}-{iv[1]:.2f}" if iv else "-", f"{c['acceptance_length']:.2f}",
+                          ", ".join(f"{a:.2f}" if a is not None else "-" for a in c["per_position_acceptance"]))  # fmt: skip
+            report.print(t)
+        longest = judged.get("longest_training_sample")
+        if longest and res.lengths and (over := sum(n > longest for n in res.lengths)):
+            report.print(f"note: {over} of {len(res.lengths)} prompts are longer than the longest sample the drafter "
+                         f"was trained on ({longest} tokens, up to {max(res.lengths)}): past it, its figures are "
+                         "extrapolation (see docs/recipe.md on long context)", markup=False, highlight=False)  # fmt: skip
         for m in d["mismatches"][:3]:
             report.print(
                 f"  prompt {m['prompt']} differs at token {m['first_difference_at']}",

@@ -39,6 +39,14 @@ from eyas.host.ui import Reporter, still_working
 from eyas.targets.layers import from_hf
 from eyas.targets.target import load_tokenizer, read_chat_template, require_chat_template
 
+LENGTH_BUCKETS = (0, 512, 2048, 4096, 8192, 16384)
+"""Lower edges, in prompt tokens, of the context-length buckets every evaluation reports."""
+
+
+def _bucket_name(lo: int, hi: int | None) -> str:
+    k = lambda n: f"{n // 1024}K" if n >= 1024 else str(n)  # noqa: E731
+    return f"< {k(hi)}" if lo == 0 else (f">= {k(lo)}" if hi is None else f"{k(lo)}-{k(hi)}")
+
 
 @dataclass
 class EvalResult:
@@ -61,6 +69,8 @@ class EvalResult:
     stopped_by: str | None = None  # a signal's name: a partial result over the prompts done
     planned: int = 0  # the prompts asked for
     drafter: dict = field(default_factory=dict)  # what was judged: path, kind, drafts a round
+    lengths: list[int] = field(default_factory=list)  # per prompt, its length in tokens
+    positions: list[list[int]] = field(default_factory=list)  # per prompt, accepted per position
     inputs: dict = field(default_factory=dict)  # records read, used, left out and why
 
     def compare(self, prompt: int, spec: list[int], base: list[int], tok) -> None:
@@ -121,6 +131,30 @@ class EvalResult:
                         "acceptance_length_ci95": ci["acceptance_length"]}  # fmt: skip
         return out
 
+    def by_length(self) -> dict[str, dict]:
+        """Tokens per forward, acceptance length and per-position acceptance of the prompts
+        in each context-length bucket (LENGTH_BUCKETS; empty ones left out), with intervals:
+        a drafter that holds at short context and not at long shows it here."""
+        if not self.lengths or len(self.lengths) != len(self.per_prompt):
+            return {}
+        out = {}
+        for lo, hi in zip(LENGTH_BUCKETS, LENGTH_BUCKETS[1:] + (None,), strict=True):
+            pick = [i for i, n in enumerate(self.lengths) if n >= lo and (hi is None or n < hi)]
+            if not pick:
+                continue
+            rows = [self.per_prompt[i] for i in pick]
+            sub = EvalResult(prompts=len(rows), per_prompt=rows, rounds=sum(r[0] for r in rows),
+                             accepted=sum(r[1] for r in rows))  # fmt: skip
+            ci = sub.intervals()
+            pos = [sum(self.positions[i][j] for i in pick) for j in range(len(self.per_position))]
+            out[_bucket_name(lo, hi)] = {
+                "prompts": len(rows), "mean_prompt_tokens": round(sum(self.lengths[i] for i in pick) / len(pick)),
+                "tokens_per_forward": round(sub.tokens_per_forward, 3), "tokens_per_forward_ci95": ci["tokens_per_forward"],
+                "acceptance_length": round(sub.acceptance_length, 3), "acceptance_length_ci95": ci["acceptance_length"],
+                "per_position_acceptance": [round(a / sub.rounds, 3) if sub.rounds else None for a in pos],
+            }  # fmt: skip
+        return out
+
     def to_dict(self) -> dict:
         ci = self.intervals()
         return {
@@ -139,6 +173,7 @@ class EvalResult:
             **({"partial": True, "stopped_by": self.stopped_by, "prompts_planned": self.planned}
                if self.stopped_by else {}),
             **({"by_category": self.by_category()} if any(c is not None for c in self.categories) else {}),
+            **({"by_length": self.by_length()} if self.lengths else {}),
             **({"inputs": self.inputs} if self.inputs else {}),
         }  # fmt: skip
 
@@ -301,8 +336,10 @@ def draft_length(drafter_dir: str, k: int | None) -> tuple[int, dict]:
         raise DraftLengthRefused(f"--draft-tokens {k}: {drafter_dir} drafts {served} tokens a round "
                                  f"(its block); give --draft-tokens {served} or fewer")  # fmt: skip
     k = k or served
+    longest = export_rendering(drafter_dir).get("longest_sample")
     return k, {"path": str(Path(drafter_dir).resolve()), "kind": export_kind(drafter_dir).name,
-               "draft_tokens": k, "serves": served}  # fmt: skip
+               "draft_tokens": k, "serves": served,
+               **({"longest_training_sample": longest} if longest else {})}  # fmt: skip
 
 
 class PromptsRefused(ValueError):
@@ -377,6 +414,9 @@ def speculative(
     kw = _cache_kw(model, cache)
     mine = [0, 0, 0]  # this prompt's rounds, accepted drafts, tokens emitted by those rounds
     res.per_prompt.append(mine)
+    at = [0] * k  # this prompt's drafts accepted at each position
+    res.positions.append(at)
+    res.lengths.append(len(prompt))
     dev = model.device
     out = model(torch.tensor([prompt], device=dev), **kw)
     x_next = int(out.logits[0, -1].argmax())
@@ -399,6 +439,7 @@ def speculative(
         for j in range(k):
             res.per_position[j][1] += 1
             res.per_position[j][0] += int(j < n)
+            at[j] += int(j < n)
         _crop(cache, n_ctx + 1 + n)
         new = drafts[:n] + [preds[n]]
         proposer.accept(new, new_aux[:, : n + 1])

@@ -277,7 +277,8 @@ def _rendering(meta: dict) -> dict:
     made = read_json(ds) if ds.is_file() else {}
     kwargs = (meta.get("dataset_prepare") or {}).get("chat_template_kwargs")
     return {"tokenizer_fingerprint": made.get("tokenizer_fingerprint"),
-            "chat_template_kwargs": kwargs, "chat_template": made.get("chat_template")}  # fmt: skip
+            "chat_template_kwargs": kwargs, "chat_template": made.get("chat_template"),
+            "longest_sample": (made.get("tokens") or {}).get("max")}  # fmt: skip
 
 
 def _train(
