@@ -128,11 +128,24 @@ def test_dflash_trains_exports_and_decodes_losslessly(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(r.stdout)
     assert d["lossless"] and d["rounds"] > 0 and len(d["per_position_acceptance"]) == 3
+    longest = json.loads((tmp_path / "ds" / "dataset.json").read_text())["tokens"]["max"]
     assert d["drafter"] == {"path": str((tmp_path / "ex").resolve()), "kind": "dflash",
-                            "draft_tokens": 3, "serves": 3}  # fmt: skip
+                            "draft_tokens": 3, "serves": 3, "longest_training_sample": longest}  # fmt: skip
     r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--data", src,
              "--draft-tokens", "5")  # fmt: skip
     assert r.returncode == 2 and "drafts 3 tokens a round" in r.stderr, r.stderr
     r = eyas("export", tmp_path / "tr", "--format", "sglang", "--out", tmp_path / "ex2")
     assert r.returncode == 0, r.stderr
     assert "--speculative-algorithm DFLASH" in r.stderr, r.stderr
+    # Two drafters judged on the same prompts in one run: here the same network in both
+    # formats, so every prompt's figures agree and the paired difference is exactly zero.
+    r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--drafter", tmp_path / "ex2",
+             "--data", src, "--limit", "6", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    both = json.loads(r.stdout)
+    a, b = both["drafters"]
+    assert a["prompts"] == b["prompts"] == 6 and len(a["per_prompt"]) == 6
+    assert a["per_prompt"] == b["per_prompt"] and a["per_prompt"] == d["per_prompt"]
+    assert both["paired"] == [{"a": str((tmp_path / "ex").resolve()), "b": str((tmp_path / "ex2").resolve()),
+                               "prompts": 6, "tokens_per_forward": [a["tokens_per_forward"]] * 2,
+                               "difference": 0.0, "difference_ci95": [0.0, 0.0]}]  # fmt: skip

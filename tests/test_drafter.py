@@ -313,3 +313,20 @@ def test_evaluation_by_context_length_buckets():
         and got["8K-16K"]["tokens_per_forward_ci95"] is None
     )
     assert got[">= 16K"]["mean_prompt_tokens"] == 20000
+
+
+def test_paired_difference_resamples_prompts_alike():
+    """Drafter b emits one more token per round on every prompt than a: the difference is
+    exactly that however the prompts are resampled, so its interval has no width."""
+    from eyas.evaluate import EvalResult, paired_difference
+
+    a = EvalResult(per_prompt=[[10, 5, 10 + i] for i in range(30)], drafter={"path": "A"})
+    b = EvalResult(per_prompt=[[10, 9, 20 + i] for i in range(30)], drafter={"path": "B"})
+    p = paired_difference(a, b)
+    assert p["a"] == "A" and p["b"] == "B" and p["prompts"] == 30 and p["difference"] == 1.0
+    assert p["difference_ci95"] == [1.0, 1.0]
+    c = EvalResult(
+        per_prompt=[[10, 0, 10 + (i % 2) * 20] for i in range(30)], drafter={"path": "C"}
+    )
+    lo, hi = paired_difference(a, c)["difference_ci95"]
+    assert lo < paired_difference(a, c)["difference"] < hi  # unpaired noise: a real interval

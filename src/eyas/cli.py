@@ -839,7 +839,11 @@ def export(
 @app.command()
 def evaluate(
     model: Path = typer.Option(..., "--model", help="Target model directory."),
-    drafter: Path = typer.Option(..., "--drafter", help="Exported drafter (either format)."),
+    drafter: list[Path] = typer.Option(
+        ...,
+        "--drafter",
+        help="Exported drafter (either format); repeat to compare several on the same prompts.",
+    ),
     data: Path = typer.Option(
         ...,
         "--data",
@@ -891,8 +895,10 @@ def evaluate(
     ),  # fmt: skip
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
-    """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check."""
-    from eyas.evaluate import DraftLengthRefused, evaluate_vllm
+    """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check.
+    Several --drafter are judged on the same prompts, with their paired differences."""
+    from eyas.eval_report import render_inputs, render_paired, render_result
+    from eyas.evaluate import DraftLengthRefused, evaluate_vllm, paired_difference
     from eyas.evaluate import evaluate as run_hf
     from eyas.export import ExportError
     from eyas.targets.target import ModelDirError
@@ -900,91 +906,53 @@ def evaluate(
     _quiet_transformers()
     if engine not in ("hf", "vllm"):
         raise fail(f"--engine must be hf or vllm, got {engine!r}", EXIT_USAGE)
-    if Path(drafter).exists():  # a missing one is said after the prompts and the tokenizer
-        _need(drafter, "export")
+    if len(drafter) > 1 and engine == "vllm":
+        raise fail("several --drafter are compared prompt by prompt, which vLLM's run totals cannot do: "
+                   "give them with --engine hf, or one at a time", EXIT_USAGE)  # fmt: skip
+    if len(set(map(str, drafter))) < len(drafter):
+        raise fail("the same --drafter is given twice", EXIT_USAGE)
+    for dr in drafter:
+        if Path(dr).exists():  # a missing one is said after the prompts and the tokenizer
+            _need(dr, "export")
     kw = dict(k=draft_tokens, max_new_tokens=max_new_tokens, limit=limit or None,
               trust_remote_code=trust_remote_code, max_error_rate=max_error_rate,
               chat_template_kwargs=_json_object(chat_template_kwargs),
               chat_template=str(chat_template) if chat_template else None)  # fmt: skip
     if engine == "vllm":
         kw["tensor_parallel_size"] = tensor_parallel_size
-    else:
-        kw.update(precision=precision or None, device=device)
-    try:
-        res = (evaluate_vllm if engine == "vllm" else run_hf)(
-            str(model), str(drafter), str(data), **kw
-        )
-    except (ModelDirError, FileNotFoundError, DraftLengthRefused) as exc:
-        raise fail(str(exc), EXIT_USAGE) from None
-    except (ExportError, ValueError, OSError) as exc:
-        raise fail(str(exc)) from None
-    d = {"engine": engine, **res.to_dict()}
-    judged = d["drafter"]
-    if as_json:
-        _print_json(d)
-    else:
-        if res.inputs.get("skipped"):
-            why = "; ".join(f"{v['count']} {v['reason']} (first at line {v['first_lines'][0]})"
-                            for v in res.inputs["skipped"].values())  # fmt: skip
-            report.print(f"{data}: {res.inputs['used']} of {res.inputs['records']} records used as prompts; "
-                         f"left out: {why}", markup=False, highlight=False)  # fmt: skip
-        if res.inputs.get("raw_text"):
-            report.print(f"{res.inputs['raw_text']} of {res.inputs['used']} prompts are raw text, tokenized "
-                         "as they are and continued (no chat template)", markup=False, highlight=False)  # fmt: skip
-        pos = ", ".join(f"{a:.2f}" if a is not None else "-" for a in d["per_position_acceptance"])
-
-        def ci(key: str) -> str:
-            return f" (95% interval {d[key][0]:.2f}-{d[key][1]:.2f} over prompts)" if d[key] else ""
-
-        report.print(
-            f"{judged['kind']} drafter {judged['path']}, {judged['draft_tokens']} drafts a round "
-            f"(it serves {judged['serves']}):\n"
-            f"{d['prompts']} prompts, {d['rounds']} rounds (K={judged['draft_tokens']}):\n"
-            f"  tokens emitted per target forward {d['tokens_per_forward']:.2f}{ci('tokens_per_forward_ci95')}, "
-            "cut where each reply ends\n"
-            f"  acceptance length {d['acceptance_length']:.2f}{ci('acceptance_length_ci95')}, engine-style "
-            f"(counts drafts accepted past the reply's end); per-position acceptance [{pos}]\n"
-            f"speculative {d['spec_tokens_per_s']:.1f} tok/s vs greedy {d['greedy_tokens_per_s']:.1f} tok/s "
-            f"(x{d['speedup']}); lossless: {'yes' if d['lossless'] else 'NO'}",
-            markup=False,
-            highlight=False,
-        )
-        if d.get("by_category"):
-            from rich.table import Table
-
-            t = Table("category", "prompts", "tokens/forward", "95% interval", "acceptance length")
-            for cat, c in d["by_category"].items():
-                iv = c["tokens_per_forward_ci95"]
-                t.add_row(cat, str(c["prompts"]), f"{c['tokens_per_forward']:.2f}",
-                          f"{iv[0]:.2f}-{iv[1]:.2f}" if iv else "-", f"{c['acceptance_length']:.2f}")  # fmt: skip
-            report.print(t)
-        if d.get("by_length"):
-            from rich.table import Table
-
-            t = Table("prompt tokens", "prompts", "tokens/forward", "95% interval", "acceptance length",
-                      "per-position acceptance", title="by context length")  # fmt: skip
-            for name, c in d["by_length"].items():
-                iv = c["tokens_per_forward_ci95"]
-                t.add_row(name, str(c["prompts"]), f"{c['tokens_per_forward']:.2f}",
-                          f"{iv[0]:.2f}-{iv[1]:.2f}" if iv else "-", f"{c['acceptance_length']:.2f}",
-                          ", ".join(f"{a:.2f}" if a is not None else "-" for a in c["per_position_acceptance"]))  # fmt: skip
-            report.print(t)
-        longest = judged.get("longest_training_sample")
-        if longest and res.lengths and (over := sum(n > longest for n in res.lengths)):
-            report.print(f"note: {over} of {len(res.lengths)} prompts are longer than the longest sample the drafter "
-                         f"was trained on ({longest} tokens, up to {max(res.lengths)}): past it, its figures are "
-                         "extrapolation (see docs/recipe.md on long context)", markup=False, highlight=False)  # fmt: skip
-        for m in d["mismatches"][:3]:
-            report.print(
-                f"  prompt {m['prompt']} differs at token {m['first_difference_at']}",
-                markup=False,
-                highlight=False,
+    else:  # several drafters: every prompt for each, so that they are judged on the same ones
+        kw.update(precision=(precision or None) if len(drafter) == 1 else None, device=device,
+                  greedy_cache={}, target_cache={})  # fmt: skip
+    results = []
+    for dr in drafter:
+        try:
+            results.append(
+                (evaluate_vllm if engine == "vllm" else run_hf)(
+                    str(model), str(dr), str(data), **kw
+                )
             )
-    if not d["lossless"]:
+        except (ModelDirError, FileNotFoundError, DraftLengthRefused) as exc:
+            raise fail(str(exc), EXIT_USAGE) from None
+        except (ExportError, ValueError, OSError) as exc:
+            raise fail(str(exc)) from None
+        if results[-1].stopped_by:
+            break
+    ds = [{"engine": engine, **r.to_dict()} for r in results]
+    pairs = [paired_difference(results[0], r) for r in results[1:]]
+    if as_json:
+        _print_json(ds[0] if len(drafter) == 1 else {"drafters": ds, "paired": pairs})
+    else:
+        render_inputs(report, ds[0], data)
+        for d in ds:
+            render_result(report, d)
+        render_paired(report, pairs)
+    if not all(d["lossless"] for d in ds):
         raise typer.Exit(EXIT_PROBLEMS)
-    if d.get("partial"):
-        console.print(f"partial: stopped by {d['stopped_by']} after {d['prompts']} of {d['prompts_planned']} "
-                      "prompts; the figures are over those alone", markup=False, highlight=False)  # fmt: skip
+    if len(ds) < len(drafter) or ds[-1].get("partial"):
+        d = ds[-1]
+        console.print(f"stopped: by {d.get('stopped_by')} after {d['prompts']} of {d.get('prompts_planned', d['prompts'])} "
+                      f"prompts{'' if len(drafter) == 1 else f' of drafter {len(ds)} of {len(drafter)}'}; "
+                      "the figures are over those alone", markup=False, highlight=False)  # fmt: skip
         raise typer.Exit(EXIT_STOPPED)
 
 

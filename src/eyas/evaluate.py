@@ -174,6 +174,9 @@ class EvalResult:
                if self.stopped_by else {}),
             **({"by_category": self.by_category()} if any(c is not None for c in self.categories) else {}),
             **({"by_length": self.by_length()} if self.lengths else {}),
+            **({"per_prompt": [{"prompt_tokens": n, "rounds": r[0], "accepted": r[1], "emitted": r[2]}
+                               for n, r in zip(self.lengths, self.per_prompt, strict=False)]}
+               if self.lengths else {}),
             **({"inputs": self.inputs} if self.inputs else {}),
         }  # fmt: skip
 
@@ -466,6 +469,7 @@ def evaluate(
     trust_remote_code: bool = False,
     progress: bool = True,
     greedy_cache: dict | None = None,
+    target_cache: dict | None = None,
     device: str = "auto",
     chat_template_kwargs: dict | None = None,
     chat_template: str | None = None,
@@ -475,7 +479,8 @@ def evaluate(
     stopping early once the 95% interval of tokens per forward is within +-`precision`
     (checked every 25 prompts from 50 on; None: every prompt). `greedy_cache` keeps plain
     greedy decoding's output and time per prompt across calls with the same target (it
-    does not depend on the drafter), so comparing drafters decodes each prompt greedily once.
+    does not depend on the drafter), so comparing drafters decodes each prompt greedily once;
+    `target_cache` keeps the loaded target across such calls.
     `device`: `auto` (the first GPU where there is one), `cpu`, `cuda` or `cuda:K`; target
     and drafter both run there, in float32. Prompts are rendered as the drafter's training
     data was (its template variables unless `chat_template_kwargs` is given), and a target
@@ -500,8 +505,14 @@ def evaluate(
     if not Path(drafter_dir).is_dir():  # before minutes of loading the model
         raise FileNotFoundError(f"{drafter_dir}: no such exported drafter directory")
     k, judged = draft_length(drafter_dir, k)
-    with still_working("loading the target", enabled=progress):
-        model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval().to(dev)
+    key = (str(model_dir), str(dev))
+    if target_cache is not None and key in target_cache:
+        model = target_cache[key]
+    else:
+        with still_working("loading the target", enabled=progress):
+            model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval().to(dev)
+        if target_cache is not None:
+            target_cache[key] = model
     if dev.type == "cpu":
         from eyas.host.cpu import configure_threads
 
@@ -555,6 +566,26 @@ def evaluate(
         rep.__exit__(None, None, None)
         tap.remove()
     return res
+
+
+def paired_difference(a: EvalResult, b: EvalResult, n: int = 2000, seed: int = 0) -> dict:
+    """`b` against `a` on the same prompts (the first ones both decoded): tokens per forward
+    of each, their difference and its 95% interval with the prompts resampled alike for both
+    (a paired bootstrap: a prompt that is easy for one is easy for the other)."""
+    import numpy as np
+
+    m = min(len(a.per_prompt), len(b.per_prompt))
+    x = np.array(a.per_prompt[:m], dtype=np.float64).reshape(-1, 3)
+    y = np.array(b.per_prompt[:m], dtype=np.float64).reshape(-1, 3)
+    tpf = lambda r: r[..., 2].sum(-1) / np.maximum(r[..., 0].sum(-1), 1)  # noqa: E731
+    out = {"a": a.drafter.get("path"), "b": b.drafter.get("path"), "prompts": m,
+           "tokens_per_forward": [round(float(tpf(x)), 3), round(float(tpf(y)), 3)],
+           "difference": round(float(tpf(y) - tpf(x)), 3), "difference_ci95": None}  # fmt: skip
+    if m >= 2:
+        idx = np.random.default_rng(seed).integers(0, m, (n, m))
+        d = tpf(y[idx]) - tpf(x[idx])
+        out["difference_ci95"] = [round(float(v), 3) for v in np.percentile(d, [2.5, 97.5])]
+    return out
 
 
 class _Stopped(Exception):
