@@ -98,8 +98,13 @@ def test_chat_template_file_end_to_end(base):
     assert p.returncode == 2 and "another tokenizer or chat template" in p.stderr
 
 
-def test_plain_text_end_to_end_with_text_prompts(base):
-    export = _pipeline(base, "text", base["texts"], "dflash")
+@pytest.fixture(scope="module")
+def text_export(base) -> Path:
+    return _pipeline(base, "text", base["texts"], "dflash")
+
+
+def test_plain_text_end_to_end_with_text_prompts(base, text_export):
+    export = text_export
     p = eyas("evaluate", "--model", base["target"], "--drafter", export, "--data",
              base["text_prompts"], "--max-new-tokens", "6")  # fmt: skip
     assert p.returncode == 0, p.stderr
@@ -124,3 +129,29 @@ def test_text_prompt_tokens_match_prepared_text(base, tmp_path):
     tok = load_tokenizer(str(base["target"]))
     prompts = render_prompts(tok, read_prompts(data, None).prompts)
     assert [list(map(int, ds.sample(i)[0])) for i in range(len(ds))] == prompts
+
+
+def test_one_exit_code_rule_for_what_was_made_for_something_else(base, text_export, targets):
+    """Data, a run or a directory made with another target or config is a usage error
+    (exit 2) at every stage, said in one line; so is a path that is no eyas directory."""
+    d = base["dir"]
+    eyas("prepare", "--model", base["target"], "--data", base["texts"], "--out", d / "ds-short",
+         "--max-length", "8", check=True)  # fmt: skip
+    cases = {
+        "prepare into an existing dataset": ("prepare", "--model", base["target"], "--data", base["texts"],
+                                             "--out", d / "ds-text"),
+        "extract into a run of another config": ("extract", "--model", base["target"], "--data", d / "ds-short",
+                                                 "--out", d / "run-text"),
+        "train with another target": ("train", "--data", d / "run-text", "--out", d / "tr-other",
+                                      "--model", targets["llama"]),
+        "train into a training of another config": ("train", "--data", d / "run-text", "--out", d / "tr-text",
+                                                   "--epochs", "2"),
+        "evaluate with another target": ("evaluate", "--model", targets["llama"], "--drafter", text_export,
+                                         "--data", base["text_prompts"]),
+        "status of a missing path": ("status", d / "nothing-here"),
+        "export of a dataset": ("export", d / "ds-text", "--format", "vllm", "--out", d / "x"),
+    }  # fmt: skip
+    for what, args in cases.items():
+        p = eyas(*args)
+        lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+        assert p.returncode == 2 and len(lines) == 1, (what, p.returncode, p.stdout, p.stderr)

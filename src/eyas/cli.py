@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from eyas.data.config import PrepareConfig
+from eyas.errors import EXIT_PROBLEMS, EXIT_STOPPED, EXIT_USAGE, exit_code
 from eyas.host.cpu import pin_runtime_env
 from eyas.host.ui import console
 from eyas.options import OPTS, config_options
@@ -59,11 +60,6 @@ def _root(
 
         print(f"eyas {__version__}")
         raise typer.Exit(0)
-
-
-EXIT_PROBLEMS = 1
-EXIT_USAGE = 2
-EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped early and cleanly; --resume continues
 
 
 def _quiet_transformers() -> None:
@@ -210,7 +206,7 @@ def prepare(
         raise fail(str(exc), EXIT_USAGE) from None
     except PrepareFailed as exc:
         _prepare_report(exc.summary, written=False)
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code(exc)) from None
     except (ValueError, OSError) as exc:
         _disk_full(
             exc,
@@ -218,7 +214,7 @@ def prepare(
             if sys.argv[1:2] == ["prepare"]
             else "prepare again",
         )
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code(exc)) from None
     _prepare_report(s, written=True)
 
 
@@ -330,7 +326,7 @@ def generate(
         raise fail(str(exc), EXIT_USAGE) from None
     except (LockHeldError, ValueError, OSError) as exc:
         _disk_full(exc, command)
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code(exc)) from None
     console.print(
         f"generated {s.generated} records ({s.done_before} done before, {s.failed} failed, {s.truncated} cut by "
         f"--max-tokens) with {s.requests} requests, {s.completion_tokens:,} completion tokens in {s.seconds:.1f}s "
@@ -487,7 +483,7 @@ def extract(
     except (ModelDirError, OutDirError) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     except (LockHeld, GpuBusy, StoreError, ValueError, OSError) as exc:
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code(exc)) from None
     except RuntimeError as exc:
         if "out of memory" not in str(exc).lower():
             raise
@@ -597,7 +593,7 @@ def verify(
     try:
         rep = run_verify(run, quick=quick, repair=repair)
     except (StoreError, OSError) as exc:
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code(exc)) from None
     if as_json:
         _print_json(rep.to_dict())
     else:
@@ -641,7 +637,7 @@ def status(
     try:
         st = run_status(run)
     except (StoreError, OSError) as exc:
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code(exc)) from None
     if as_json:
         _print_json(st.to_dict())
         return
@@ -720,10 +716,10 @@ def train(
     except ModelDirError as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     except LockHeldError as exc:
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code(exc)) from None
     except (StoreError, ValueError, OSError, KeyError) as exc:
         _disk_full(exc, f"eyas train --resume --out {out}")
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code(exc)) from None
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():  # ranks leave together, the group closed
@@ -824,7 +820,7 @@ def export(
             exc,
             shlex.join(["eyas", *sys.argv[1:]]) if sys.argv[1:2] == ["export"] else "export again",
         )
-        raise fail(str(exc)) from None
+        raise fail(str(exc), exit_code(exc)) from None
     from eyas.export import drafts_per_round, serve_command
 
     served = drafts_per_round(path)
@@ -934,7 +930,7 @@ def evaluate(
         except (ModelDirError, FileNotFoundError, DraftLengthRefused) as exc:
             raise fail(str(exc), EXIT_USAGE) from None
         except (ExportError, ValueError, OSError) as exc:
-            raise fail(str(exc)) from None
+            raise fail(str(exc), exit_code(exc)) from None
         if results[-1].stopped_by:
             break
     ds = [{"engine": engine, **r.to_dict()} for r in results]

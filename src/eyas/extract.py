@@ -37,6 +37,7 @@ import torch
 
 from eyas import __version__
 from eyas.data.prepare import PreparedDataset, check_tokenizer
+from eyas.errors import UsageError
 from eyas.host.gpu import gpu_preflight
 from eyas.host.ui import Reporter, console, still_working
 from eyas.run.fsutil import (
@@ -293,7 +294,7 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
             theirs = {k: v for k, v in meta["config"].items() if k not in OVERRIDABLE}
             if mine != theirs:
                 diff = sorted(k for k in mine if mine[k] != theirs.get(k))
-                raise ValueError(f"{run} already holds a run with a different config ({', '.join(diff)}); use "
+                raise UsageError(f"{run} already holds a run with a different config ({', '.join(diff)}); use "
                                  f"`eyas extract --resume {run}` to continue it, or choose a new --out")  # fmt: skip
     if meta.get("trust_remote_code_required") and not cfg.trust_remote_code:
         raise ValueError(

@@ -37,6 +37,7 @@ from eyas.data.records import (
     read_conversation,
     record_id,
 )
+from eyas.errors import UsageError
 from eyas.host.ui import Reporter
 from eyas.run.fsutil import (
     atomic_write,
@@ -494,7 +495,7 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
         raise FileNotFoundError(f"--out {out} holds files prepare did not write ({', '.join(foreign[:3])}"
                                 f"{' ...' if len(foreign) > 3 else ''}); give an empty or new directory")  # fmt: skip
     if (out / "dataset.json").exists() and not cfg.force:
-        raise ValueError(f"{out} already holds a prepared dataset; extraction runs made from it need it "
+        raise UsageError(f"{out} already holds a prepared dataset; extraction runs made from it need it "
                          "to resume. Choose another --out, or pass --force to replace it")  # fmt: skip
     for f in cfg.data:
         if Path(f).is_dir():

@@ -215,6 +215,22 @@ def save_final(out: Path, drafter, kind=None) -> None:
     write_manifest(out, ["drafter.safetensors", "drafter_config.json"], FINAL_MANIFEST)
 
 
+def load_weights(model: torch.nn.Module, state: dict, where) -> None:
+    """Load `state` into `model`, or one line naming `where` and the first tensor that does not
+    fit (its two shapes), or the tensors missing or left over: a config that does not match
+    its weights is said, not a page of load_state_dict's traceback."""
+    mine = model.state_dict()
+    for name, t in mine.items():
+        if name in state and tuple(state[name].shape) != tuple(t.shape):
+            raise ValueError(f"{where}: tensor {name} is {tuple(state[name].shape)} there, but the config "
+                             f"makes it {tuple(t.shape)}: the config does not match the weights")  # fmt: skip
+    missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+    if missing or unexpected:
+        raise ValueError(f"{where}: the config's drafter has tensors the weights lack ({', '.join(missing[:4]) or 'none'}) "
+                         f"or the weights hold tensors it has not ({', '.join(unexpected[:4]) or 'none'})")  # fmt: skip
+    model.load_state_dict(state)
+
+
 def load_trained(train_dir: Path):
     """(drafter, kind) of a training directory's final drafter, checked against its manifest."""
     from eyas.training.kinds import kind_of
@@ -222,7 +238,7 @@ def load_trained(train_dir: Path):
     state, cdict = load_final(train_dir)
     kind, cdict = kind_of(cdict)
     model = kind.from_config(cdict)
-    model.load_state_dict(state)
+    load_weights(model, state, Path(train_dir) / "drafter.safetensors")
     return model, kind
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from eyas.errors import UsageError
 from eyas.host.cpu import choose_threads, configure_threads
 from eyas.host.ui import Reporter, console, still_working
 from eyas.run.fsutil import (
@@ -253,7 +254,7 @@ def _record_config(cfg: TrainConfig, resume: bool, rank: int, world: int, run: P
                 for k in sorted(mine.keys() | theirs.keys())
                 if k not in mine or mine[k] != theirs.get(k)
             )
-            raise ValueError(f"{saved}: config differs ({diff}); leave the option out to resume with "
+            raise UsageError(f"{saved}: config differs ({diff}); leave the option out to resume with "
                              "the saved value, or use another --out")  # fmt: skip
         if not resume and latest_checkpoint(out) is not None:
             raise ValueError(

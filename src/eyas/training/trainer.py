@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from eyas.errors import UsageError
 from eyas.training.checkpoint import initial_weights, resume_checkpoint, save_checkpoint
 from eyas.training.drafter import Drafter
 from eyas.training.kinds import kind
@@ -34,7 +35,7 @@ def build_drafter(cfg, meta: dict) -> tuple[torch.nn.Module, torch.Tensor | None
     model_dir = cfg.model or meta["model_path"]
     check_model_dir(model_dir, weights=True)
     if (fp := model_fingerprint(model_dir)) != meta["model_fingerprint"]:
-        raise ValueError(f"{model_dir} is not the target {cfg.data} was extracted with (fingerprint {fp}, "
+        raise UsageError(f"{model_dir} is not the target {cfg.data} was extracted with (fingerprint {fp}, "
                          f"the run's is {meta['model_fingerprint']}); pass the right --model")  # fmt: skip
     ds = PreparedDataset.open(meta["dataset_path"], check=False)
     check_tokenizer(meta["dataset_path"], ds.meta, model_dir,

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.targets.weights import embed_weight, lm_head_weight
+from eyas.training.checkpoint import load_weights
 from eyas.training.dflash import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
 from eyas.training.loss import add_targets, divergence, on_policy
 
@@ -220,11 +221,7 @@ class DFlash:
         if c.draft_vocab_size == c.vocab_size and "d2t" not in state:
             state["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
             state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"{cfg_file.parent}/model.safetensors: missing {missing}, unexpected {unexpected}"
-            )
+        load_weights(model, state, f"{cfg_file.parent}/model.safetensors")
         return model.eval(), hf_indices(ids)
 
     def proposer(self, model: DFlashDrafter, target_layers_hf: list[int]) -> BlockProposer:

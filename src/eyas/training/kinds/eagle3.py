@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from eyas.targets.weights import embed_weight, final_norm_weight, lm_head_weight
+from eyas.training.checkpoint import load_weights
 from eyas.training.drafter import Drafter, DrafterConfig
 from eyas.training.loss import add_targets, loss_masks, ttt_loss
 
@@ -155,11 +156,7 @@ class Eagle3:
         if c.draft_vocab_size == c.vocab_size and "d2t" not in state:  # the identity, left out
             state["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
             state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"{cfg_file.parent}/model.safetensors: missing {missing}, unexpected {unexpected}"
-            )
+        load_weights(drafter, state, f"{cfg_file.parent}/model.safetensors")
         return drafter.eval(), list(aux)
 
     def proposer(self, model: Drafter, target_layers_hf: list[int]) -> ChainProposer:
