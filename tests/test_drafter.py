@@ -43,7 +43,14 @@ def slow_reference(
             queries[t] = (q[0, :, 0], res)
         for t in range(T):
             q, res = queries[t]
-            ks = [keys[(0, r)] for r in range(t + 1)] + [keys[(j, t)] for j in range(1, i + 1)]
+            first = (
+                0
+                if d.config.attention_window is None
+                else max(0, t - d.config.attention_window + 1)
+            )
+            ks = [keys[(0, r)] for r in range(first, t + 1)] + [
+                keys[(j, t)] for j in range(1, i + 1)
+            ]
             K = torch.stack([k for k, _ in ks], 1)  # (h, n, d)
             V = torch.stack([v for _, v in ks], 1)
             w = torch.softmax(
@@ -64,7 +71,8 @@ def slow_reference(
 def test_ttt_matches_slow_reference(attention):
     for norms in (dict(norm_before_residual=False), dict(norm_before_residual=True),
                   dict(norm_before_fc=True, norm_before_residual=True, norm_output=True),
-                  dict(norm_output=True)):  # fmt: skip
+                  dict(norm_output=True), dict(attention_window=3),
+                  dict(norm_before_fc=True, norm_output=True, attention_window=1)):  # fmt: skip
         d = _drafter(**norms)
         d.attention = attention
         torch.manual_seed(1)
@@ -92,8 +100,9 @@ def test_ttt_step_sees_its_chain_not_other_roots():
 
 
 @pytest.mark.parametrize(
-    "norms", [{}, dict(norm_before_fc=True, norm_before_residual=True, norm_output=True)]
-)
+    "norms", [{}, dict(norm_before_fc=True, norm_before_residual=True, norm_output=True),
+              dict(norm_output=True, attention_window=3)]
+)  # fmt: skip
 def test_inference_chain_equals_training_unroll(norms):
     d = _drafter(**norms)
     M, k = 7, 4
@@ -116,8 +125,9 @@ def test_draft_vocab_mapping():
     assert torch.equal(d.d2t, ids - torch.arange(20))
 
 
+@pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("attention", ["chunked", "flex"])
-def test_memory_efficient_attention_has_the_reference_gradients(attention):
+def test_memory_efficient_attention_has_the_reference_gradients(attention, window):
     """Same loss, same gradients for every parameter (float64), with a block size that
     splits the sequence unevenly so block edges are exercised."""
     from eyas.training import ttt_attention
@@ -129,10 +139,14 @@ def test_memory_efficient_attention_has_the_reference_gradients(attention):
     ids, aux = torch.randint(0, 50, (2, 11)), torch.randn(2, 11, 96, dtype=torch.float64)
     grads = {}
     for impl in ("reference", attention):
-        d = _drafter().train()
+        d = _drafter(attention_window=window).train()
         d.attention = impl
         old = ttt_attention.chunked.__defaults__
-        ttt_attention.chunked.__defaults__ = (4, None)  # blocks of 4 queries over 11 positions
+        ttt_attention.chunked.__defaults__ = (
+            4,
+            None,
+            None,
+        )  # blocks of 4 queries over 11 positions
         try:
             outs = d.forward_ttt(ids, aux, steps=3)
         finally:
@@ -179,7 +193,7 @@ def test_packed_rows_equal_padded_rows(attention):
         d = _drafter().train()
         d.attention = attention
         old = ttt_attention.chunked.__defaults__
-        ttt_attention.chunked.__defaults__ = (4, None)  # blocks that cross the samples' edges
+        ttt_attention.chunked.__defaults__ = (4, None, None)  # blocks that cross the samples' edges
         try:
             with torch.set_grad_enabled(backward):
                 outs = d.forward_ttt(*args)

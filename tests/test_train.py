@@ -762,3 +762,28 @@ def test_dflash_killed_then_resumed_past_a_damaged_checkpoint_gives_identical_we
     a, b = _weights(ref), _weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((out / "drafter_config.json").read_text())["kind"] == "dflash"
+
+
+def test_attention_window_is_trained_exported_for_sglang_and_refused_for_vllm(demo_run, tmp_path):
+    """A drafter trained with --attention-window: vLLM would ignore the window, so that export
+    is refused naming the option; SGLang's export keeps it and its serving line passes it;
+    the export reads back with its window and decodes losslessly."""
+    from eyas.targets.demo_data import generate_conversations, write_jsonl
+
+    out = tmp_path / "tr"
+    r = eyas("train", "--data", demo_run, "--out", out, "--epochs", 1, "--batch-tokens", 1024,
+             "--attention-window", 16, "--no-norm-before-fc", "--no-norm-before-residual", "--no-norm-output")  # fmt: skip
+    assert r.returncode == 0 and "attention window 16" in r.stderr, r.stderr
+    r = eyas("export", out, "--format", "vllm", "--out", tmp_path / "v")
+    assert r.returncode == 1 and "--attention-window 16" in r.stderr and "vLLM does not" in r.stderr
+    assert not (tmp_path / "v").exists()
+    r = eyas("export", out, "--format", "sglang", "--out", tmp_path / "s")
+    assert r.returncode == 0 and "--speculative-draft-window-size 16" in r.stderr, r.stderr
+    drafter, _ = load_export(tmp_path / "s")
+    assert drafter.config.attention_window == 16
+    held = tmp_path / "held.jsonl"
+    write_jsonl(held, generate_conversations(6, seed=77))
+    r = eyas(
+        "evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "s", "--data", held, "--json"
+    )
+    assert r.returncode == 0 and json.loads(r.stdout)["lossless"], r.stderr[-2000:]

@@ -104,6 +104,11 @@ class TrainConfig:
     against their journal entries)."""
     intermediate_size: int | None = None
     """The drafter's MLP width; default: the target's."""
+    attention_window: int | None = None
+    """eagle3: a sliding window for the drafter's attention: each position attends to the W
+    latest positions (itself included) and its own chain, in training and when drafting;
+    default: all of them. For targets served at far longer contexts than the training data's
+    (docs/recipe.md); SGLang serves it (--speculative-draft-window-size), vLLM does not."""
     attention: str = "auto"
     """TTT attention: reference (full score matrices), chunked (blockwise, O(T) memory, any
     device), flex (fused kernel, GPU); auto: flex on a GPU, chunked on a CPU."""
@@ -144,6 +149,8 @@ class TrainConfig:
             raise ValueError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
             )
+        if self.attention_window is not None and self.attention_window < 1:
+            raise ValueError(f"--attention-window must be at least 1, got {self.attention_window}")
         if self.muon_lr_scale <= 0:
             raise ValueError(f"--muon-lr-scale must be positive, got {self.muon_lr_scale}")
         if self.feature_noise < 0 or self.weight_decay < 0:

@@ -56,6 +56,9 @@ class DrafterConfig:
     norm_output: bool = False
     """If true the next TTT step and the head read norm(h), not h (then the head has no norm
     of its own before it)."""
+    attention_window: int | None = None
+    """A sliding window: a root attends to the step-0 keys of the W latest roots (itself
+    included) and to its own chain; None: to every earlier root."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -268,9 +271,11 @@ class Drafter(nn.Module):
             if positions is not None
             else torch.arange(T, device=input_ids.device).expand(B, T)
         )
-        causal = None
+        causal, window = None, self.config.attention_window
         if self.attention == "reference":
             causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()  # (T, T)
+            if window is not None:
+                causal = causal.triu(-(window - 1))  # keys of the W latest roots only
             if segments is not None:
                 causal = causal & (
                     segments[:, None, :, None] == segments[:, None, None, :]
@@ -294,7 +299,7 @@ class Drafter(nn.Module):
             else:
                 impl = getattr(ttt_attention, self.attention)
                 a = attn.project(
-                    impl(q, prefix_k, prefix_v, chain_k, chain_v, segments=segments)
+                    impl(q, prefix_k, prefix_v, chain_k, chain_v, segments=segments, window=window)
                 )  # never (T, T) at once
             logits, hidden = self.head(layer.finish(a, residual))  # (B, T, D), (B, T, H)
             out.append((logits, hidden))
@@ -323,6 +328,8 @@ class Drafter(nn.Module):
         """
         layer, attn = self.midlayer, self.midlayer.self_attn
         dev = prefix_k.device
+        if (w := self.config.attention_window) is not None:  # the W latest roots, as trained
+            prefix_k, prefix_v = prefix_k[:, :, -w:], prefix_v[:, :, -w:]
         full = torch.ones(1, prefix_k.shape[2], dtype=torch.bool, device=dev)
         hidden = self.fuse(last_aux)  # (1, 1, H)
         tok = torch.tensor([[next_id]], device=dev)

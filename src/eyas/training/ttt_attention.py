@@ -25,7 +25,7 @@ import torch
 
 class _ChunkedTTT(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, pk, pv, block, seg, *chain):
+    def forward(ctx, q, pk, pv, block, seg, window, *chain):
         n = len(chain) // 2
         ck, cv = chain[:n], chain[n:]
         B, h, T, d = q.shape
@@ -36,10 +36,10 @@ class _ChunkedTTT(torch.autograd.Function):
         first = _segment_starts(seg)
         for a in range(0, T, block):
             b = min(a + block, T)
-            lo = _key_start(first, a)  # packed rows: no key before the block's first sample
+            lo = _key_start(first, a, window)  # no key before the block's first sample or window
             qb = q[:, :, a:b].to(acc)  # (B, h, bq, d)
             s = (qb @ pk[:, :, lo:b].to(acc).transpose(-1, -2)) * scale  # (B, h, bq, b - lo)
-            s.masked_fill_(_hidden(a, b, lo, q.device, seg), float("-inf"))
+            s.masked_fill_(_hidden(a, b, lo, q.device, seg, window), float("-inf"))
             diag = [(qb * k[:, :, a:b].to(acc)).sum(-1) * scale for k in ck]  # each (B, h, bq)
             m = torch.stack([s.amax(-1), *diag], -1).amax(-1)  # (B, h, bq)
             p = torch.exp(s - m[..., None])
@@ -51,7 +51,7 @@ class _ChunkedTTT(torch.autograd.Function):
             out[:, :, a:b] = o / norm[..., None]
             lse[:, :, a:b] = m + torch.log(norm)
         ctx.save_for_backward(q, pk, pv, out, lse, *chain)
-        ctx.block, ctx.n, ctx.seg = block, n, seg
+        ctx.block, ctx.n, ctx.seg, ctx.window = block, n, seg, window
         return out.to(q.dtype)
 
     @staticmethod
@@ -72,11 +72,11 @@ class _ChunkedTTT(torch.autograd.Function):
         first = _segment_starts(ctx.seg)
         for a in range(0, T, block):
             b = min(a + block, T)
-            lo = _key_start(first, a)
+            lo = _key_start(first, a, ctx.window)
             qb, dob, Db, lb = q[:, :, a:b].to(acc), dout[:, :, a:b], D[:, :, a:b], lse[:, :, a:b]
             K, V = pk[:, :, lo:b].to(acc), pv[:, :, lo:b].to(acc)
             s = (qb @ K.transpose(-1, -2)) * scale
-            s.masked_fill_(_hidden(a, b, lo, q.device, ctx.seg), float("-inf"))
+            s.masked_fill_(_hidden(a, b, lo, q.device, ctx.seg, ctx.window), float("-inf"))
             p = torch.exp(s - lb[..., None])  # (B, h, bq, b - lo)
             dpv[:, :, lo:b] += p.transpose(-1, -2) @ dob
             ds = p * ((dob @ V.transpose(-1, -2)) - Db[..., None])  # (B, h, bq, b - lo)
@@ -92,7 +92,7 @@ class _ChunkedTTT(torch.autograd.Function):
             dq[:, :, a:b] = dqb * scale
         dpk *= scale
         cast = lambda g, like: g.to(like.dtype)  # noqa: E731
-        return (cast(dq, q), cast(dpk, pk), cast(dpv, pv), None, None,
+        return (cast(dq, q), cast(dpk, pk), cast(dpv, pv), None, None, None,
                 *[cast(g, k) for g, k in zip(dck, ck, strict=True)], *[cast(g, v) for g, v in zip(dcv, cv, strict=True)])  # fmt: skip
 
 
@@ -107,10 +107,16 @@ def _future(a: int, b: int, device, lo: int = 0) -> torch.Tensor:
     return torch.arange(lo, b, device=device)[None, :] > rows
 
 
-def _hidden(a: int, b: int, lo: int, device, seg: torch.Tensor | None) -> torch.Tensor:
-    """Keys lo..b-1 that query rows a..b-1 may not see: later ones, and (packed rows, `seg`
-    (B, T)) those of another sample. (bq, b - lo), or (B, 1, bq, b - lo) with segments."""
+def _hidden(
+    a: int, b: int, lo: int, device, seg: torch.Tensor | None, window: int | None = None
+) -> torch.Tensor:
+    """Keys lo..b-1 that query rows a..b-1 may not see: later ones, those `window` or more
+    rows earlier, and (packed rows, `seg` (B, T)) those of another sample. (bq, b - lo), or
+    (B, 1, bq, b - lo) with segments."""
     future = _future(a, b, device, lo)
+    if window is not None:
+        rows = torch.arange(a, b, device=device)[:, None]
+        future = future | (rows - torch.arange(lo, b, device=device)[None, :] >= window)
     if seg is None:
         return future
     return future | (seg[:, None, a:b, None] != seg[:, None, None, lo:b])
@@ -126,27 +132,34 @@ def _segment_starts(seg: torch.Tensor | None) -> torch.Tensor | None:
     return torch.where(new, idx, torch.zeros_like(idx)).cummax(1).values
 
 
-def _key_start(first: torch.Tensor | None, a: int) -> int:
+def _key_start(first: torch.Tensor | None, a: int, window: int | None = None) -> int:
     """The first key any query of a block starting at row a can see: the start of the
-    sample its first query belongs to (packed rows; samples are contiguous), else 0. This
-    is what makes a packed row cost the sum of its samples' squares, not its length's."""
-    return 0 if first is None else int(first[:, a].min())
+    sample its first query belongs to (packed rows; samples are contiguous), else 0, and no
+    earlier than the first query's window. This is what makes a packed row cost the sum of
+    its samples' squares, not its length's, and a windowed one its length times the window."""
+    lo = 0 if first is None else int(first[:, a].min())
+    return lo if window is None else max(lo, a - window + 1)
 
 
 def chunked(
-    q, prefix_k, prefix_v, chain_k: list, chain_v: list, block: int = 256, segments=None
-) -> torch.Tensor:
+    q, prefix_k, prefix_v, chain_k: list, chain_v: list, block: int = 256, segments=None,
+    window: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """(B, h, T, d) attention output of the TTT pattern, without the (T, T) matrix; with
-    `segments` (B, T), packed rows: the causal prefix is restricted to the query's sample."""
-    return _ChunkedTTT.apply(q, prefix_k, prefix_v, block, segments, *chain_k, *chain_v)
+    `segments` (B, T), packed rows: the causal prefix is restricted to the query's sample;
+    with `window`, to the `window` latest prefix keys."""
+    return _ChunkedTTT.apply(q, prefix_k, prefix_v, block, segments, window, *chain_k, *chain_v)
 
 
 _compiled_flex = None
 
 
-def flex(q, prefix_k, prefix_v, chain_k: list, chain_v: list, segments=None) -> torch.Tensor:
+def flex(
+    q, prefix_k, prefix_v, chain_k: list, chain_v: list, segments=None, window=None
+) -> torch.Tensor:
     """The TTT pattern as a flex-attention block mask over [prefix ; chain_1 ; ... ; chain_i];
-    with `segments` (B, T), the prefix keys of the query's own sample only."""
+    with `segments` (B, T), the prefix keys of the query's own sample only; with `window`, the
+    `window` latest prefix keys."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -154,8 +167,10 @@ def flex(q, prefix_k, prefix_v, chain_k: list, chain_v: list, segments=None) -> 
     keys = torch.cat([prefix_k, *chain_k], 2)  # (B, h, (1+i)T, d)
     values = torch.cat([prefix_v, *chain_v], 2)
 
+    W = window if window is not None else T + 1  # a window wider than the row: all of it
+
     def pattern(b, h, qi, kv):
-        return ((kv < T) & (kv <= qi)) | ((kv >= T) & ((kv - T) % T == qi))
+        return ((kv < T) & (kv <= qi) & (qi - kv < W)) | ((kv >= T) & ((kv - T) % T == qi))
 
     def packed(b, h, qi, kv):  # the chain keys (kv >= T) are the query's own root: same sample
         return pattern(b, h, qi, kv) & ((kv >= T) | (segments[b, qi] == segments[b, kv % T]))

@@ -57,6 +57,10 @@ class DFlash:
             raise ValueError(
                 "a DFlash drafter trains on the target's final states: extract with --target last"
             )
+        if cfg.attention_window:
+            raise ValueError(
+                "--attention-window is an eagle3 option; a DFlash drafter has no window yet"
+            )
         t = text_config(model_dir)
         H, heads = t.hidden_size, t.num_attention_heads
         kv = getattr(t, "num_key_value_heads", None) or heads

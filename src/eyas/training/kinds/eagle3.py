@@ -33,8 +33,10 @@ class Eagle3:
 
     def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
         # A chain: one candidate per step (top-k 1), K steps, K + 1 tokens verified a round.
+        window = export_config.get(_WINDOW)
         return ["--speculative-num-steps", str(tokens), "--speculative-eagle-topk", "1",
-                "--speculative-num-draft-tokens", str(tokens + 1)]  # fmt: skip
+                "--speculative-num-draft-tokens", str(tokens + 1),
+                *(["--speculative-draft-window-size", str(window)] if window else [])]  # fmt: skip
 
     # ---------------------------------------------------------------- training
 
@@ -45,7 +47,8 @@ class Eagle3:
 
         over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
         norms = {k: getattr(cfg, k) for k in _SGLANG_LACKS}
-        dcfg = DrafterConfig.from_target(text_config(model_dir), len(draft_ids), **over, **norms)
+        dcfg = DrafterConfig.from_target(text_config(model_dir), len(draft_ids), **over, **norms,
+                                         attention_window=cfg.attention_window)  # fmt: skip
         torch.manual_seed(cfg.seed)
         drafter = Drafter(dcfg)
         drafter.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
@@ -71,7 +74,8 @@ class Eagle3:
         return Drafter(DrafterConfig(**cdict))
 
     def describe(self, cfg) -> str:
-        return f"EAGLE-3, {cfg.ttt_steps} TTT steps"
+        window = f", attention window {cfg.attention_window}" if cfg.attention_window else ""
+        return f"EAGLE-3, {cfg.ttt_steps} TTT steps{window}"
 
     def positions(self, cfg) -> int:
         """Predictions per root that the loss and the metrics count: the TTT steps."""
@@ -96,6 +100,13 @@ class Eagle3:
                 f"the drafter was trained with {', '.join(on)}, which SGLang's EAGLE-3 model does "
                 "not have: it would run another network than the one trained. Export --format vllm, "
                 "or train with --no-" + " --no-".join(n.replace("_", "-") for n in on)
+            )
+        if fmt == "vllm" and c.attention_window:
+            raise ValueError(
+                f"the drafter was trained with --attention-window {c.attention_window}, which vLLM does not "
+                "apply to a drafter (its speculative config has no draft window): it would attend to "
+                "the whole context it was not trained on. Export --format sglang (its "
+                "--speculative-draft-window-size), or train without --attention-window"
             )
         if c.draft_vocab_size == c.vocab_size:
             if state["d2t"].any():
@@ -135,7 +146,8 @@ class Eagle3:
         else:  # SGLang's ids: outputs of 0-based layers
             layer, prefix = cfg, "midlayer."
             aux = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
-            norms = {"norm_before_residual": False}  # what SGLang's model does whatever is written
+            norms = {"norm_before_residual": False,  # what SGLang's model does whatever is written
+                     "attention_window": cfg.get(_WINDOW)}  # fmt: skip
         if layer.get("num_hidden_layers", 1) != 1:
             raise ValueError(f"{cfg_file}: {layer['num_hidden_layers']} decoder layers; eyas's EAGLE-3 "
                              "drafter has one, so it cannot evaluate this export")  # fmt: skip
@@ -161,6 +173,9 @@ class Eagle3:
 
     def proposer(self, model: Drafter, target_layers_hf: list[int]) -> ChainProposer:
         return ChainProposer(model, target_layers_hf)
+
+
+_WINDOW = "eyas_attention_window"  # an SGLang export's window, served by the flag its line names
 
 
 def _llama_fields(c: DrafterConfig) -> dict:
@@ -226,6 +241,7 @@ def export_config(
             "eagle_aux_hidden_state_layer_ids": sglang_ids(aux_layers),
             "use_aux_hidden_state": True,
         },
+        **({_WINDOW: c.attention_window} if c.attention_window else {}),
         "torch_dtype": dtype,
         "eyas_version": __version__,
     }
