@@ -149,3 +149,49 @@ def test_dflash_trains_exports_and_decodes_losslessly(tmp_path):
     assert both["paired"] == [{"a": str((tmp_path / "ex").resolve()), "b": str((tmp_path / "ex2").resolve()),
                                "prompts": 6, "tokens_per_forward": [a["tokens_per_forward"]] * 2,
                                "difference": 0.0, "difference_ci95": [0.0, 0.0]}]  # fmt: skip
+
+
+def test_five_target_layers_extract_train_export_and_decode(
+    targets, llama_dataset, conversations, tmp_path
+):
+    """Any number of target layers: five stored side by side (fp8, one scale per layer),
+    verified, a DFlash drafter trained on them, exported naming all five and decoded
+    losslessly; an EAGLE-3 drafter trains on them too but is refused for the engines, whose
+    EAGLE-3 models read three."""
+    from eyas.run.store import Layout
+
+    assert Layout.parse(Layout("fp8", "last", 5).name()) == Layout("fp8", "last", 5)
+    assert Layout().name() == "aux=dense,target=last"  # runs of three layers keep their name
+    run = tmp_path / "run"
+    eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run,
+         "--aux-layers", "1,2,3,5,6", "--storage", "fp8", check=True)  # fmt: skip
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["aux_layers"] == [1, 2, 3, 5, 6] and meta["layout"].endswith("layers=5")
+    assert eyas("verify", run).returncode == 0
+    eyas(
+        "train",
+        "--data",
+        run,
+        "--out",
+        tmp_path / "df",
+        "--kind",
+        "dflash",
+        "--epochs",
+        "1",
+        check=True,
+    )
+    eyas("export", tmp_path / "df", "--format", "vllm", "--out", tmp_path / "ex", check=True)
+    ex = json.loads((tmp_path / "ex" / "config.json").read_text())
+    assert ex["dflash_config"]["target_layer_ids"] == [1, 2, 3, 5, 6]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": f"tell me about {w}"}) + "\n" for w in ("rain", "bread", "maps")
+        )
+    )
+    r = eyas("evaluate", "--model", targets["llama"], "--drafter", tmp_path / "ex", "--data", prompts,
+             "--max-new-tokens", "8", "--json")  # fmt: skip
+    assert r.returncode == 0 and json.loads(r.stdout)["lossless"], r.stderr[-2000:]
+    eyas("train", "--data", run, "--out", tmp_path / "e3", "--epochs", "1", check=True)
+    r = eyas("export", tmp_path / "e3", "--format", "vllm", "--out", tmp_path / "e3x")
+    assert r.returncode == 1 and "reads 5 target layers" in r.stderr, r.stderr

@@ -176,7 +176,7 @@ def test_changed_settings_are_refused_and_the_key_is_never_written(server, input
     p = subprocess.run(
         _cmd(server, inputs, out, "--max-tokens", "7"), capture_output=True, text=True
     )
-    assert p.returncode == 1 and "another sampling" in p.stderr, p.stderr
+    assert p.returncode == 2 and "another sampling" in p.stderr, p.stderr
 
 
 def test_bad_answers_are_per_record_errors(server, tmp_path):

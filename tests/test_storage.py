@@ -68,7 +68,7 @@ def test_compact_run_stores_what_training_needs(tmp_path, targets, llama_dataset
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "t" / "metrics.jsonl").read_text().splitlines()[-1])["acc"]
     r = eyas("train", "--data", compact, "--out", tmp_path / "t2", "--draft-vocab-size", "7")
-    assert r.returncode == 1 and "cannot differ" in r.stderr
+    assert r.returncode == 2 and "cannot differ" in r.stderr
 
 
 def test_estimate_matches_a_real_run(tmp_path, targets, llama_dataset):

@@ -500,7 +500,7 @@ def test_deepseek_v3_target_end_to_end(targets, conversations, tmp_path):
 
 def test_train_refuses_mismatched_directory(demo_run, trained, tmp_path):
     r = eyas("train", "--data", demo_run, "--out", trained, "--epochs", "3", "--lr", "1")
-    assert r.returncode == 1 and "config differs" in r.stderr
+    assert r.returncode == 2 and "config differs" in r.stderr
     # Made by an eyas with an option this one lacks: the message names it, never "differs ()".
     newer = tmp_path / "newer"
     newer.mkdir()

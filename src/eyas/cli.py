@@ -355,7 +355,7 @@ def extract(
     aux_layers: str | None = typer.Option(
         None,
         "--aux-layers",
-        help="Three 0-based decoder layers, e.g. 1,15,28 (default [1, n//2-1, n-4]).",
+        help="0-based decoder layers whose states are stored, e.g. 1,15,28 (default the three [1, n//2-1, n-4]; EAGLE-3 exports read three, a DFlash drafter any number).",
     ),
     device: str | None = typer.Option(
         None,
@@ -451,7 +451,7 @@ def extract(
             layers = tuple(int(x) for x in aux_layers.replace(" ", "").strip("[]").split(","))
         except ValueError:
             raise fail(
-                f"--aux-layers {aux_layers!r}: expected three integers like 1,15,28", EXIT_USAGE
+                f"--aux-layers {aux_layers!r}: expected integers like 1,15,28", EXIT_USAGE
             ) from None
     opts = dict(
         backend=backend, aux_layers=layers, device=device, dtype=dtype, store_dtype=store_dtype,

@@ -155,8 +155,10 @@ class ExtractConfig:
             raise ValueError(f"--rank {self.rank} is outside 0..{self.world - 1} (--world {self.world})")  # fmt: skip
         if self.batch_tokens < 1:
             raise ValueError(f"--batch-tokens must be positive, got {self.batch_tokens}")
-        if self.aux_layers is not None and len(self.aux_layers) != 3:
-            raise ValueError(f"--aux-layers needs exactly three layers, got {list(self.aux_layers)}")  # fmt: skip
+        if self.aux_layers is not None and (
+            not self.aux_layers or len(set(self.aux_layers)) != len(self.aux_layers)
+        ):
+            raise ValueError(f"--aux-layers needs one or more distinct layers, got {list(self.aux_layers)}")  # fmt: skip
         for d in (self.dtype, self.store_dtype or "auto"):
             if d not in ("auto", *DTYPES):
                 raise ValueError(f"unknown dtype {d!r}; choose from auto, {', '.join(DTYPES)}")
@@ -188,7 +190,7 @@ class ExtractConfig:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.storage, self.target)
+        return Layout(self.storage, self.target, len(self.aux_layers) if self.aux_layers else 3)
 
 
 # Fields that describe one invocation and are never taken from run.json on resume:
@@ -245,14 +247,14 @@ def resolve(cfg: ExtractConfig) -> ExtractConfig:
 
 def _check_same_inputs(cfg: ExtractConfig, meta: dict, run: Path, ds: PreparedDataset) -> None:
     if ds.fingerprint != meta["dataset_fingerprint"]:
-        raise ValueError(
+        raise UsageError(
             f"dataset changed: {cfg.data} has fingerprint {ds.fingerprint}, run {run} was made from "
             f"{meta['dataset_fingerprint']}; refusing to mix samples (start a new run)"
         )
     check_model_dir(cfg.model, weights=True)
     fp = model_fingerprint(cfg.model)
     if fp != meta["model_fingerprint"]:
-        raise ValueError(
+        raise UsageError(
             f"model changed: {cfg.model} has fingerprint {fp}, run {run} was made with "
             f"{meta['model_fingerprint']}; refusing to mix samples (start a new run)"
         )

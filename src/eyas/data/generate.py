@@ -40,6 +40,7 @@ from eyas.data.records import (
     read_conversation,
     record_id,
 )
+from eyas.errors import UsageError
 from eyas.host.ui import Reporter
 from eyas.run.fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
 from eyas.run.lock import WriterLock
@@ -461,7 +462,7 @@ def generate(cfg: GenerateConfig, command: str = "eyas generate ...") -> Generat
         prev = read_json(saved)
         diff = [k for k in ("model", "data_fingerprint", "sampling") if prev.get(k) != job[k]]
         if diff:
-            raise ValueError(f"{saved}: this generation was started with another {', '.join(diff)} "
+            raise UsageError(f"{saved}: this generation was started with another {', '.join(diff)} "
                              f"({prev.get(diff[0])!r}); use another --out, or the original settings")  # fmt: skip
     else:
         atomic_write_json(saved, {**job, "endpoint": cfg.endpoint, "records": len(recs), "created": time.time(),

@@ -76,31 +76,40 @@ def sample_relpath(index: int) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """What a sample file holds: aux states `aux` ("dense" or "fp8") and target `target`
-    ("last": the final hidden state; "topk:K": top-K log-probs over the draft vocabulary)."""
+    """What a sample file holds: aux states `aux` ("dense" or "fp8") of `layers` target
+    layers side by side, and target `target` ("last": the final hidden state; "topk:K":
+    top-K log-probs over the draft vocabulary)."""
 
     aux: str = "dense"
     target: str = "last"
+    layers: int = 3
 
     def __post_init__(self) -> None:
         if self.aux not in ("dense", "fp8"):
             raise ValueError(f"unknown aux storage {self.aux!r}: choose dense or fp8")
         if self.target != "last" and not re.fullmatch(r"topk:[1-9]\d*", self.target):
             raise ValueError(f"unknown target storage {self.target!r}: use last or topk:K")
+        if self.layers < 1:
+            raise ValueError(
+                f"a sample holds the states of at least one target layer, not {self.layers}"
+            )
 
     @property
     def topk(self) -> int | None:
         return int(self.target.split(":")[1]) if self.target.startswith("topk:") else None
 
     def name(self) -> str:
-        return f"aux={self.aux},target={self.target}"
+        # Three layers, as every run before the count could vary, is left unsaid.
+        return f"aux={self.aux},target={self.target}" + (
+            f",layers={self.layers}" if self.layers != 3 else ""
+        )
 
     @classmethod
     def parse(cls, s: str | None) -> Layout:
         if not s:
             return cls()
         kv = dict(p.split("=", 1) for p in s.split(",") if "=" in p)
-        return cls(kv.get("aux", "dense"), kv.get("target", "last"))
+        return cls(kv.get("aux", "dense"), kv.get("target", "last"), int(kv.get("layers", 3)))
 
     def tensors(self, H: int | None) -> dict[str, tuple[set[str], int | None]]:
         """Name -> (allowed dtypes, row width; None for 1-D) of every tensor in a file."""
@@ -110,10 +119,10 @@ class Layout:
         }  # fmt: skip
         out["aux_hidden_states"] = (
             {"F8_E4M3"} if self.aux == "fp8" else floats,
-            3 * H if H else -1,
+            self.layers * H if H else -1,
         )
         if self.aux == "fp8":
-            out["aux_scales"] = ({"F32"}, 3)
+            out["aux_scales"] = ({"F32"}, self.layers)
         if self.topk:
             out["target_topk_ids"] = ({"I16", "I32"}, self.topk)
             out["target_topk_logprobs"] = (floats, self.topk)
@@ -124,7 +133,8 @@ class Layout:
 
     def bytes_per_token(self, H: int, dtype: torch.dtype, draft_vocab: int = 32000) -> int:
         n = 4 + 1  # id, mask
-        n += 3 * H + 12 if self.aux == "fp8" else 3 * H * dtype.itemsize
+        L = self.layers
+        n += L * H + 4 * L if self.aux == "fp8" else L * H * dtype.itemsize
         if self.topk:
             n += self.topk * ((2 if draft_vocab <= 32768 else 4) + 2) + 4
         else:
@@ -392,8 +402,9 @@ def check_sample_bytes(
             end = max(end, b)
         if hidden_size is None and found.target == "last":
             H = header["last_hidden_states"]["shape"][1]
-            if header["aux_hidden_states"]["shape"][1] != 3 * H:
-                raise StoreError(f"{path}: aux_hidden_states width {header['aux_hidden_states']['shape'][1]} != 3 x {H}")  # fmt: skip
+            if header["aux_hidden_states"]["shape"][1] != found.layers * H:
+                raise StoreError(f"{path}: aux_hidden_states width {header['aux_hidden_states']['shape'][1]} "
+                                 f"!= {found.layers} x {H}")  # fmt: skip
         if base + end != len(data):
             raise StoreError(f"{path}: file is {len(data)} bytes, header says {base + end} (truncated or padded)")  # fmt: skip
         if entry is not None:

@@ -59,6 +59,8 @@ class DrafterConfig:
     attention_window: int | None = None
     """A sliding window: a root attends to the step-0 keys of the W latest roots (itself
     included) and to its own chain; None: to every earlier root."""
+    target_layers: int = 3
+    """L: the target layers whose states (side by side, L*H wide) the drafter fuses."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -216,8 +218,9 @@ class Drafter(nn.Module):
         H = c.hidden_size
         self.embed_tokens = nn.Embedding(c.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
-        self.input_norm = RMSNorm(3 * H, c.rms_norm_eps) if c.norm_before_fc else None
-        self.fc = nn.Linear(3 * H, H, bias=False)
+        L = c.target_layers
+        self.input_norm = RMSNorm(L * H, c.rms_norm_eps) if c.norm_before_fc else None
+        self.fc = nn.Linear(L * H, H, bias=False)
         self.midlayer = DecoderLayer(c)
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)

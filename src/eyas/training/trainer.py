@@ -48,14 +48,16 @@ def draft_vocab_for(requested: int | None, meta: dict) -> int | None:
     """D: the run's when it stores top-K over its draft vocabulary, else as requested."""
     fixed = meta.get("draft_vocab_size")
     if fixed and requested and requested != fixed:
-        raise ValueError(f"the run stores the target's top-K over a draft vocabulary of {fixed}; "
+        raise UsageError(f"the run stores the target's top-K over a draft vocabulary of {fixed}; "
                          f"--draft-vocab-size {requested} cannot differ")  # fmt: skip
     return fixed or requested
 
 
-def noisy(aux: torch.Tensor, scale: float, gen: torch.Generator | None = None) -> torch.Tensor:
-    """aux (B, T, 3H) plus Gaussian noise whose std is `scale` times the RMS of each of its
-    three states at each token: a regulariser against learning a small set by heart (at
+def noisy(
+    aux: torch.Tensor, scale: float, gen: torch.Generator | None = None, layers: int = 3
+) -> torch.Tensor:
+    """aux (B, T, L*H) plus Gaussian noise whose std is `scale` times the RMS of each of its
+    `layers` states at each token: a regulariser against learning a small set by heart (at
     1,000 real conversations it changed nothing measurable; bench/RESULTS.md)."""
     B, T, H3 = aux.shape
     if aux.device.type == "cpu":
@@ -63,14 +65,14 @@ def noisy(aux: torch.Tensor, scale: float, gen: torch.Generator | None = None) -
         # other noisy states now and then (2 or 3 of 8 trainings parted in the last bits,
         # only with --feature-noise; bench/reproducible.py), and a resume must redo exactly
         # what an unbroken training did.
-        a = aux.detach().float().numpy().reshape(B, T, 3, H3 // 3)
+        a = aux.detach().float().numpy().reshape(B, T, layers, H3 // layers)
         seed = gen.initial_seed() if gen is not None else int(torch.randint(0, 2**62, (1,)))
         noise = np.random.default_rng(seed).standard_normal(a.shape, dtype=np.float32)
         rms = np.sqrt(np.mean(a * a, axis=-1, keepdims=True, dtype=np.float32))
         out = a + noise * rms * np.float32(scale)
         return torch.from_numpy(out.reshape(B, T, H3)).to(aux.dtype)
-    parts = aux.view(B, T, 3, H3 // 3)
-    rms = parts.pow(2).mean(-1, keepdim=True).sqrt()  # (B, T, 3, 1)
+    parts = aux.view(B, T, layers, H3 // layers)
+    rms = parts.pow(2).mean(-1, keepdim=True).sqrt()  # (B, T, L, 1)
     noise = torch.randn(parts.shape, generator=gen, device=aux.device, dtype=aux.dtype)
     return (parts + noise * rms * scale).view(B, T, H3)
 
@@ -102,6 +104,7 @@ class Trainer:
         self.reader = reader
         self.kind = kind(cfg.kind)
         self.positions = self.kind.positions(cfg)
+        self.layers = len(meta["aux_layers"])  # target layers side by side in each sample's aux
         self.drafter, lm_head = build_drafter(cfg, meta)
         if cfg.init_from:
             initial_weights(Path(cfg.init_from), self.drafter, self.kind)
@@ -158,7 +161,7 @@ class Trainer:
         if noise_key is not None and self.cfg.feature_noise > 0:
             gen = torch.Generator(device=batch["aux"].device)
             gen.manual_seed(noise_key)
-            batch["aux"] = noisy(batch["aux"], self.cfg.feature_noise, gen)
+            batch["aux"] = noisy(batch["aux"], self.cfg.feature_noise, gen, self.layers)
         counts = torch.tensor(self.kind.counts(batch, self.cfg), dtype=torch.float64)
         if self.world > 1:
             all_reduce_cpu(counts)

@@ -91,7 +91,7 @@ def open_backend(name: str, spec: BackendSpec, log=print) -> Backend:
 class StateShaper:
     """Turns the target's states (N tokens) into the layout's tensors, on their device.
 
-    aux (N, 3H) and last (N, H) -> aux_hidden_states (+ aux_scales for fp8), and either
+    aux (N, L*H) of L target layers and last (N, H) -> aux_hidden_states (+ aux_scales for fp8), and either
     last_hidden_states or the top-K log-probabilities over the draft vocabulary with the
     full-vocabulary argmax (logits are formed in row chunks: the (N, V) matrix never exists).
     """
@@ -108,7 +108,7 @@ class StateShaper:
     def __call__(self, aux: torch.Tensor, last: torch.Tensor, chunk: int = 1024) -> dict:
         out: dict[str, torch.Tensor] = {}
         if self.layout.aux == "fp8":
-            out["aux_hidden_states"], out["aux_scales"] = quantize_fp8(aux)
+            out["aux_hidden_states"], out["aux_scales"] = quantize_fp8(aux, self.layout.layers)
         else:
             out["aux_hidden_states"] = aux.to(self.store_dtype)
         K = self.layout.topk

@@ -42,7 +42,9 @@ class Capture:
     def run(self, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
         self.states.clear()
         self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        aux = torch.cat([self.states[f"aux{k}"] for k in range(3)], dim=-1)  # (B, T, 3H)
+        aux = torch.cat(
+            [self.states[f"aux{k}"] for k in range(len(self.handles) - 1)], dim=-1
+        )  # (B, T, L*H)
         return aux, self.states["last"]  # (B, T, H)
 
     def remove(self) -> None:

@@ -215,8 +215,10 @@ class VLLMBackend(Backend):
                     f"(layers {self.layer_ids} of width {self.facts.hidden_size}); a vLLM that drops a "
                     "requested layer (vLLM issue 46973 for DeepSeek/Kimi backbones) gives this")  # fmt: skip
         hs = hs.to(self.spec.dtype)
-        aux = torch.cat([hs[:, c] for c in self.columns[:3]], -1)  # (T, 3H)
-        last = rms_norm(hs[:, self.columns[3]], self.norm_weight, self.facts.rms_norm_eps)  # (T, H)
+        aux = torch.cat([hs[:, c] for c in self.columns[:-1]], -1)  # (T, L*H)
+        last = rms_norm(
+            hs[:, self.columns[-1]], self.norm_weight, self.facts.rms_norm_eps
+        )  # (T, H)
         if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
             return "non-finite values (NaN/Inf) in hidden states"
         return self.shape(aux, last)

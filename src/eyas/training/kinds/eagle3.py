@@ -48,7 +48,8 @@ class Eagle3:
         over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
         norms = {k: getattr(cfg, k) for k in _SGLANG_LACKS}
         dcfg = DrafterConfig.from_target(text_config(model_dir), len(draft_ids), **over, **norms,
-                                         attention_window=cfg.attention_window)  # fmt: skip
+                                         attention_window=cfg.attention_window,
+                                         target_layers=len(meta["aux_layers"]))  # fmt: skip
         torch.manual_seed(cfg.seed)
         drafter = Drafter(dcfg)
         drafter.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
@@ -101,6 +102,9 @@ class Eagle3:
                 "not have: it would run another network than the one trained. Export --format vllm, "
                 "or train with --no-" + " --no-".join(n.replace("_", "-") for n in on)
             )
+        if c.target_layers != 3:
+            raise ValueError(f"the drafter reads {c.target_layers} target layers; vLLM's and SGLang's EAGLE-3 "
+                             "models read three: extract with three --aux-layers to serve it")  # fmt: skip
         if fmt == "vllm" and c.attention_window:
             raise ValueError(
                 f"the drafter was trained with --attention-window {c.attention_window}, which vLLM does not "
@@ -157,7 +161,7 @@ class Eagle3:
             head_dim=layer["head_dim"], vocab_size=layer["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
             rms_norm_eps=layer["rms_norm_eps"], rope_theta=layer["rope_theta"],
             max_position_embeddings=layer["max_position_embeddings"], hidden_act=layer["hidden_act"],
-            **norms,
+            target_layers=len(aux), **norms,
         )  # fmt: skip
         drafter = Drafter(c)
         state = {
