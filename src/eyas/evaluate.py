@@ -655,7 +655,7 @@ def evaluate_vllm(
     *,
     k: int | None = None,
     max_new_tokens: int = 64,
-    limit: int | None = 20,
+    limit: int | None = 1000,
     tensor_parallel_size: int = 1,
     trust_remote_code: bool = False,
     progress: bool = True,
