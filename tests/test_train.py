@@ -377,18 +377,20 @@ def test_status_names_a_training_dataset_or_drafter_directory(demo_run, trained,
         f"resume the training in {part}" in doc.stdout
         and f"$ eyas train --resume --out {part}" in doc.stdout
     )
-    # an input file and a directory eyas did not write: exit 2, said what they are, for every reader
+    # an input file and a directory eyas did not write: said what they are (status and verify: exit 2)
     src = tmp_path / "chats.jsonl"
     src.write_text('{"prompt": "hi"}\n')
     (tmp_path / "other").mkdir()
-    for cmd in ("status", "verify", "doctor"):
+    for cmd in ("status", "verify"):
         r = eyas(cmd, src)
-        assert r.returncode == 2 and "is a file" in r.stderr and "eyas prepare" in r.stderr, (
-            cmd,
-            r.stderr,
-        )
+        assert r.returncode == 2 and "is a file" in r.stderr and "eyas prepare" in r.stderr, (cmd, r.stderr)  # fmt: skip
         r = eyas(cmd, tmp_path / "other")
         assert r.returncode == 2 and "not a directory eyas wrote" in r.stderr, (cmd, r.stderr)
+    # doctor assesses every path it is given in one report: there each is a finding to act on
+    r = eyas("doctor", src, tmp_path / "other", part)
+    out = r.stdout
+    assert r.returncode == 1 and "is a file" in out and "not a directory eyas wrote" in out, out
+    assert f"resume the training in {part}" in out
 
 
 def test_report_to_tensorboard_writes_the_metrics(demo_run, tmp_path):

@@ -653,18 +653,8 @@ def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
 ) -> None:
     """Assess GPUs, disks and runs after a failure; end with an ordered plan."""
-    from eyas.data.generate import STATE_SUFFIX
     from eyas.doctor import doctor as run_doctor
     from eyas.doctor import render as render_doctor
-    from eyas.status import not_eyas
-
-    for r in (
-        runs or []
-    ):  # a path that is no eyas directory is a usage error, said before the checks
-        if not r.exists() and not r.with_name(r.name + STATE_SUFFIX).exists():
-            raise fail(f"{r}: no such run, training, dataset, drafter or generation", EXIT_USAGE)
-        if (msg := not_eyas(r)) is not None:
-            raise fail(msg, EXIT_USAGE)
 
     rep = run_doctor(list(runs or []), deep=deep)
     if as_json:

@@ -104,7 +104,12 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
     if (gen / "generate.json").is_file():
         return _check_generation(gen, actions)
     rep = RunReport(str(run))
-    from eyas.status import describe_other, kind_of
+    from eyas.status import describe_other, kind_of, not_eyas
+
+    if (what := not_eyas(run)) is not None:  # an input file, a directory eyas did not write
+        rep.add("error", what)
+        actions.append(Action(f"{run} is not a run: check the path"))
+        return rep
 
     if kind_of(run) not in (None, "run") and (other := describe_other(run)) is not None:
         for line in other.splitlines():  # not an extraction run, and nothing wrong with it
