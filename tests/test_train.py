@@ -733,6 +733,7 @@ def test_sglang_refuses_a_drafter_it_would_run_otherwise(trained, tmp_path):
         r.stderr
     )
     assert "--no-norm-before-fc --no-norm-before-residual --no-norm-output" in r.stderr
+    assert "--serve-with sglang" in r.stderr
     assert not (tmp_path / "sg").exists()
 
 
@@ -767,14 +768,15 @@ def test_dflash_killed_then_resumed_past_a_damaged_checkpoint_gives_identical_we
 
 
 def test_attention_window_is_trained_exported_for_sglang_and_refused_for_vllm(demo_run, tmp_path):
-    """A drafter trained with --attention-window: vLLM would ignore the window, so that export
+    """A drafter trained with --attention-window for SGLang (--serve-with sglang: the network its
+    EAGLE-3 model runs): vLLM would ignore the window, so that export
     is refused naming the option; SGLang's export keeps it and its serving line passes it;
     the export reads back with its window and decodes losslessly."""
     from eyas.targets.demo_data import generate_conversations, write_jsonl
 
     out = tmp_path / "tr"
     r = eyas("train", "--data", demo_run, "--out", out, "--epochs", 1, "--batch-tokens", 1024,
-             "--attention-window", 16, "--no-norm-before-fc", "--no-norm-before-residual", "--no-norm-output")  # fmt: skip
+             "--attention-window", 16, "--serve-with", "sglang")  # fmt: skip
     assert r.returncode == 0 and "attention window 16" in r.stderr, r.stderr
     r = eyas("export", out, "--format", "vllm", "--out", tmp_path / "v")
     assert r.returncode == 1 and "--attention-window 16" in r.stderr and "vLLM does not" in r.stderr

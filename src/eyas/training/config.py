@@ -66,9 +66,13 @@ class TrainConfig:
     decay 0.1, update scaled to AdamW's RMS, at --lr x --muon-lr-scale), AdamW (with
     --weight-decay) for the norms and the head; or adamw for all (docs/recipe.md: with the
     three norms below, Muon trains the better drafter)."""
+    serve_with: str = "vllm"
+    """eagle3: the engine the drafter will be served by. vllm: eyas's recipe (the three norms
+    below); sglang: the network SGLang's EAGLE-3 model runs, which has none of them (they are
+    turned off), so that `export --format sglang` serves what was trained."""
     norm_before_fc: bool = True
     """An RMSNorm over the concatenated target states before fc (SGLang's EAGLE-3 model has
-    none of the three norms: to export for SGLang, train with all three off)."""
+    none of the three norms: --serve-with sglang turns them off)."""
     norm_before_residual: bool = True
     """The decoder layer's residual is the normed fused state, not the raw one."""
     norm_output: bool = True
@@ -149,6 +153,11 @@ class TrainConfig:
             raise ValueError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
             )
+        if self.serve_with not in ("vllm", "sglang"):
+            raise ValueError(f"--serve-with must be vllm or sglang, got {self.serve_with!r}")
+        if self.serve_with == "sglang":  # SGLang's EAGLE-3 network: none of the three norms
+            for name in ("norm_before_fc", "norm_before_residual", "norm_output"):
+                object.__setattr__(self, name, False)
         if self.attention_window is not None and self.attention_window < 1:
             raise ValueError(f"--attention-window must be at least 1, got {self.attention_window}")
         if self.muon_lr_scale <= 0:

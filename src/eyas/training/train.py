@@ -79,7 +79,8 @@ _RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "
 BEFORE = {"head_init": "random", "pack": False, "follow": False, "feature_noise": 0.0,
            "kind": "eagle3", "block_size": 4, "drafter_layers": 2, "block_decay": 4.0, "anchor_stride": 1,
            "optimizer": "adamw", "loss": "kl", "norm_before_fc": False, "norm_before_residual": False,
-           "norm_output": False, "muon_lr_scale": 1.0, "init_from": None, "attention_window": None}  # fmt: skip
+           "norm_output": False, "muon_lr_scale": 1.0, "init_from": None, "attention_window": None,
+           "serve_with": "vllm"}  # fmt: skip
 
 
 class TrainStopped(Exception):

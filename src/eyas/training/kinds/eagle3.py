@@ -100,7 +100,9 @@ class Eagle3:
             raise ValueError(
                 f"the drafter was trained with {', '.join(on)}, which SGLang's EAGLE-3 model does "
                 "not have: it would run another network than the one trained. Export --format vllm, "
-                "or train with --no-" + " --no-".join(n.replace("_", "-") for n in on)
+                "or train with --serve-with sglang (the same as --no-"
+                + " --no-".join(n.replace("_", "-") for n in on)
+                + ")"
             )
         if c.target_layers != 3:
             raise ValueError(f"the drafter reads {c.target_layers} target layers; vLLM's and SGLang's EAGLE-3 "
