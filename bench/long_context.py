@@ -128,6 +128,10 @@ def main() -> None:
             r = evaluate(model, ex, str(path), k=args.k, max_new_tokens=args.max_new_tokens, limit=None,
                          precision=None, greedy_cache=greedy, target_cache=targets, progress=False)  # fmt: skip
             d = r.to_dict()
+            if r.stopped_by:  # evaluate ends a stopped run with what it did: say so, go no further
+                sys.exit(
+                    f"stopped by {r.stopped_by} in {name} at {length} tokens, after {r.prompts} prompts"
+                )
             rows[(name, length)] = d
             mean_len = sum(r.lengths) / max(len(r.lengths), 1)
             print(f"{name:>16}  {length:>5} ({mean_len:,.0f} tokens)  tokens/forward {d['tokens_per_forward']:.3f} "
