@@ -259,7 +259,7 @@ def test_prepare_refuses_to_replace_a_dataset_and_a_lost_one_is_rebuilt(
         "100",
     )
     assert (
-        p.returncode == 1
+        p.returncode == 2  # a usage error, as into a run directory
         and "already holds a prepared dataset" in p.stderr
         and "--force" in p.stderr
     )
