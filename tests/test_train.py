@@ -511,7 +511,7 @@ def test_train_refuses_mismatched_directory(demo_run, trained, tmp_path):
     (newer / "train.json").write_text(json.dumps(saved))
     r = eyas("train", "--data", demo_run, "--out", newer, "--epochs", "3", "--lr", "3e-3",
              "--warmup-steps", "5", "--batch-tokens", "1024", "--ttt-steps", "3", "--head-init", "target")  # fmt: skip
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 2, r.stderr
     assert "(--made-up-option 1 saved, an option this eyas does not have)" in r.stderr, r.stderr
     r = eyas("train", "--data", tmp_path / "nope", "--out", tmp_path / "t")
     assert r.returncode == 2 and "no such extraction run directory" in r.stderr
@@ -643,7 +643,7 @@ def test_printed_resume_commands_work_as_printed(demo_run, tmp_path):
     )
     assert "config differs" not in again and "--allow-partial" not in again
     p = eyas(*args, "--epochs", "5")
-    assert p.returncode == 1 and "--epochs 400 saved, 5 given" in p.stderr, p.stderr
+    assert p.returncode == 2 and "--epochs 400 saved, 5 given" in p.stderr, p.stderr
 
 
 def test_a_damaged_line_inside_a_log_is_named_and_kept_on_resume(demo_run, tmp_path):
