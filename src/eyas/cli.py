@@ -884,8 +884,8 @@ def evaluate(
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check.
     Several --drafter are judged on the same prompts, with their paired differences."""
     from eyas.eval_report import render_inputs, render_paired, render_result
-    from eyas.evaluate import DraftLengthRefused, evaluate_vllm, paired_difference
     from eyas.evaluate import evaluate as run_hf
+    from eyas.evaluate import evaluate_vllm, paired_difference
     from eyas.export import ExportError
     from eyas.targets.target import ModelDirError
 
@@ -917,7 +917,7 @@ def evaluate(
                     str(model), str(dr), str(data), **kw
                 )
             )
-        except (ModelDirError, FileNotFoundError, DraftLengthRefused) as exc:
+        except (ModelDirError, FileNotFoundError) as exc:
             raise fail(str(exc), EXIT_USAGE) from None
         except (ExportError, ValueError, OSError) as exc:
             raise fail(str(exc), exit_code(exc)) from None

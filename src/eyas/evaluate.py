@@ -28,6 +28,7 @@ from eyas.data.records import (
     prompt_of,
     read_conversation,
 )
+from eyas.errors import UsageError
 from eyas.export import (
     drafts_per_round,
     export_kind,
@@ -327,7 +328,7 @@ def _tokenizer_for(model_dir: str, drafter_dir: str, trust_remote_code: bool,
     return tok, template_kwargs if template_kwargs is not None else made.get("chat_template_kwargs")
 
 
-class DraftLengthRefused(ValueError):
+class DraftLengthRefused(UsageError):
     """More draft tokens a round asked for than the export drafts (a usage error, exit 2)."""
 
 
