@@ -10,10 +10,7 @@ plain greedy decoding of the target (lossless), and both are timed.
 from __future__ import annotations
 
 import copy
-import signal
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +34,7 @@ from eyas.export import (
     vllm_speculative_config,
 )
 from eyas.host.ui import Reporter, still_working
+from eyas.stop import StopSignals
 from eyas.targets.layers import from_hf
 from eyas.targets.target import load_tokenizer, read_chat_template, require_chat_template
 
@@ -544,27 +542,24 @@ def evaluate(
 
     rep = Reporter("evaluate", len(prompts), unit="prompts", enabled=progress, extra=extra)
     res.planned = len(prompts)
-    stop = _SignalStop()
     try:
-        rep.__enter__()
-        for i, p in enumerate(prompts):
-            before = copy.deepcopy(res)  # what a signal mid-prompt goes back to
-            try:
-                with stop.armed():
-                    _decode_one(model, tap, proposer, p, i, k, max_new_tokens, eos, res, tok,
-                                greedy_cache, str(model_dir))  # fmt: skip
-            except _Stopped:
-                res = before
-            if stop.signame:  # prompt i counts if it was decoded to its end
-                res.prompts, res.stopped_by = i + (res is not before), stop.signame
-                break
-            rep.advance()
-            if precision and i + 1 >= 50 and (i + 1) % 25 == 0 and res.precise_to(precision):
-                res.prompts = i + 1  # narrow enough: the rest would not change the figure
-                break
+        with StopSignals() as stop, rep:
+            for i, p in enumerate(prompts):
+                before = copy.deepcopy(res)  # what a signal mid-prompt goes back to
+                try:
+                    with stop.abandoning(_Stopped):
+                        _decode_one(model, tap, proposer, p, i, k, max_new_tokens, eos, res, tok,
+                                    greedy_cache, str(model_dir))  # fmt: skip
+                except _Stopped:
+                    res = before
+                if stop.requested:  # prompt i counts if it was decoded to its end
+                    res.prompts, res.stopped_by = i + (res is not before), stop.name
+                    break
+                rep.advance()
+                if precision and i + 1 >= 50 and (i + 1) % 25 == 0 and res.precise_to(precision):
+                    res.prompts = i + 1  # narrow enough: the rest would not change the figure
+                    break
     finally:
-        stop.restore()
-        rep.__exit__(None, None, None)
         tap.remove()
     return res
 
@@ -590,40 +585,7 @@ def paired_difference(a: EvalResult, b: EvalResult, n: int = 2000, seed: int = 0
 
 
 class _Stopped(Exception):
-    pass
-
-
-class _SignalStop:
-    """SIGTERM and SIGINT end the evaluation with what is done: the name is noted, and while
-    a prompt decodes (`armed`) that prompt is abandoned at once (`_Stopped`), its partial
-    counts dropped. The result is reported as partial."""
-
-    def __init__(self):
-        self.signame: str | None = None
-        self._armed = False
-        self._old = {}
-        if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._on) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def _on(self, signum, _frame) -> None:
-        self.signame = self.signame or signal.Signals(signum).name
-        if self._armed:
-            self._armed = False
-            raise _Stopped
-
-    @contextmanager
-    def armed(self):
-        if self.signame:  # came between prompts: none is started
-            raise _Stopped
-        self._armed = True
-        try:
-            yield
-        finally:
-            self._armed = False
-
-    def restore(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
+    """A signal came while a prompt decoded: that prompt is dropped, its partial counts too."""
 
 
 def _decode_one(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import queue
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -75,6 +74,7 @@ from eyas.run.store import (
 )
 from eyas.run.stream import Retirer
 from eyas.status import RATE_WINDOW, recent_rate
+from eyas.stop import StopSignals
 from eyas.targets.backends import BACKENDS, BackendSpec, open_backend
 from eyas.targets.layers import hf_indices
 from eyas.targets.target import (
@@ -669,12 +669,9 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
             except BaseException as exc:  # noqa: BLE001
                 writer_error.append(exc)
 
-    def on_signal(signum, _frame):
-        stop_reason.append(f"stopped by {signal.Signals(signum).name}")
-        stop.set()
-
-    old = ({s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-           if threading.current_thread() is threading.main_thread() else {})  # fmt: skip
+    signals = StopSignals(
+        event=stop, on_first=lambda name: stop_reason.append(f"stopped by {name}")
+    )
     wt = threading.Thread(target=writer, name="eyas-writer", daemon=True)
     wt.start()
     t0 = time.monotonic()
@@ -699,31 +696,30 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
         rate = recent_rate(commits, time.time())[1]
         return max(tokens_left - stats["tokens"], 0) / rate if rate else None
 
-    try:
-        with Reporter("extract", total, enabled=cfg.progress, extra=extra, eta=eta,
-                      rate=lambda: recent_rate(commits, time.time())[0]) as rep:  # fmt: skip
-            rep.skip(done_before)
-            shown.append(rep)
-            seen = 0
-            for p, batch in todo:
-                if stop.is_set():
-                    break
-                if free_bytes(run) < floor:
-                    stop_reason.append(f"free space on {run} fell below the --min-free floor of "
-                                       f"{human_bytes(floor)} (lower it with --min-free)")  # fmt: skip
-                    break
-                q.put((p, batch, backend.run([ds.sample(i)[0] for i in batch])))
+    with signals:
+        try:
+            with Reporter("extract", total, enabled=cfg.progress, extra=extra, eta=eta,
+                          rate=lambda: recent_rate(commits, time.time())[0]) as rep:  # fmt: skip
+                rep.skip(done_before)
+                shown.append(rep)
+                seen = 0
+                for p, batch in todo:
+                    if stop.is_set():
+                        break
+                    if free_bytes(run) < floor:
+                        stop_reason.append(f"free space on {run} fell below the --min-free floor of "
+                                           f"{human_bytes(floor)} (lower it with --min-free)")  # fmt: skip
+                        break
+                    q.put((p, batch, backend.run([ds.sample(i)[0] for i in batch])))
+                    rep.advance(stats["committed"] + stats["failed"] - seen)
+                    seen = stats["committed"] + stats["failed"]
+                q.put(None)
+                wt.join()
                 rep.advance(stats["committed"] + stats["failed"] - seen)
-                seen = stats["committed"] + stats["failed"]
-            q.put(None)
-            wt.join()
-            rep.advance(stats["committed"] + stats["failed"] - seen)
-    finally:
-        if wt.is_alive():
-            q.put(None)
-            wt.join()
-        for s, h in old.items():
-            signal.signal(s, h)
+        finally:
+            if wt.is_alive():
+                q.put(None)
+                wt.join()
     if writer_error:
         exc = writer_error[0]
         if isinstance(exc, DiskFullError) or is_disk_full(exc):

@@ -25,7 +25,6 @@ import json
 import os
 import queue
 import random
-import signal
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,6 +43,7 @@ from eyas.errors import UsageError
 from eyas.host.ui import Reporter
 from eyas.run.fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
 from eyas.run.lock import WriterLock
+from eyas.stop import StopSignals
 from eyas.targets.target import read_chat_template
 
 STATE_SUFFIX = ".eyas-gen"
@@ -498,12 +498,7 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
     stop = threading.Event()
     reason: list[str] = []
 
-    def on_signal(signum, _frame):
-        reason.append(f"stopped by {signal.Signals(signum).name}")
-        stop.set()
-
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} \
-        if threading.current_thread() is threading.main_thread() else {}  # fmt: skip
+    signals = StopSignals(event=stop, on_first=lambda name: reason.append(f"stopped by {name}"))
     t0 = time.monotonic()
 
     def extra() -> str:
@@ -537,63 +532,64 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
     for _ in range(cfg.concurrency):
         threading.Thread(target=worker, name="eyas-gen", daemon=True).start()
     items, in_flight, stopped_at = iter(todo), 0, None
-    try:
-        while True:
-            while (
-                not stop.is_set()
-                and in_flight < 2 * cfg.concurrency
-                and (item := next(items, None))
-            ):
-                work.put(item)
-                in_flight += 1
-            if in_flight == 0:
-                break
-            if stop.is_set():
-                stopped_at = stopped_at or time.monotonic()
-                if time.monotonic() - stopped_at > STOP_GRACE:
+    with signals:
+        try:
+            while True:
+                while (
+                    not stop.is_set()
+                    and in_flight < 2 * cfg.concurrency
+                    and (item := next(items, None))
+                ):
+                    work.put(item)
+                    in_flight += 1
+                if in_flight == 0:
                     break
-            try:
-                (pos, rec, rid, _, tools), result, exc = results.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            in_flight -= 1
-            if exc is not None:
-                if not isinstance(exc, Exception):
-                    raise exc
-                if not isinstance(exc, RequestFailed):  # a record this code cannot handle
-                    exc = RequestFailed(f"{type(exc).__name__}: {exc}")
-                if not stop.is_set():
-                    errors[pos] = {
-                        "file": rec.file,
-                        "line": rec.line,
-                        "id": rid,
-                        "reason": str(exc),
-                        "code": "request",
-                    }
-                    rep.retotal(rep.total - 1)
-                    rep.advance(0)  # none more done: the line shows the failure
-                    if (why := alike.failed(str(exc))) is not None:
-                        reason.append(why)
-                        stop.set()
-                continue
-            requests = result.pop("requests")  # attempts: this session's statistics, not provenance
-            record = {"id": rid, **result, **({"tools": tools} if tools else {})}
-            log.append(
-                {"pos": pos, "file": rec.file, "line": rec.line, "record": record}
-            )  # durable first
-            done[pos] = {"record": record}
-            s.generated += 1
-            s.requests += requests
-            s.completion_tokens += result["generation"]["usage"]["completion_tokens"]
-            alike.succeeded()
-            rep.advance()
-    finally:
-        stop.set()
-        for _ in range(cfg.concurrency):
-            work.put(None)
-        rep.__exit__(None, None, None)
-        for sig, h in old.items():
-            signal.signal(sig, h)
+                if stop.is_set():
+                    stopped_at = stopped_at or time.monotonic()
+                    if time.monotonic() - stopped_at > STOP_GRACE:
+                        break
+                try:
+                    (pos, rec, rid, _, tools), result, exc = results.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                in_flight -= 1
+                if exc is not None:
+                    if not isinstance(exc, Exception):
+                        raise exc
+                    if not isinstance(exc, RequestFailed):  # a record this code cannot handle
+                        exc = RequestFailed(f"{type(exc).__name__}: {exc}")
+                    if not stop.is_set():
+                        errors[pos] = {
+                            "file": rec.file,
+                            "line": rec.line,
+                            "id": rid,
+                            "reason": str(exc),
+                            "code": "request",
+                        }
+                        rep.retotal(rep.total - 1)
+                        rep.advance(0)  # none more done: the line shows the failure
+                        if (why := alike.failed(str(exc))) is not None:
+                            reason.append(why)
+                            stop.set()
+                    continue
+                requests = result.pop(
+                    "requests"
+                )  # attempts: this session's statistics, not provenance
+                record = {"id": rid, **result, **({"tools": tools} if tools else {})}
+                log.append(
+                    {"pos": pos, "file": rec.file, "line": rec.line, "record": record}
+                )  # durable first
+                done[pos] = {"record": record}
+                s.generated += 1
+                s.requests += requests
+                s.completion_tokens += result["generation"]["usage"]["completion_tokens"]
+                alike.succeeded()
+                rep.advance()
+        finally:
+            stop.set()
+            for _ in range(cfg.concurrency):
+                work.put(None)
+            rep.__exit__(None, None, None)
     s.seconds = time.monotonic() - t0
     s.failed = len(errors)
     s.errors = [errors[p] for p in sorted(errors)]

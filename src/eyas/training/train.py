@@ -24,7 +24,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from eyas.run.fsutil import (
 )
 from eyas.run.lock import WriterLock
 from eyas.run.runmeta import read_run_meta
+from eyas.stop import StopSignals
 from eyas.training.checkpoint import (
     latest_checkpoint,
     remove_stale_temp,
@@ -361,21 +361,12 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
         log(f"warning: only {total_steps} optimizer steps ({source.describe()}, --batch-tokens "
             f"{cfg.batch_tokens}): the drafter will learn little; {how}")  # fmt: skip
 
-    stop: list[str] = []
-    handlers = {}
+    def announce(name: str) -> None:  # at once: a scheduler's grace period is short
+        if rank == 0:
+            print(f"{name}: stopping at the next micro-batch; the last complete step is saved",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
-    def on_signal(s, _f) -> None:
-        if not stop and rank == 0:  # at once: a scheduler's grace period is short
-            print(f"{signal.Signals(s).name}: stopping at the next micro-batch; the last complete "
-                  "step is saved", file=sys.stderr, flush=True)  # fmt: skip
-        stop.append(signal.Signals(s).name)
-        if trainer.interruptible:  # mid-step, before the optimizer moved: drop the step now
-            trainer.interruptible = False
-            raise StepAbandoned
-
-    if rank == 0 or world > 1:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            handlers[sig] = signal.signal(sig, on_signal)
+    stop = StopSignals(enabled=rank == 0 or world > 1, on_first=announce).__enter__()
     state = {"step": 0, "epoch": 0, "batch": 0}
     if resume and (found := trainer.resume(log)) is not None:
         state = found
@@ -394,7 +385,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
 
     def stopped(st: dict) -> TrainStopped:
         checkpoint(st)
-        return TrainStopped(f"stopped by {stop[0] if stop else 'another rank'} at step {st['step']}; checkpoint "
+        return TrainStopped(f"stopped by {stop.name or 'another rank'} at step {st['step']}; checkpoint "
                             f"saved. Resume with: eyas train --resume --out {out}")  # fmt: skip
 
     last_val: dict = {}
@@ -433,7 +424,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
         before_wait=lambda: (
             checkpoint(state) if state["step"] > saved_step[0] else source.caught_up()
         ),
-        stopping=lambda: bool(stop),
+        stopping=lambda: stop.requested,
         note=lambda msg: (first.stop(), rep.note(msg)),  # a wait is said as a wait
     )
     try:
@@ -447,7 +438,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
                             try:
                                 stats, tokens = trainer.step(
                                     loaded, len(group), trainer.lr_at(state["step"]),
-                                    stopping=lambda: bool(stop),
+                                    stops=stop,
                                 )  # fmt: skip
                             except StepAbandoned:
                                 raise stopped(state) from None
@@ -477,7 +468,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
                                 metric({"split": "val", **_plain(state), **last_val})
                             if state["step"] % cfg.save_every == 0:
                                 checkpoint(state)
-                            if _should_stop(stop, world):
+                            if _should_stop(stop.requested, world):
                                 raise stopped(state)
             except StopRequested:
                 raise stopped(state) from None
@@ -506,8 +497,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
         if board is not None:
             board.close()
         rep.__exit__(None, None, None)
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
+        stop.__exit__()
     elapsed = time.monotonic() - t0
     return {"val": last_val, "steps": state["step"], "steps_now": state["step"] - start_step,
             "tokens_per_s": tokens_seen * world / max(loop_seconds, 1e-9),
@@ -527,10 +517,11 @@ class _Hooks:
     note: Callable[[str | None], None]
 
 
-def _should_stop(stop: list, world: int) -> bool:
+def _should_stop(requested: bool, world: int) -> bool:
+    """Whether to stop after this step: this process was asked to, or (several) any rank was."""
     if world == 1:
-        return bool(stop)
-    flag = torch.tensor([1.0 if stop else 0.0])
+        return requested
+    flag = torch.tensor([1.0 if requested else 0.0])
     all_reduce_cpu(flag)
     return bool(flag.item())
 

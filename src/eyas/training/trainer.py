@@ -11,6 +11,7 @@ batches is a data source's business (`train_data.StoreSource`, `follow.FollowSou
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from eyas.errors import UsageError
+from eyas.stop import StopSignals
 from eyas.training.checkpoint import initial_weights, resume_checkpoint, save_checkpoint
 from eyas.training.drafter import Drafter
 from eyas.training.kinds import kind
@@ -96,8 +98,6 @@ class Trainer:
     Which samples make the batches is the data source's business (`StoreSource`,
     `FollowSource`); the trainer only loads the batches it is given."""
 
-    interruptible = False  # inside an optimizer step, before the optimizer moves (`step`)
-
     def __init__(self, cfg, meta: dict, rank: int, world: int, device: torch.device,
                  out: Path, reader: SampleReader):  # fmt: skip
         self.cfg, self.rank, self.world, self.device, self.out = cfg, rank, world, device, out
@@ -169,33 +169,36 @@ class Trainer:
             loss, st = self.kind.loss(self.drafter, batch, self.cfg, counts.tolist())
         return loss, st, int(batch["valid"].sum())
 
-    def step(self, loaded, n: int, lr: float, stopping=None) -> tuple[torch.Tensor, int]:
+    def step(
+        self, loaded, n: int, lr: float, stops: StopSignals | None = None
+    ) -> tuple[torch.Tensor, int]:
         """One optimizer step over the next `n` loaded micro-batches; (stats, tokens). With
-        one process, a stop asked for before a micro-batch abandons the step (StepAbandoned):
-        the model and optimizer stay as the last complete step left them."""
+        one process, a stop (`stops`) before the optimizer moves abandons the step at once
+        (StepAbandoned): the model and optimizer stay as the last complete step left them.
+        With several, every rank finishes the step and they stop together after it."""
         for g in self.opt.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         self.opt.zero_grad(set_to_none=True)
         stats, tokens = torch.zeros(self.positions, 6, dtype=torch.float64), 0
-        # Until the optimizer moves, a signal handler may abandon the step (`interruptible`).
-        self.interruptible = self.world == 1
         done = self._steps_done()  # restored with the optimizer on a resume
+        abandon = stops.abandoning(StepAbandoned) if stops and self.world == 1 else nullcontext()
         try:
-            for micro in range(n):
-                if stopping is not None and self.world == 1 and stopping():
-                    raise StepAbandoned
-                batch = next(loaded)[1]
-                key = hash((self.cfg.seed, done, micro, self.rank)) & (2**63 - 1)  # ints: stable
-                loss, st, tok = self._micro(batch, noise_key=key)
-                (loss * self.world / n).backward()  # all_reduce averages: undo it: grads are sums
-                self._done(batch)
-                stats += st
-                tokens += tok
+            with abandon:
+                for micro in range(n):
+                    batch = next(loaded)[1]
+                    key = hash((self.cfg.seed, done, micro, self.rank)) & (
+                        2**63 - 1
+                    )  # ints: stable
+                    loss, st, tok = self._micro(batch, noise_key=key)
+                    (
+                        loss * self.world / n
+                    ).backward()  # all_reduce averages: undo it: grads are sums
+                    self._done(batch)
+                    stats += st
+                    tokens += tok
         except StepAbandoned:
             self.opt.zero_grad(set_to_none=True)
             raise
-        finally:
-            self.interruptible = False
         if self.world > 1:
             for p in self.params:
                 if p.grad is None:

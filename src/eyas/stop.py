@@ -1,0 +1,87 @@
+"""SIGINT and SIGTERM as a request to stop: the one way every long command stops cleanly.
+
+A long stage runs its loop inside `StopSignals()`. The first signal records its name
+(`name`, `reason`), sets `event` (which worker threads may wait on) and calls `on_first`
+(a stage that must say something at once, within a scheduler's short grace period). The
+loop checks `requested` between units of work and stops after the last complete one; a unit
+that may be dropped midway (a training step before the optimizer moves, a prompt being
+decoded) runs inside `abandoning(exc)`, where a signal raises `exc` at once. The previous
+handlers come back on leaving. Outside the main thread (where Python allows no handlers)
+nothing is installed and the stage runs to its end.
+
+The stage then raises its own error with exit code 75 (errors.EXIT_STOPPED) naming the
+command that resumes.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+__all__ = ["StopSignals", "SIGNALS"]
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """Handlers for SIGINT and SIGTERM while the `with` block runs. `enabled=False` installs
+    none (a rank that leaves the stop to another); `event` may be one the stage already
+    sets for its own reasons (a writer thread's failure)."""
+
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        on_first: Callable[[str], None] | None = None,
+        event: threading.Event | None = None,
+    ) -> None:
+        self.name: str | None = None
+        self.event = event if event is not None else threading.Event()
+        self._enabled = enabled
+        self._on_first = on_first
+        self._abandon: type[BaseException] | None = None
+        self._old: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if self._enabled and threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._on) for s in SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+        return False
+
+    @property
+    def requested(self) -> bool:
+        """A signal came."""
+        return self.name is not None
+
+    @property
+    def reason(self) -> str:
+        return f"stopped by {self.name}"
+
+    def _on(self, signum: int, _frame) -> None:
+        if self.name is None:
+            self.name = signal.Signals(signum).name
+            if self._on_first is not None:
+                self._on_first(self.name)
+        self.event.set()
+        if self._abandon is not None:
+            exc, self._abandon = self._abandon, None
+            raise exc()
+
+    @contextmanager
+    def abandoning(self, exc: type[BaseException]) -> Iterator[None]:
+        """A unit of work a signal abandons at once by raising `exc` (at once, too, when
+        the signal came before it started)."""
+        if self.requested:
+            raise exc()
+        self._abandon = exc
+        try:
+            yield
+        finally:
+            self._abandon = None
