@@ -746,17 +746,11 @@ def _saved_options(opts: dict, out: Path, ctx: typer.Context) -> dict:
         prev = json.loads(saved.read_text())["config"]
     except (OSError, ValueError, KeyError) as exc:
         raise fail(f"{saved}: unreadable ({exc}); give every option again", EXIT_PROBLEMS) from None
-    from eyas.training.train import BEFORE
+    from eyas.training.train import RESUME_RULE
 
-    out_opts = dict(opts)
-    for k in opts:
-        if getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE":
-            continue
-        if k in prev:
-            out_opts[k] = prev[k]
-        elif k in BEFORE:  # an option newer than the training: what it was trained with
-            out_opts[k] = BEFORE[k]
-    return out_opts
+    saved = RESUME_RULE.saved(prev)  # an option newer than the training: what it was trained with
+    given = {k for k in opts if getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE"}
+    return {k: saved[k] if k in saved and k not in given else v for k, v in opts.items()}
 
 
 @app.command()

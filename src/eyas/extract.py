@@ -39,6 +39,7 @@ from eyas.data.prepare import PreparedDataset, check_tokenizer
 from eyas.errors import UsageError
 from eyas.host.gpu import gpu_preflight
 from eyas.host.ui import Reporter, console, still_working
+from eyas.resume import ResumeRule
 from eyas.run.fsutil import (
     DiskFullError,
     filesystem_info,
@@ -191,16 +192,18 @@ class ExtractConfig:
         return Layout(self.storage, self.target, len(self.aux_layers) if self.aux_layers else 3)
 
 
-# Fields that describe one invocation and are never taken from run.json on resume:
+# How a resume meets run.json (eyas.resume). Per invocation, never taken from run.json:
 # where this process is in a split, what it may do to the machine, and whether the model
-# directory's code may run (security: only the current command line can allow that).
-PER_INVOCATION = {"rank", "world", "trust_remote_code", "progress", "queue_depth",
-                  "ignore_busy_gpus", "max_foreign_gpu_mem", "staging_dir", "out"}  # fmt: skip
-# Stored in run.json, and a resume may change them (the new value is kept for later
-# resumes). A changed batch_tokens regroups the remaining samples: still correct, but
-# their files are then no longer bit-identical to an uninterrupted run's.
-OVERRIDABLE = {"batch_tokens", "device", "min_free", "allow_partial", "tensor_parallel_size",
-               "gpu_memory_utilization", "max_model_len", "max_store"}  # fmt: skip
+# directory's code may run (security: only the current command line can allow that). A
+# resume may change the rest of the first set (the new value is kept for later resumes); a
+# changed batch_tokens regroups the remaining samples: still correct, but their files are
+# then no longer bit-identical to an uninterrupted run's.
+RESUME_RULE = ResumeRule(
+    per_invocation=frozenset({"rank", "world", "trust_remote_code", "progress", "queue_depth",
+                              "ignore_busy_gpus", "max_foreign_gpu_mem", "staging_dir", "out"}),
+    may_change=frozenset({"batch_tokens", "device", "min_free", "allow_partial", "tensor_parallel_size",
+                          "gpu_memory_utilization", "max_model_len", "max_store"}),
+)  # fmt: skip
 
 
 class ExtractStopped(Exception):
@@ -228,7 +231,7 @@ class ExtractSummary:
 
 
 def stored_config(cfg: ExtractConfig) -> dict:
-    d = {k: v for k, v in asdict(cfg).items() if k not in PER_INVOCATION}
+    d = RESUME_RULE.stored(asdict(cfg))
     d["aux_layers"] = list(cfg.aux_layers) if cfg.aux_layers else None
     return d
 
@@ -268,16 +271,12 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
         meta = r.meta
         if r.damage:
             console.print(f"warning: {r.damage}", markup=False, highlight=False)
-        stored = {k: v for k, v in meta["config"].items()
-                  if k in ExtractConfig.__dataclass_fields__ and k not in PER_INVOCATION}  # fmt: skip
+        stored = {k: v for k, v in RESUME_RULE.saved(meta["config"]).items()
+                  if k in ExtractConfig.__dataclass_fields__}  # fmt: skip
         stored["aux_layers"] = tuple(stored["aux_layers"]) if stored.get("aux_layers") else None
-        fixed = [k for k, v in overrides.items()
-                 if k not in OVERRIDABLE | PER_INVOCATION and v != stored.get(k)]  # fmt: skip
-        if fixed:
-            raise ValueError(
-                f"{run}/run.json: {', '.join(fixed)} cannot change on resume (start a new run)"
-            )
-        cfg = ExtractConfig(**{**stored, **overrides, "out": str(run)})
+        cfg = ExtractConfig(
+            **{**RESUME_RULE.resume(stored, overrides, f"{run}/run.json"), "out": str(run)}
+        )
     else:
         assert cfg is not None
         cfg = resolve(cfg)
@@ -290,11 +289,8 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
                                     f"{' ...' if len(foreign) > 3 else ''}); give an empty or new directory")  # fmt: skip
         if (run / "run.json").exists() or (run / "run.backup.json").exists():
             meta = load_run_meta(run).meta
-            mine = {k: v for k, v in stored_config(cfg).items() if k not in OVERRIDABLE}
-            theirs = {k: v for k, v in meta["config"].items() if k not in OVERRIDABLE}
-            if mine != theirs:
-                diff = sorted(k for k in mine if mine[k] != theirs.get(k))
-                raise UsageError(f"{run} already holds a run with a different config ({', '.join(diff)}); use "
+            if diff := RESUME_RULE.differences(meta["config"], stored_config(cfg)):
+                raise UsageError(f"{run} already holds a run with a different config ({'; '.join(diff)}); use "
                                  f"`eyas extract --resume {run}` to continue it, or choose a new --out")  # fmt: skip
     if meta.get("trust_remote_code_required") and not cfg.trust_remote_code:
         raise ValueError(
@@ -538,7 +534,7 @@ def _spec(cfg: ExtractConfig, meta: dict, ds: PreparedDataset, device: str, leng
 
 def _persist_overrides(run: Path, meta: dict, cfg: ExtractConfig) -> None:
     """Keep a resume's changes to the overridable fields for later resumes."""
-    new = {k: getattr(cfg, k) for k in OVERRIDABLE if k in {f.name for f in fields(cfg)}}
+    new = {k: getattr(cfg, k) for k in RESUME_RULE.may_change if k in {f.name for f in fields(cfg)}}
     if any(meta["config"].get(k) != v for k, v in new.items()):
         meta["config"].update(new)
         write_run_meta(run, meta)

@@ -41,6 +41,7 @@ from eyas.data.records import (
 )
 from eyas.errors import UsageError
 from eyas.host.ui import Reporter
+from eyas.resume import ResumeRule
 from eyas.run.fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
 from eyas.run.lock import WriterLock
 from eyas.stop import StopSignals
@@ -424,6 +425,15 @@ def _inputs(cfg: GenerateConfig) -> list[RawRecord]:
     return recs
 
 
+# How a resume meets generate.json (eyas.resume): the target, the inputs' content and the
+# sampling are fixed; the inputs' paths and the endpoint may move; the rest notes one
+# invocation.
+RESUME_RULE = ResumeRule(
+    may_change=frozenset({"data", "endpoint"}),
+    per_invocation=frozenset({"records", "created", "command", "eyas_version"}),
+)
+
+
 def _job(cfg: GenerateConfig) -> dict:
     return {"model": cfg.model, "data": [str(Path(f).resolve()) for f in cfg.data],
             "data_fingerprint": _fingerprint(cfg.data), "sampling": cfg.sampling()}  # fmt: skip
@@ -460,10 +470,9 @@ def generate(cfg: GenerateConfig, command: str = "eyas generate ...") -> Generat
     saved = state / "generate.json"
     if saved.exists():
         prev = read_json(saved)
-        diff = [k for k in ("model", "data_fingerprint", "sampling") if prev.get(k) != job[k]]
-        if diff:
-            raise UsageError(f"{saved}: this generation was started with another {', '.join(diff)} "
-                             f"({prev.get(diff[0])!r}); use another --out, or the original settings")  # fmt: skip
+        if diff := RESUME_RULE.differences(prev, job):
+            raise UsageError(f"{saved}: this generation was started with other settings ({'; '.join(diff)}); "
+                             "use another --out, or the original settings")  # fmt: skip
     else:
         atomic_write_json(saved, {**job, "endpoint": cfg.endpoint, "records": len(recs), "created": time.time(),
                                   "command": command, "eyas_version": __version__})  # fmt: skip

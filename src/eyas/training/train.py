@@ -36,6 +36,7 @@ import torch.distributed as dist
 from eyas.errors import UsageError
 from eyas.host.cpu import choose_threads, configure_threads
 from eyas.host.ui import Reporter, console, still_working
+from eyas.resume import ResumeRule
 from eyas.run.fsutil import (
     DiskFullError,
     atomic_write_bytes,
@@ -69,18 +70,19 @@ from eyas.training.trainer import (
     draft_vocab_for,
 )
 
-# May differ on resume. Paths may change (a moved run or training directory resumes):
-# the data and the target are identified by their fingerprints, not where they live.
-_RESUMABLE = {"progress", "device", "verify_data", "eval_every", "save_every", "keep_checkpoints",
-              "data", "out", "model", "attention", "allow_partial", "report_to"}  # fmt: skip
-
-
-# What a training directory made before these options existed was trained with.
-BEFORE = {"head_init": "random", "pack": False, "follow": False, "feature_noise": 0.0,
-           "kind": "eagle3", "block_size": 4, "drafter_layers": 2, "block_decay": 4.0, "anchor_stride": 1,
-           "optimizer": "adamw", "loss": "kl", "norm_before_fc": False, "norm_before_residual": False,
-           "norm_output": False, "muon_lr_scale": 1.0, "init_from": None, "attention_window": None,
-           "serve_with": "vllm"}  # fmt: skip
+# How a resume meets train.json (eyas.resume): paths may change (a moved run or training
+# directory resumes: the data and the target are identified by their fingerprints, not where
+# they live), and so may what only affects how this invocation runs; the rest is fixed. A
+# training directory made before an option existed was trained with its `before` value.
+RESUME_RULE = ResumeRule(
+    may_change=frozenset({"progress", "device", "verify_data", "eval_every", "save_every", "keep_checkpoints",
+                          "data", "out", "model", "attention", "allow_partial", "report_to"}),
+    before={"head_init": "random", "pack": False, "follow": False, "feature_noise": 0.0,
+            "kind": "eagle3", "block_size": 4, "drafter_layers": 2, "block_decay": 4.0, "anchor_stride": 1,
+            "optimizer": "adamw", "loss": "kl", "norm_before_fc": False, "norm_before_residual": False,
+            "norm_output": False, "muon_lr_scale": 1.0, "init_from": None, "attention_window": None,
+            "serve_with": "vllm"},
+)  # fmt: skip
 
 
 class TrainStopped(Exception):
@@ -246,17 +248,9 @@ def _record_config(cfg: TrainConfig, resume: bool, rank: int, world: int, run: P
             raise ValueError(
                 f"{saved}: this training directory was made from other data ({prev['data'].get('run')})"
             )
-        mine = {k: v for k, v in asdict(cfg).items() if k not in _RESUMABLE}
-        theirs = {**BEFORE, **{k: v for k, v in prev["config"].items() if k not in _RESUMABLE}}
-        if mine != theirs:
-            diff = ", ".join(
-                f"--{k.replace('_', '-')} {theirs.get(k)} saved, "
-                + (f"{mine[k]} given" if k in mine else "an option this eyas does not have")
-                for k in sorted(mine.keys() | theirs.keys())
-                if k not in mine or mine[k] != theirs.get(k)
-            )
-            raise UsageError(f"{saved}: config differs ({diff}); leave the option out to resume with "
-                             "the saved value, or use another --out")  # fmt: skip
+        if diff := RESUME_RULE.differences(prev["config"], asdict(cfg)):
+            raise UsageError(f"{saved}: config differs ({', '.join(diff)}); leave the option out to resume "
+                             "with the saved value, or use another --out")  # fmt: skip
         if not resume and latest_checkpoint(out) is not None:
             raise ValueError(
                 f"{out} already has checkpoints; pass --resume to continue, or use another --out"
