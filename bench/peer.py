@@ -477,6 +477,14 @@ def judge_all(args, real: Path, run: Path, exports: dict[str, Path], trainings: 
         t0 = time.monotonic()
         val = val_accuracy(load_export(ex)[0], run, plan)
         hold = holdout_accuracy(trainings[name], args.holdout, 3) if args.holdout else None
+        if not args.prompts:  # the validation screen alone
+            rec = {"val": val, "holdout": hold, "seconds": round(time.monotonic() - t0)}
+            f.with_name(f"{name}.val.json").write_text(json.dumps(rec))
+            out[name] = rec
+            print(f"{name}: val accuracy {' '.join(f'{a:.3f}' for a in val['acc'])}, est. acceptance "
+                  f"{val['accept_len'][-1]:.3f}" + (f", held-out {hold['accept_len'][-1]:.3f}" if hold else ""),
+                  flush=True)  # fmt: skip
+            continue
         r: EvalResult = evaluate(str(real / "model"), str(ex), str(real / "mtbench.jsonl"), k=args.k,
                                  max_new_tokens=args.max_new_tokens, limit=args.prompts, precision=None,
                                  progress=False, greedy_cache=greedy)  # fmt: skip
@@ -541,6 +549,16 @@ def table(size: int, results: dict, rows: dict[str, list[str]], anchor: str) -> 
     return lines
 
 
+def val_table(size: int, n_val: int, results: dict, rows: dict[str, list[str]]) -> list[str]:
+    """The validation screen (--prompts 0): est. acceptance per configuration, mean over seeds."""
+    lines = [f"\n{size} conversations: validation on {n_val} held-out samples, est. acceptance (k=3)",
+             f"{'configuration':<28} {'mean':>6}  per seed"]  # fmt: skip
+    for conf, names in rows.items():
+        per = [results[n]["val"]["accept_len"][-1] for n in names]
+        lines.append(f"{conf:<28} {sum(per) / len(per):6.3f}  {' '.join(f'{x:.3f}' for x in per)}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="role")
@@ -584,7 +602,12 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=8192, help="prepare --draft-vocab-size")
     ap.add_argument("--venv", type=Path, default=Path("/tmp/eyas-peer-venv"),
                     help="the peer's virtual environment (made on first use)")  # fmt: skip
-    ap.add_argument("--prompts", type=int, default=80, help="MT-Bench first turns to judge on")
+    ap.add_argument(
+        "--prompts",
+        type=int,
+        default=80,
+        help="MT-Bench first turns to judge on (0: the validation screen alone)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply")
     ap.add_argument("--k", type=int, default=3, help="drafts per round")
     args = ap.parse_args()
@@ -638,6 +661,9 @@ def main() -> None:
         plan = batch_plan(run, wn / f"{first}-s{seeds[0]}")
         results = judge_all(args, args.real, run, exports, trainings, plan, wn / "judged")
         rows = {c: [f"{c}-s{s}" for s in seeds] for c in [*eyas_confs, *peers]}
+        if not args.prompts:
+            report += val_table(size, len(plan["val"]), results, rows)
+            continue
         means = {c: sum(tpf(results[n]["per_prompt"]) for n in rows[c]) / len(seeds) for c in peers}
         anchor = max(means, key=means.get)
         report += table(size or len(plan["val"]), results, rows, anchor)
