@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several workers: one CPU thread each
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("EYAS_THREADS", "1")
 
 from eyas.targets.demo_data import generate_conversations, write_jsonl  # noqa: E402
 from eyas.targets.tiny import build_tiny_target  # noqa: E402
@@ -44,6 +47,33 @@ def llama_dataset(tmp_path_factory, targets, conversations) -> Path:
         )
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_runs(tmp_path_factory):
+    """`demo_runs(n)`: the demo target's extraction run of its first `n` demo conversations
+    (draft vocabulary 400), built once per session for each `n`, its dataset beside it
+    (`run.parent / "ds"`). Tests read it and never change it (a test that does works on a
+    copy)."""
+    from eyas.data.prepare import PrepareConfig, prepare
+    from eyas.extract import ExtractConfig, extract
+    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+
+    built: dict[int, Path] = {}
+
+    def get(n: int = 60) -> Path:
+        if n not in built:
+            base = tmp_path_factory.mktemp(f"demo{n}")
+            src = base / "conv.jsonl"
+            src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:n]))
+            prepare(PrepareConfig(model=str(DEMO_TARGET), data=(str(src),), out=str(base / "ds"),
+                                  draft_vocab_size=400, progress=False))  # fmt: skip
+            extract(ExtractConfig(model=str(DEMO_TARGET), data=str(base / "ds"), out=str(base / "run"),
+                                  progress=False))  # fmt: skip
+            built[n] = base / "run"
+        return built[n]
+
+    return get
 
 
 @contextlib.contextmanager
@@ -91,5 +121,8 @@ def eyas(*args, check: bool = False, timeout: float = 300, **kw) -> subprocess.C
 
 
 def pytest_collection_modifyitems(config, items):
-    """The whole-demo run goes last: the quick tests report first, not after minutes of silence."""
-    items.sort(key=lambda it: it.nodeid.startswith("tests/test_demo.py"))
+    """The whole-demo run, the longest test, goes first where workers share the tests (it
+    would otherwise end the run alone), last in one process (the quick tests report first,
+    not after minutes of silence)."""
+    first = getattr(config.option, "numprocesses", None) not in (None, 0)
+    items.sort(key=lambda it: it.nodeid.startswith("tests/test_demo.py") != first)

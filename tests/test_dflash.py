@@ -67,38 +67,16 @@ def test_anchors_tile_the_trainable_spans():
     assert choose_anchors(mask, valid, 3, 1)[0].tolist() == [2, 5, 11]
 
 
-def test_dflash_trains_exports_and_decodes_losslessly(tmp_path):
+def test_dflash_trains_exports_and_decodes_losslessly(demo_runs, tmp_path):
     """eyas train --kind dflash on the demo target; the export (vLLM's DFlash format) reads
     back to the same logits, and evaluate decodes with it losslessly, drafting blocks."""
     from eyas.export import load_export
-    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.targets.demo_target import DEMO_TARGET
     from eyas.training.checkpoint import load_trained
 
-    src = tmp_path / "c.jsonl"
-    src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:60]))
-    eyas(
-        "prepare",
-        "--model",
-        DEMO_TARGET,
-        "--data",
-        src,
-        "--out",
-        tmp_path / "ds",
-        "--draft-vocab-size",
-        "400",
-        check=True,
-    )
-    eyas(
-        "extract",
-        "--model",
-        DEMO_TARGET,
-        "--data",
-        tmp_path / "ds",
-        "--out",
-        tmp_path / "run",
-        check=True,
-    )
-    r = eyas("train", "--data", tmp_path / "run", "--out", tmp_path / "tr", "--kind", "dflash", "--block-size", "4",
+    run = demo_runs(60)
+    src, ds = run.parent / "conv.jsonl", run.parent / "ds"
+    r = eyas("train", "--data", run, "--out", tmp_path / "tr", "--kind", "dflash", "--block-size", "4",
              "--epochs", "2", "--batch-tokens", "1024", "--lr", "3e-3", check=True)  # fmt: skip
     assert "DFlash, blocks of 4" in r.stderr
     cfg = json.loads((tmp_path / "tr" / "drafter_config.json").read_text())
@@ -113,7 +91,7 @@ def test_dflash_trains_exports_and_decodes_losslessly(tmp_path):
     assert ex["architectures"] == ["DFlashDraftModel"] and ex["dflash_config"]["block_size"] == 4
     assert (
         ex["dflash_config"]["target_layer_ids"]
-        == json.loads((tmp_path / "run" / "run.json").read_text())["aux_layers"]
+        == json.loads((run / "run.json").read_text())["aux_layers"]
     )
     trained, _ = load_trained(tmp_path / "tr")
     back, layers = load_export(tmp_path / "ex")
@@ -128,7 +106,7 @@ def test_dflash_trains_exports_and_decodes_losslessly(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(r.stdout)
     assert d["lossless"] and d["rounds"] > 0 and len(d["per_position_acceptance"]) == 3
-    longest = json.loads((tmp_path / "ds" / "dataset.json").read_text())["tokens"]["max"]
+    longest = json.loads((ds / "dataset.json").read_text())["tokens"]["max"]
     assert d["drafter"] == {"path": str((tmp_path / "ex").resolve()), "kind": "dflash",
                             "draft_tokens": 3, "serves": 3, "longest_training_sample": longest}  # fmt: skip
     r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--data", src,

@@ -20,9 +20,8 @@ import torch
 from conftest import eyas, grow
 from safetensors.torch import load_file
 
-from eyas.data.prepare import PrepareConfig, prepare
 from eyas.extract import ExtractConfig, extract
-from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.targets.demo_target import DEMO_TARGET
 from eyas.training.train import TrainConfig, train
 
 STEPS_CUT = 10  # the interrupted run "died" after its checkpoint of this step
@@ -36,14 +35,8 @@ def _cfg(run: Path, out: Path, **kw) -> TrainConfig:
 
 
 @pytest.fixture(scope="module")
-def small_run(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("g")
-    src = base / "conv.jsonl"
-    src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:60]))
-    prepare(PrepareConfig(model=str(DEMO_TARGET), data=(str(src),), out=str(base / "ds"),
-                          draft_vocab_size=400, progress=False))  # fmt: skip
-    extract(ExtractConfig(model=str(DEMO_TARGET), data=str(base / "ds"), out=str(base / "run"), progress=False))  # fmt: skip
-    return base / "run"
+def small_run(demo_runs) -> Path:
+    return demo_runs(60)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).parents[1] / "src" / "eyas"
-# Bottom to top; a module may import its own layer and those below it.
-LAYERS = ["errors", "stop", "resume", "run", "host", "targets", "data", "training"]  # then the stages at eyas's top
+# Bottom to top (then the stages at eyas's top); a module may import its own layer and
+# those below it.
+LAYERS = ["errors", "stop", "resume", "run", "host", "targets", "data", "training"]
 
 
 def _module(path: Path, src: Path = SRC) -> str:

@@ -16,7 +16,6 @@ from eyas.data.prepare import PreparedDataset
 from eyas.extract import ExtractConfig, extract
 from eyas.run.journal import journal_path, read_journal, rewrite_journal
 from eyas.run.lock import WriterLock
-from eyas.targets.demo_target import DEMO_TARGET
 
 CONV = [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5"}]
 
@@ -155,30 +154,15 @@ def test_status_shows_rate_only_while_a_writer_runs(tmp_path, targets, llama_dat
     assert s["recent_samples_per_s"] is not None and s["recent_samples_per_s"] < 41 / 1.5
 
 
-def test_short_runs_warm_up_in_proportion(tmp_path):
-    from eyas.data.prepare import PrepareConfig, prepare
-
-    src = tmp_path / "c.jsonl"
-    from eyas.targets.demo_target import DEMO_CONVERSATIONS
-
-    src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:60]))
-    prepare(PrepareConfig(model=str(DEMO_TARGET), data=(str(src),), out=str(tmp_path / "ds"), draft_vocab_size=300,
-                          progress=False))  # fmt: skip
-    extract(
-        ExtractConfig(
-            model=str(DEMO_TARGET),
-            data=str(tmp_path / "ds"),
-            out=str(tmp_path / "run"),
-            progress=False,
-        )
-    )
-    r = eyas("train", "--data", tmp_path / "run", "--out", tmp_path / "t", "--epochs", "1", "--lr", "1e-3",
+def test_short_runs_warm_up_in_proportion(demo_runs, tmp_path):
+    run = demo_runs(60)
+    r = eyas("train", "--data", run, "--out", tmp_path / "t", "--epochs", "1", "--lr", "1e-3",
              "--batch-tokens", "1024", "--ttt-steps", "2")  # fmt: skip
     assert r.returncode == 0, r.stderr
     steps = int(r.stderr.split(" optimizer steps")[0].split()[-1])
     assert steps < 20 and f"warmup {max(1, steps // 10)}," in r.stderr  # in proportion, not 50
     assert "will learn little" in r.stderr
-    r = eyas("train", "--data", tmp_path / "run", "--out", tmp_path / "t2", "--epochs", "1", "--warmup-steps", "500",
+    r = eyas("train", "--data", run, "--out", tmp_path / "t2", "--epochs", "1", "--warmup-steps", "500",
              "--batch-tokens", "1024", "--ttt-steps", "2")  # fmt: skip
     assert r.returncode == 0 and "never reaches --lr" in r.stderr
     assert oct(os.stat(tmp_path / "t" / "drafter.safetensors").st_mode & 0o777) != "0o600"

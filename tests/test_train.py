@@ -39,26 +39,9 @@ TRAIN_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> Path:
+def demo_run(demo_runs) -> Path:
     """An extraction run of the demo target over 150 demo conversations."""
-    base = tmp_path_factory.mktemp("demo")
-    src = base / "conv.jsonl"
-    src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:150]))
-    prepare(
-        PrepareConfig(
-            model=str(DEMO_TARGET),
-            data=(str(src),),
-            out=str(base / "ds"),
-            draft_vocab_size=400,
-            progress=False,
-        )
-    )
-    extract(
-        ExtractConfig(
-            model=str(DEMO_TARGET), data=str(base / "ds"), out=str(base / "run"), progress=False
-        )
-    )
-    return base / "run"
+    return demo_runs(150)
 
 
 @pytest.fixture(scope="module")

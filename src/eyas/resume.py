@@ -49,13 +49,19 @@ class ResumeRule:
         values; per-invocation fields are dropped."""
         return {**self.before, **self.stored(config)}
 
-    def differences(self, saved: Mapping, mine: Mapping) -> list[str]:
-        """The fixed fields whose value in a whole config `mine` is not the saved one, each
-        as '--name SAVED saved, MINE given' (a field this version does not have says so)."""
+    def differing(self, saved: Mapping, mine: Mapping) -> list[str]:
+        """The fixed fields whose value in a whole config `mine` is not the saved one."""
         theirs = self.saved(saved)
-        return [_describe(k, theirs.get(k), mine.get(k, _ABSENT))
-                for k in sorted(theirs.keys() | mine.keys())
+        return [k for k in sorted(theirs.keys() | mine.keys())
                 if self.fixed(k) and mine.get(k, _ABSENT) != theirs.get(k)]  # fmt: skip
+
+    def differences(self, saved: Mapping, mine: Mapping) -> list[str]:
+        """`differing`, each as '--name SAVED saved, MINE given' (a field this version does
+        not have says so)."""
+        theirs = self.saved(saved)
+        return [
+            _describe(k, theirs.get(k), mine.get(k, _ABSENT)) for k in self.differing(saved, mine)
+        ]
 
     def resume(self, saved: Mapping, given: Mapping, where: str) -> dict:
         """The config a resume runs with: the saved one, with what this invocation `given`

@@ -470,9 +470,10 @@ def generate(cfg: GenerateConfig, command: str = "eyas generate ...") -> Generat
     saved = state / "generate.json"
     if saved.exists():
         prev = read_json(saved)
-        if diff := RESUME_RULE.differences(prev, job):
-            raise UsageError(f"{saved}: this generation was started with other settings ({'; '.join(diff)}); "
-                             "use another --out, or the original settings")  # fmt: skip
+        if names := RESUME_RULE.differing(prev, job):
+            raise UsageError(f"{saved}: this generation was started with another {', '.join(names)} "
+                             f"({'; '.join(RESUME_RULE.differences(prev, job))}); use another --out, "
+                             "or the original settings")  # fmt: skip
     else:
         atomic_write_json(saved, {**job, "endpoint": cfg.endpoint, "records": len(recs), "created": time.time(),
                                   "command": command, "eyas_version": __version__})  # fmt: skip
