@@ -19,9 +19,10 @@ from rich.markup import escape
 
 from eyas.data.config import PrepareConfig
 from eyas.errors import EXIT_PROBLEMS, EXIT_STOPPED, EXIT_USAGE, exit_code
+from eyas.extract_config import ExtractConfig
 from eyas.host.cpu import pin_runtime_env
 from eyas.host.ui import console
-from eyas.options import OPTS, config_options
+from eyas.options import OPTS, config_options, given
 from eyas.run.fsutil import human_duration
 from eyas.run.lock import LockHeld as LockHeldError
 from eyas.training.config import TrainConfig
@@ -342,102 +343,24 @@ def generate(
 
 
 @app.command()
+@config_options(ExtractConfig, skip={"progress", "queue_depth"})
 def extract(
+    ctx: typer.Context,
     model: Path | None = typer.Option(None, "--model", help="Target model directory."),
     data: Path | None = typer.Option(None, "--data", help="Prepared dataset directory."),
     out: Path | None = typer.Option(None, "--out", help="Run directory to create or continue."),
     resume: Path | None = typer.Option(
         None, "--resume", help="Continue the run in this directory (needs nothing else)."
     ),
-    backend: str | None = typer.Option(
-        None, "--backend", help="hf (transformers, default) or vllm (vLLM engine, tensor parallel)."
-    ),
     aux_layers: str | None = typer.Option(
         None,
         "--aux-layers",
         help="0-based decoder layers whose states are stored, e.g. 1,15,28 (default the three [1, n//2-1, n-4]; EAGLE-3 exports read three, a DFlash drafter any number).",
     ),
-    device: str | None = typer.Option(
-        None,
-        "--device",
-        help="auto (default: a GPU where there is one), cpu, cuda, cuda:K or multi (hf: device_map=auto).",
-    ),
-    dtype: str | None = typer.Option(
-        None,
-        "--dtype",
-        help="Compute dtype: auto (default: bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 or float16.",
-    ),
-    store_dtype: str | None = typer.Option(
-        None, "--store-dtype", help="Dtype of stored states (default: compute dtype)."
-    ),
-    storage: str | None = typer.Option(
-        None,
-        "--storage",
-        help="Aux states on disk: dense (default) or fp8 (e4m3, scale per token and layer).",
-    ),
-    target: str | None = typer.Option(
-        None, "--target", help="The target on disk: last (final hidden state, default) or topk:K."
-    ),
-    batch_tokens: int | None = typer.Option(
-        None, "--batch-tokens", help="Token budget per batch (default 8192)."
-    ),
-    trust_remote_code: bool = typer.Option(
-        False,
-        "--trust-remote-code",
-        help="Let the model directory's Python code run (never implied by a resume).",
-    ),
-    rank: int | None = typer.Option(
-        None, "--rank", help="This process's share: samples with index % world == rank."
-    ),
-    world: int | None = typer.Option(
-        None, "--world", help="Number of shares (default 1: the whole run)."
-    ),
-    min_free: str | None = typer.Option(
-        None,
-        "--min-free",
-        help="Stop below this free space (default 2% of the disk, >= 1 GiB or 5%).",
-    ),
-    allow_partial: bool = typer.Option(
-        False, "--allow-partial", help="Start even if the projected size does not fit."
-    ),
-    max_foreign_gpu_mem: str | None = typer.Option(
-        None,
-        "--max-foreign-gpu-mem",
-        help="Refuse if another process holds more on a GPU (default 2GiB).",
-    ),
-    ignore_busy_gpus: bool = typer.Option(
-        False, "--ignore-busy-gpus", help="Start even if other processes hold GPU memory."
-    ),
-    tensor_parallel_size: int | None = typer.Option(
-        None, "--tensor-parallel-size", help="vllm: GPUs the target is split over (default 1)."
-    ),
-    gpu_memory_utilization: float | None = typer.Option(
-        None,
-        "--gpu-memory-utilization",
-        help="vllm: fraction of GPU memory it may take (default 0.9).",
-    ),
-    max_model_len: int | None = typer.Option(
-        None, "--max-model-len", help="vllm: context length (default: longest sample + 1)."
-    ),
-    staging_dir: Path | None = typer.Option(
-        None,
-        "--staging-dir",
-        help="vllm: scratch directory for states in flight (default: system temp).",
-    ),
-    max_store: str | None = typer.Option(
-        None,
-        "--max-store",
-        help="Keep sample bytes under this size (plus one batch per writer); consumed samples "
-        "of `train --follow` are deleted.",
-    ),
-    passes: int | None = typer.Option(
-        None,
-        "--passes",
-        help="Run the dataset N times, one trainer epoch each (needs --max-store).",
-    ),
+    opts: dict = OPTS,
 ) -> None:
     """Run the target over a prepared dataset; store aux and final hidden states, crash-safe."""
-    from eyas.extract import ExtractConfig, ExtractStopped, OutDirError
+    from eyas.extract import ExtractStopped, OutDirError
     from eyas.extract import extract as run_extract
     from eyas.host.gpu import GpuBusy
     from eyas.run.lock import LockHeld
@@ -445,24 +368,15 @@ def extract(
     from eyas.targets.target import ModelDirError
 
     _quiet_transformers()
-    layers = None
     if aux_layers:
         try:
-            layers = tuple(int(x) for x in aux_layers.replace(" ", "").strip("[]").split(","))
+            opts["aux_layers"] = tuple(
+                int(x) for x in aux_layers.replace(" ", "").strip("[]").split(",")
+            )
         except ValueError:
             raise fail(
                 f"--aux-layers {aux_layers!r}: expected integers like 1,15,28", EXIT_USAGE
             ) from None
-    opts = dict(
-        backend=backend, aux_layers=layers, device=device, dtype=dtype, store_dtype=store_dtype,
-        storage=storage, target=target, batch_tokens=batch_tokens, rank=rank, world=world,
-        min_free=min_free, max_foreign_gpu_mem=max_foreign_gpu_mem, allow_partial=allow_partial or None,
-        ignore_busy_gpus=ignore_busy_gpus or None, trust_remote_code=trust_remote_code or None,
-        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-        max_model_len=max_model_len, staging_dir=str(staging_dir) if staging_dir else None,
-        max_store=max_store, passes=passes,
-    )  # fmt: skip
-    opts = {k: v for k, v in opts.items() if v is not None}
     _need(resume, "run")
     _need(data, "dataset")
     try:
@@ -472,7 +386,11 @@ def extract(
                     "--resume takes the model, data and run directory from run.json; drop --model/--data/--out",
                     EXIT_USAGE,
                 )
-            s = run_extract(resume=str(resume), overrides=opts)
+            overrides = {
+                **given(ctx, opts),
+                **({"aux_layers": opts["aux_layers"]} if aux_layers else {}),
+            }
+            s = run_extract(resume=str(resume), overrides=overrides)
         else:
             if not (model and data and out):
                 raise fail("need --model, --data and --out (or --resume RUN_DIR)", EXIT_USAGE)
