@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from eyas.data.config import PrepareConfig
+from eyas.data.config import GenerateConfig, PrepareConfig
 from eyas.errors import EXIT_PROBLEMS, EXIT_STOPPED, EXIT_USAGE, exit_code
 from eyas.extract_config import ExtractConfig
 from eyas.host.cpu import pin_runtime_env
@@ -257,6 +257,7 @@ def _prepare_report(s, written: bool) -> None:
 
 
 @app.command()
+@config_options(GenerateConfig, skip={"progress"})
 def generate(
     endpoint: str = typer.Option(
         ..., "--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000."
@@ -268,50 +269,14 @@ def generate(
     out: Path = typer.Option(
         ..., "--out", help="Output JSONL (state next to it in OUT.eyas-gen/)."
     ),
-    concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight."),
-    max_tokens: int = typer.Option(
-        2048, "--max-tokens", help="Longest answer in tokens (longer ones are cut and marked)."
-    ),
-    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy."),
-    seed: int | None = typer.Option(
-        None, "--seed", help="Sampling seed sent with every request (default: none)."
-    ),
-    timeout: float = typer.Option(
-        600.0, "--timeout", help="Seconds one request may take in all before a retry."
-    ),
-    retries: int = typer.Option(
-        6, "--retries", help="Retries on 429/5xx, timeouts, dropped connections."
-    ),
-    backoff: float = typer.Option(
-        1.0, "--backoff", help="Seconds before the first retry (doubling)."
-    ),
-    turns: str = typer.Option(
-        "last", "--turns", help="last: the last assistant turn; all: every one, in order."
-    ),
-    api_key_env: str | None = typer.Option(
-        None,
-        "--api-key-env",
-        help="Environment variable with the API key (never written anywhere).",
-    ),
-    max_response_bytes: int = typer.Option(
-        64 << 20, "--max-response-bytes", help="Largest answer accepted (bytes)."
-    ),
-    chat_template: Path | None = typer.Option(
-        None,
-        "--chat-template",
-        help="Jinja chat template file sent with every request (vLLM's chat API takes one per request), for a target served without one.",
-    ),  # fmt: skip
+    opts: dict = OPTS,
 ) -> None:
     """Replace assistant turns with the target's own answers, through a serving endpoint, exactly once."""
-    from eyas.data.generate import EndpointUnreachable, GenerateConfig, GenerateStopped
+    from eyas.data.generate import EndpointUnreachable, GenerateStopped
     from eyas.data.generate import generate as run_generate
 
-    cfg = _config(
-        GenerateConfig, endpoint=endpoint, model=model, data=tuple(str(p) for p in data), out=str(out),
-        concurrency=concurrency, max_tokens=max_tokens, temperature=temperature, seed=seed, timeout=timeout,
-        retries=retries, backoff=backoff, turns=turns, api_key_env=api_key_env,
-        max_response_bytes=max_response_bytes, chat_template=str(chat_template) if chat_template else None,
-    )  # fmt: skip
+    cfg = _config(GenerateConfig, endpoint=endpoint, model=model, data=tuple(str(p) for p in data),
+                  out=str(out), **opts)  # fmt: skip
     command = (
         shlex.join(["eyas", *sys.argv[1:]])
         if sys.argv[1:2] == ["generate"]

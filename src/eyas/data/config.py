@@ -1,8 +1,11 @@
-"""`PrepareConfig`: what `eyas prepare` is asked to do, one field per option, each with its
-default and (as its docstring) the help the command line shows. Imports nothing heavy."""
+"""`PrepareConfig` and `GenerateConfig`: what `eyas prepare` and `eyas generate` are asked to
+do, one field per option, each with its default and (as its docstring) the help the command
+line shows. Imports nothing heavy."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 
 
@@ -59,3 +62,74 @@ class PrepareConfig:
             raise ValueError(f"--draft-vocab-size must be positive, got {self.draft_vocab_size}")
         if not 0 <= self.max_error_rate <= 1:
             raise ValueError(f"--max-error-rate must lie in [0, 1], got {self.max_error_rate}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    endpoint: str
+    """Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (or .../v1)."""
+    model: str
+    """The model name the endpoint serves."""
+    data: tuple[str, ...]
+    """Input files: the record forms `prepare` reads."""
+    out: str
+    """Output JSONL: every successful record once, in input order, with provenance."""
+    concurrency: int = 8
+    """Requests in flight."""
+    max_tokens: int = 2048
+    """Longest answer in tokens (longer ones are cut and marked)."""
+    temperature: float = 0.0
+    """0 is greedy."""
+    seed: int | None = None
+    """Sampling seed sent with every request (default: none)."""
+    timeout: float = 600.0
+    """Seconds one request may take before it is retried."""
+    retries: int = 6
+    """Retries per request after 429/5xx, timeouts and dropped connections."""
+    backoff: float = 1.0
+    """Seconds before the first retry; each further retry waits twice as long (with jitter, at most 60)."""
+    turns: str = "last"
+    """`last`: regenerate the last assistant turn; `all`: every assistant turn, in order."""
+    api_key_env: str | None = None
+    """Name of an environment variable holding the API key (the key is never written)."""
+    max_response_bytes: int = 64 << 20
+    """Largest answer accepted; a larger one is a failed request (it cannot be a sane reply)."""
+    chat_template: str | None = None
+    """A Jinja chat template file whose text is sent with every request (`chat_template`, as
+    vLLM's chat API takes it), for a target served without a template of its own."""
+    progress: bool = True
+    """Progress lines and summaries on the console."""
+
+    def __post_init__(self) -> None:
+        if self.turns not in ("last", "all"):
+            raise ValueError(f"--turns must be last or all, got {self.turns!r}")
+        if (
+            self.concurrency < 1
+            or self.retries < 0
+            or self.max_tokens < 1
+            or self.timeout <= 0
+            or self.backoff < 0
+            or self.max_response_bytes < 1024
+        ):
+            raise ValueError(
+                "--concurrency and --max-tokens must be >= 1, --retries >= 0, --timeout > 0, "
+                "--max-response-bytes >= 1024"
+            )
+        if not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"--endpoint must be an http(s) URL, got {self.endpoint!r}")
+        if self.api_key_env and self.api_key_env not in os.environ:
+            raise ValueError(f"--api-key-env {self.api_key_env}: no such environment variable")
+        from eyas.targets.target import read_chat_template  # torch: once a config is made
+
+        object.__setattr__(self, "_template", read_chat_template(self.chat_template))
+
+    def sampling(self) -> dict:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "seed": self.seed,
+            "turns": self.turns,
+            # Another template is another rendering of every prompt: fixed for the run.
+            **({"chat_template": hashlib.sha256(self._template.encode()).hexdigest()[:16]}
+               if self._template else {}),
+        }  # fmt: skip

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eyas import __version__
+from eyas.data.config import GenerateConfig
 from eyas.data.records import (
     RawRecord,
     RecordError,
@@ -45,76 +46,10 @@ from eyas.resume import ResumeRule
 from eyas.run.fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
 from eyas.run.lock import WriterLock
 from eyas.stop import StopSignals
-from eyas.targets.target import read_chat_template
 
 STATE_SUFFIX = ".eyas-gen"
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 STOP_GRACE = 5.0  # seconds a stop waits for requests in flight before abandoning them
-
-
-@dataclass(frozen=True, kw_only=True)
-class GenerateConfig:
-    endpoint: str
-    """Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (or .../v1)."""
-    model: str
-    """The model name the endpoint serves."""
-    data: tuple[str, ...]
-    """Input files: the record forms `prepare` reads."""
-    out: str
-    """Output JSONL: every successful record once, in input order, with provenance."""
-    concurrency: int = 8
-    max_tokens: int = 2048
-    temperature: float = 0.0
-    """0 is greedy."""
-    seed: int | None = None
-    timeout: float = 600.0
-    """Seconds one request may take before it is retried."""
-    retries: int = 6
-    """Retries per request after 429/5xx, timeouts and dropped connections."""
-    backoff: float = 1.0
-    """Seconds before the first retry; each further retry waits twice as long (with jitter, at most 60)."""
-    turns: str = "last"
-    """`last`: regenerate the last assistant turn; `all`: every assistant turn, in order."""
-    api_key_env: str | None = None
-    """Name of an environment variable holding the API key (the key is never written)."""
-    max_response_bytes: int = 64 << 20
-    """Largest answer accepted; a larger one is a failed request (it cannot be a sane reply)."""
-    chat_template: str | None = None
-    """A Jinja chat template file whose text is sent with every request (`chat_template`, as
-    vLLM's chat API takes it), for a target served without a template of its own."""
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.turns not in ("last", "all"):
-            raise ValueError(f"--turns must be last or all, got {self.turns!r}")
-        if (
-            self.concurrency < 1
-            or self.retries < 0
-            or self.max_tokens < 1
-            or self.timeout <= 0
-            or self.backoff < 0
-            or self.max_response_bytes < 1024
-        ):
-            raise ValueError(
-                "--concurrency and --max-tokens must be >= 1, --retries >= 0, --timeout > 0, "
-                "--max-response-bytes >= 1024"
-            )
-        if not self.endpoint.startswith(("http://", "https://")):
-            raise ValueError(f"--endpoint must be an http(s) URL, got {self.endpoint!r}")
-        if self.api_key_env and self.api_key_env not in os.environ:
-            raise ValueError(f"--api-key-env {self.api_key_env}: no such environment variable")
-        object.__setattr__(self, "_template", read_chat_template(self.chat_template))
-
-    def sampling(self) -> dict:
-        return {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "seed": self.seed,
-            "turns": self.turns,
-            # Another template is another rendering of every prompt: fixed for the run.
-            **({"chat_template": hashlib.sha256(self._template.encode()).hexdigest()[:16]}
-               if self._template else {}),
-        }  # fmt: skip
 
 
 class _SameFailure:
