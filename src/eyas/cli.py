@@ -19,6 +19,7 @@ from rich.markup import escape
 
 from eyas.data.config import GenerateConfig, PrepareConfig
 from eyas.errors import EXIT_PROBLEMS, EXIT_STOPPED, EXIT_USAGE, exit_code
+from eyas.evaluate_config import EvaluateConfig
 from eyas.extract_config import ExtractConfig
 from eyas.host.cpu import pin_runtime_env
 from eyas.host.ui import console
@@ -700,6 +701,7 @@ def export(
 
 
 @app.command()
+@config_options(EvaluateConfig)
 def evaluate(
     model: Path = typer.Option(..., "--model", help="Target model directory."),
     drafter: list[Path] = typer.Option(
@@ -713,50 +715,13 @@ def evaluate(
         help='JSONL prompts: a last user turn, {"prompt": ...}, or conversations cut before '
         "their last assistant turn; a category field gives a table per category.",
     ),
-    draft_tokens: int | None = typer.Option(
-        None,
-        "--draft-tokens",
-        help="Tokens drafted a round, K (default: what the export serves: a chain's --speculative-tokens, a block's size - 1).",
-    ),  # fmt: skip
-    max_new_tokens: int = typer.Option(
-        64,
-        "--max-new-tokens",
-        help="Tokens generated per prompt (each reply stops earlier at its end).",
-    ),
-    limit: int = typer.Option(1000, "--limit", help="Prompts to use at most (0: all)."),
-    precision: float = typer.Option(
-        0.05,
-        "--precision",
-        help="Stop once tokens per forward is known to +- this (95% interval; 0: use every prompt).",
-    ),
-    engine: str = typer.Option(
-        "hf", "--engine", help="hf (eyas's own decoder) or vllm (vLLM as the judge)."
-    ),
-    tensor_parallel_size: int = typer.Option(
-        1, "--tensor-parallel-size", help="vllm: GPUs for the target."
-    ),
-    trust_remote_code: bool = typer.Option(
-        False, "--trust-remote-code", help="Let the model directory's code run."
-    ),
-    device: str = typer.Option(
-        "auto", "--device", help="hf: auto (a GPU where there is one), cpu, cuda or cuda:K."
-    ),
     chat_template_kwargs: str | None = typer.Option(
         None,
         "--chat-template-kwargs",
         help="JSON object of chat-template variables (default: those the drafter's training data was prepared with).",
     ),  # fmt: skip
-    chat_template: Path | None = typer.Option(
-        None,
-        "--chat-template",
-        help="Jinja chat template file to render the prompts with (default: the one the drafter's data was prepared with, else the tokenizer's).",
-    ),  # fmt: skip
-    max_error_rate: float = typer.Option(
-        0.01,
-        "--max-error-rate",
-        help="Share of --data records that cannot be prompts above which nothing is evaluated (exit 1).",
-    ),  # fmt: skip
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+    opts: dict = OPTS,
 ) -> None:
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check.
     Several --drafter are judged on the same prompts, with their paired differences."""
@@ -767,8 +732,8 @@ def evaluate(
     from eyas.targets.target import ModelDirError
 
     _quiet_transformers()
-    if engine not in ("hf", "vllm"):
-        raise fail(f"--engine must be hf or vllm, got {engine!r}", EXIT_USAGE)
+    cfg = _config(EvaluateConfig, **opts)
+    engine = cfg.engine
     if len(drafter) > 1 and engine == "vllm":
         raise fail("several --drafter are compared prompt by prompt, which vLLM's run totals cannot do: "
                    "give them with --engine hf, or one at a time", EXIT_USAGE)  # fmt: skip
@@ -777,14 +742,13 @@ def evaluate(
     for dr in drafter:
         if Path(dr).exists():  # a missing one is said after the prompts and the tokenizer
             _need(dr, "export")
-    kw = dict(k=draft_tokens, max_new_tokens=max_new_tokens, limit=limit or None,
-              trust_remote_code=trust_remote_code, max_error_rate=max_error_rate,
-              chat_template_kwargs=_json_object(chat_template_kwargs),
-              chat_template=str(chat_template) if chat_template else None)  # fmt: skip
+    kw = dict(k=cfg.draft_tokens, max_new_tokens=cfg.max_new_tokens, limit=cfg.limit or None,
+              trust_remote_code=cfg.trust_remote_code, max_error_rate=cfg.max_error_rate,
+              chat_template_kwargs=_json_object(chat_template_kwargs), chat_template=cfg.chat_template)  # fmt: skip
     if engine == "vllm":
-        kw["tensor_parallel_size"] = tensor_parallel_size
+        kw["tensor_parallel_size"] = cfg.tensor_parallel_size
     else:  # several drafters: every prompt for each, so that they are judged on the same ones
-        kw.update(precision=(precision or None) if len(drafter) == 1 else None, device=device,
+        kw.update(precision=(cfg.precision or None) if len(drafter) == 1 else None, device=cfg.device,
                   greedy_cache={}, target_cache={})  # fmt: skip
     results = []
     for dr in drafter:

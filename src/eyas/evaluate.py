@@ -26,6 +26,7 @@ from eyas.data.records import (
     read_conversation,
 )
 from eyas.errors import UsageError
+from eyas.evaluate_config import EvaluateConfig as _D  # the defaults, written once
 from eyas.export import (
     drafts_per_round,
     export_kind,
@@ -462,17 +463,17 @@ def evaluate(
     data: str,
     *,
     k: int | None = None,
-    max_new_tokens: int = 64,
-    limit: int | None = 1000,
-    precision: float | None = 0.05,
+    max_new_tokens: int = _D.max_new_tokens,
+    limit: int | None = _D.limit,
+    precision: float | None = _D.precision,
     trust_remote_code: bool = False,
     progress: bool = True,
     greedy_cache: dict | None = None,
     target_cache: dict | None = None,
-    device: str = "auto",
+    device: str = _D.device,
     chat_template_kwargs: dict | None = None,
     chat_template: str | None = None,
-    max_error_rate: float = 0.01,
+    max_error_rate: float = _D.max_error_rate,
 ) -> EvalResult:
     """Speculative against greedy decoding over the prompts of `data` (at most `limit`),
     stopping early once the 95% interval of tokens per forward is within +-`precision`
@@ -617,14 +618,14 @@ def evaluate_vllm(
     data: str,
     *,
     k: int | None = None,
-    max_new_tokens: int = 64,
-    limit: int | None = 1000,
-    tensor_parallel_size: int = 1,
+    max_new_tokens: int = _D.max_new_tokens,
+    limit: int | None = _D.limit,
+    tensor_parallel_size: int = _D.tensor_parallel_size,
     trust_remote_code: bool = False,
     progress: bool = True,
     chat_template_kwargs: dict | None = None,
     chat_template: str | None = None,
-    max_error_rate: float = 0.01,
+    max_error_rate: float = _D.max_error_rate,
 ) -> EvalResult:
     """The same measurement with vLLM as the judge: greedy generation without and with the
     exported drafter (EAGLE-3, chain of `k`), vLLM's own speculative-decoding counters for
