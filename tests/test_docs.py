@@ -112,17 +112,33 @@ def test_the_shipped_examples_prepare(name, tmp_path, targets):
 
 
 def test_every_option_says_what_it_does():
-    """Every option of every command has help; the train and prepare options come from their
-    config's fields, so their defaults are the config's."""
-    from eyas.data.config import PrepareConfig
+    """Every option of every command has help; the options of the commands that have a
+    config come from its fields, so their defaults are the config's (and the library's
+    evaluate takes its defaults from the same config)."""
+    import dataclasses
+    import inspect
+
+    from eyas.data.config import GenerateConfig, PrepareConfig
+    from eyas.evaluate import evaluate, evaluate_vllm
+    from eyas.evaluate_config import EvaluateConfig
+    from eyas.extract_config import ExtractConfig
     from eyas.training.config import TrainConfig
 
     group = typer.main.get_command(app)
     silent = [f"{name} {p.opts[0]}" for name, cmd in group.commands.items() for p in cmd.params
               if p.param_type_name == "option" and not (p.help or "").strip()]  # fmt: skip
     assert not silent, silent
-    for name, cls in (("train", TrainConfig), ("prepare", PrepareConfig)):
+    configs = {"train": TrainConfig, "prepare": PrepareConfig, "extract": ExtractConfig,
+               "generate": GenerateConfig, "evaluate": EvaluateConfig}  # fmt: skip
+    for name, cls in configs.items():
         params = {p.name: p for p in group.commands[name].params}
-        for f in __import__("dataclasses").fields(cls):
-            if f.name in params and f.default is not __import__("dataclasses").MISSING:
+        checked = 0
+        for f in dataclasses.fields(cls):
+            if f.name in params and f.default is not dataclasses.MISSING:
                 assert params[f.name].default == f.default, (name, f.name)
+                checked += 1
+        assert checked >= 5, (name, checked)  # the command's options are the config's
+    for fn in (evaluate, evaluate_vllm):
+        for p in inspect.signature(fn).parameters.values():
+            if hasattr(EvaluateConfig, p.name) and p.default is not p.empty:
+                assert p.default == getattr(EvaluateConfig, p.name), (fn.__name__, p.name)
