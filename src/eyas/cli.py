@@ -104,8 +104,11 @@ def _disk_full(exc: BaseException, then: str) -> None:
     from eyas.run.fsutil import is_disk_full
 
     if is_disk_full(exc):
-        raise fail(f"disk full: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}. "
-                   f"Nothing half-written is kept; free space, then: {then}", EXIT_STOPPED) from None  # fmt: skip
+        raise fail(
+            f"disk full: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}. "
+            f"Nothing half-written is kept; free space, then: {then}",
+            EXIT_STOPPED,
+        ) from None
 
 
 def _json_object(text: str | None) -> dict | None:
@@ -162,12 +165,23 @@ def tiny_target(
     _quiet_transformers()
     heads = 4 if hidden_size % 4 == 0 else 1
     sizes = _config(
-        TinySizes, num_hidden_layers=layers, hidden_size=hidden_size, num_attention_heads=heads,
-        num_key_value_heads=min(2, heads) if heads % 2 == 0 else 1, intermediate_size=2 * hidden_size,
-    )  # fmt: skip
+        TinySizes,
+        num_hidden_layers=layers,
+        hidden_size=hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=min(2, heads) if heads % 2 == 0 else 1,
+        intermediate_size=2 * hidden_size,
+    )
     try:
-        path = build_tiny_target(out, arch, like=like, sizes=sizes, seed=seed,
-                                 trust_remote_code=trust_remote_code, base=base)  # fmt: skip
+        path = build_tiny_target(
+            out,
+            arch,
+            like=like,
+            sizes=sizes,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+            base=base,
+        )
     except (FileNotFoundError, OSError, ValueError) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     console.print(
@@ -196,9 +210,13 @@ def prepare(
 
     _quiet_transformers()
     cfg = _config(
-        PrepareConfig, model=str(model), data=tuple(str(p) for p in [*data, *(extra_data or [])]),
-        out=str(out), chat_template_kwargs=_json_object(chat_template_kwargs), **opts,
-    )  # fmt: skip
+        PrepareConfig,
+        model=str(model),
+        data=tuple(str(p) for p in [*data, *(extra_data or [])]),
+        out=str(out),
+        chat_template_kwargs=_json_object(chat_template_kwargs),
+        **opts,
+    )
     from eyas.data.prepare import PrepareFailed
     from eyas.targets.target import ModelDirError
 
@@ -226,31 +244,41 @@ def _prepare_report(s, written: bool) -> None:
     def say(msg: str) -> None:
         console.print(msg, markup=False, highlight=False)
 
-    say(f"prepared {s.prepared}/{s.records} records"
+    say(
+        f"prepared {s.prepared}/{s.records} records"
         + (f" into {s.samples} samples (one per assistant turn)" if s.samples != s.prepared else "")
         + f", {s.tokens} tokens ({s.trainable_tokens} trainable), {s.truncated} truncated, "
         f"{s.skipped_overlong} skipped as overlong, {len(s.emptied)} emptied by truncation, "
-        f"{s.failed} failed" + (f" -> {s.out}" if written else ""))  # fmt: skip
+        f"{s.failed} failed" + (f" -> {s.out}" if written else "")
+    )
     for f, n in sorted(s.dropped.items()):
         where = f"(in {s.dropped_in.get(f, s.dropped_records)} records)"
         if f in ("tool_calls", "reasoning"):
-            say(f"  {n:6d}  assistant turns whose {f.replace('_', ' ')} the chat template does not render "
-                f"{where}: not trained on")  # fmt: skip
+            say(
+                f"  {n:6d}  assistant turns whose {f.replace('_', ' ')} the chat template does not render "
+                f"{where}: not trained on"
+            )
         elif f == "reasoning_in_history":
-            say(f"  {n:6d}  earlier assistant turns whose reasoning the chat template drops from the history "
-                f"{where}: not trained on; --per-turn-samples trains each turn with its reasoning")  # fmt: skip
+            say(
+                f"  {n:6d}  earlier assistant turns whose reasoning the chat template drops from the history "
+                f"{where}: not trained on; --per-turn-samples trains each turn with its reasoning"
+            )
         else:
-            say(f"  {n:6d}  {f} turns the chat template does not render {where}: the drafter learns the "
+            say(
+                f"  {n:6d}  {f} turns the chat template does not render {where}: the drafter learns the "
                 f"answers without them, as the served target sees them; a template that renders {f} "
-                "turns (--chat-template FILE) keeps them")  # fmt: skip
+                "turns (--chat-template FILE) keeps them"
+            )
     for code, n in s.reasons.items():
         extra = ""
         if code == "unknown-role" and s.unknown_roles:
             extra = ": " + ", ".join(f"{r} ({k})" for r, k in sorted(s.unknown_roles.items()))
         say(f"  {n:6d}  {REASONS.get(code, code)}{extra}")
     if s.emptied:
-        say(f"  {len(s.emptied)} record(s) begin their first answer past --max-length; "
-            f"--max-length {s.max_length_keeping()} would keep 90% of them")  # fmt: skip
+        say(
+            f"  {len(s.emptied)} record(s) begin their first answer past --max-length; "
+            f"--max-length {s.max_length_keeping()} would keep 90% of them"
+        )
     for note in s.notes:
         say(f"note: {note}")
     if written and (s.failed or s.emptied or s.skipped_overlong):
@@ -276,8 +304,14 @@ def generate(
     from eyas.data.generate import EndpointUnreachable, GenerateStopped
     from eyas.data.generate import generate as run_generate
 
-    cfg = _config(GenerateConfig, endpoint=endpoint, model=model, data=tuple(str(p) for p in data),
-                  out=str(out), **opts)  # fmt: skip
+    cfg = _config(
+        GenerateConfig,
+        endpoint=endpoint,
+        model=model,
+        data=tuple(str(p) for p in data),
+        out=str(out),
+        **opts,
+    )
     command = (
         shlex.join(["eyas", *sys.argv[1:]])
         if sys.argv[1:2] == ["generate"]
@@ -298,8 +332,9 @@ def generate(
         f"generated {s.generated} records ({s.done_before} done before, {s.failed} failed, {s.truncated} cut by "
         f"--max-tokens) with {s.requests} requests, {s.completion_tokens:,} completion tokens in {s.seconds:.1f}s "
         f"({s.requests / max(s.seconds, 1e-9):.2f} req/s, {s.completion_tokens / max(s.seconds, 1e-9):,.0f} tok/s) -> {s.out}",
-        markup=False, highlight=False,
-    )  # fmt: skip
+        markup=False,
+        highlight=False,
+    )
     if s.failed:
         from eyas.data.generate import state_dir
 
@@ -400,12 +435,12 @@ def estimate(
         "auto",
         "--store-dtype",
         help="float32, bfloat16 or float16; auto: what extract stores on --device (its compute dtype).",
-    ),  # fmt: skip
+    ),
     device: str = typer.Option(
         "auto",
         "--device",
         help="Where the extraction will run: cuda (bfloat16 by default), cpu (float32) or auto (this machine).",
-    ),  # fmt: skip
+    ),
     storage: str = typer.Option("dense", "--storage", help="dense or fp8."),
     target: str = typer.Option("last", "--target", help="last or topk:K."),
     draft_vocab_size: int = typer.Option(
@@ -441,8 +476,11 @@ def estimate(
             EXIT_USAGE,
         )
     if samples < 1 or tokens_per_sample <= 0:
-        raise fail(f"--samples and --tokens-per-sample must be positive, got {samples} and "
-                   f"{tokens_per_sample}", EXIT_USAGE)  # fmt: skip
+        raise fail(
+            f"--samples and --tokens-per-sample must be positive, got {samples} and "
+            f"{tokens_per_sample}",
+            EXIT_USAGE,
+        )
     dt = DTYPES[store_dtype]
     per_token = layout.bytes_per_token(H, dt, draft_vocab_size)
     per_sample = overhead_per_sample(layout, H, dt, int(tokens_per_sample))
@@ -453,8 +491,9 @@ def estimate(
         f"  {per_token:,} bytes per token + {per_sample:,} bytes per sample (header, journal line)\n"
         f"  {human_bytes(total)} in all ({_decimal(total)}); {per_token / peers:.0%} of the 8H+16 = {peers:,} "
         f"bytes per token other tools store (in bfloat16{'; --store-dtype bfloat16 halves this' if dt == DTYPES['float32'] else ''})",
-        markup=False, highlight=False,
-    )  # fmt: skip
+        markup=False,
+        highlight=False,
+    )
 
 
 @app.command()
@@ -600,8 +639,12 @@ def train(
         dist.barrier()
         dist.destroy_process_group()
     if resume and res.get("steps_now") == 0:
-        console.print(f"already trained: {res['steps']} steps, nothing left to do; the drafter is in {out} "
-                      f"(eyas export {out} --format vllm --out DRAFTER_DIR)", markup=False, highlight=False)  # fmt: skip
+        console.print(
+            f"already trained: {res['steps']} steps, nothing left to do; the drafter is in {out} "
+            f"(eyas export {out} --format vllm --out DRAFTER_DIR)",
+            markup=False,
+            highlight=False,
+        )
         return
     v = res["val"]
     tail = (
@@ -693,11 +736,18 @@ def export(
 
     served = drafts_per_round(path)
     if speculative_tokens is not None and served != speculative_tokens:
-        console.print(f"note: --speculative-tokens {speculative_tokens} does not apply to this drafter: its "
-                      f"block drafts {served} tokens a round (set by train --block-size)",
-                      markup=False, highlight=False)  # fmt: skip
-    console.print(f"exported {fmt} drafter to {path}, drafting {served} tokens a round\n"
-                  f"  serve with: {serve_command(path, fmt)}", markup=False, highlight=False)  # fmt: skip
+        console.print(
+            f"note: --speculative-tokens {speculative_tokens} does not apply to this drafter: its "
+            f"block drafts {served} tokens a round (set by train --block-size)",
+            markup=False,
+            highlight=False,
+        )
+    console.print(
+        f"exported {fmt} drafter to {path}, drafting {served} tokens a round\n"
+        f"  serve with: {serve_command(path, fmt)}",
+        markup=False,
+        highlight=False,
+    )
 
 
 @app.command()
@@ -719,7 +769,7 @@ def evaluate(
         None,
         "--chat-template-kwargs",
         help="JSON object of chat-template variables (default: those the drafter's training data was prepared with).",
-    ),  # fmt: skip
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     opts: dict = OPTS,
 ) -> None:
@@ -735,21 +785,34 @@ def evaluate(
     cfg = _config(EvaluateConfig, **opts)
     engine = cfg.engine
     if len(drafter) > 1 and engine == "vllm":
-        raise fail("several --drafter are compared prompt by prompt, which vLLM's run totals cannot do: "
-                   "give them with --engine hf, or one at a time", EXIT_USAGE)  # fmt: skip
+        raise fail(
+            "several --drafter are compared prompt by prompt, which vLLM's run totals cannot do: "
+            "give them with --engine hf, or one at a time",
+            EXIT_USAGE,
+        )
     if len(set(map(str, drafter))) < len(drafter):
         raise fail("the same --drafter is given twice", EXIT_USAGE)
     for dr in drafter:
         if Path(dr).exists():  # a missing one is said after the prompts and the tokenizer
             _need(dr, "export")
-    kw = dict(k=cfg.draft_tokens, max_new_tokens=cfg.max_new_tokens, limit=cfg.limit or None,
-              trust_remote_code=cfg.trust_remote_code, max_error_rate=cfg.max_error_rate,
-              chat_template_kwargs=_json_object(chat_template_kwargs), chat_template=cfg.chat_template)  # fmt: skip
+    kw = dict(
+        k=cfg.draft_tokens,
+        max_new_tokens=cfg.max_new_tokens,
+        limit=cfg.limit or None,
+        trust_remote_code=cfg.trust_remote_code,
+        max_error_rate=cfg.max_error_rate,
+        chat_template_kwargs=_json_object(chat_template_kwargs),
+        chat_template=cfg.chat_template,
+    )
     if engine == "vllm":
         kw["tensor_parallel_size"] = cfg.tensor_parallel_size
     else:  # several drafters: every prompt for each, so that they are judged on the same ones
-        kw.update(precision=(cfg.precision or None) if len(drafter) == 1 else None, device=cfg.device,
-                  greedy_cache={}, target_cache={})  # fmt: skip
+        kw.update(
+            precision=(cfg.precision or None) if len(drafter) == 1 else None,
+            device=cfg.device,
+            greedy_cache={},
+            target_cache={},
+        )
     results = []
     for dr in drafter:
         try:
@@ -777,9 +840,13 @@ def evaluate(
         raise typer.Exit(EXIT_PROBLEMS)
     if len(ds) < len(drafter) or ds[-1].get("partial"):
         d = ds[-1]
-        console.print(f"stopped: by {d.get('stopped_by')} after {d['prompts']} of {d.get('prompts_planned', d['prompts'])} "
-                      f"prompts{'' if len(drafter) == 1 else f' of drafter {len(ds)} of {len(drafter)}'}; "
-                      "the figures are over those alone", markup=False, highlight=False)  # fmt: skip
+        console.print(
+            f"stopped: by {d.get('stopped_by')} after {d['prompts']} of {d.get('prompts_planned', d['prompts'])} "
+            f"prompts{'' if len(drafter) == 1 else f' of drafter {len(ds)} of {len(drafter)}'}; "
+            "the figures are over those alone",
+            markup=False,
+            highlight=False,
+        )
         raise typer.Exit(EXIT_STOPPED)
 
 

@@ -21,8 +21,13 @@ EVAL_SEED = 99
 
 
 def run_demo(
-    workdir: Path, *, epochs: int = 10, ttt_steps: int = 5, eval_prompts: int = 1000, kind: str = "eagle3",
-) -> dict:  # fmt: skip
+    workdir: Path,
+    *,
+    epochs: int = 10,
+    ttt_steps: int = 5,
+    eval_prompts: int = 1000,
+    kind: str = "eagle3",
+) -> dict:
     from eyas.data.prepare import PrepareConfig, prepare
     from eyas.evaluate import evaluate
     from eyas.export import ExportError, export
@@ -87,8 +92,21 @@ def run_demo(
 
     stage("train")
     tdir = workdir / "train"
-    t = train(TrainConfig(data=str(run), out=str(tdir), epochs=epochs, ttt_steps=ttt_steps, lr=3e-3, warmup_steps=10,
-                          batch_tokens=2048, val_fraction=0.1, save_every=50, head_init="target", kind=kind))  # fmt: skip
+    t = train(
+        TrainConfig(
+            data=str(run),
+            out=str(tdir),
+            epochs=epochs,
+            ttt_steps=ttt_steps,
+            lr=3e-3,
+            warmup_steps=10,
+            batch_tokens=2048,
+            val_fraction=0.1,
+            save_every=50,
+            head_init="target",
+            kind=kind,
+        )
+    )
     done("train")
 
     stage("export")

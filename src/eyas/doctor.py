@@ -56,20 +56,47 @@ class DoctorReport:
     def to_dict(self) -> dict:
         return {
             "gpus": {
-                "source": self.gpus.source, "note": self.gpus.note,
+                "source": self.gpus.source,
+                "note": self.gpus.note,
                 "devices": [
-                    {"index": g.index, "name": g.name, "uuid": g.uuid, "used_bytes": g.used_bytes,
-                     "total_bytes": g.total_bytes, "utilization": g.utilization,
-                     "processes": [{"pid": p.pid, "used_bytes": p.used_bytes, "cmdline": p.cmdline, "unit": p.unit,
-                                    "user_unit": p.user_unit, "container": p.container, "stop_command": p.stop_command()}
-                                   for p in g.processes]}
+                    {
+                        "index": g.index,
+                        "name": g.name,
+                        "uuid": g.uuid,
+                        "used_bytes": g.used_bytes,
+                        "total_bytes": g.total_bytes,
+                        "utilization": g.utilization,
+                        "processes": [
+                            {
+                                "pid": p.pid,
+                                "used_bytes": p.used_bytes,
+                                "cmdline": p.cmdline,
+                                "unit": p.unit,
+                                "user_unit": p.user_unit,
+                                "container": p.container,
+                                "stop_command": p.stop_command(),
+                            }
+                            for p in g.processes
+                        ],
+                    }
                     for g in self.gpus.gpus
                 ],
             },
-            "runs": [{"run": r.run, "ok": r.ok, "findings": [{"level": lv, "text": t} for lv, t in r.lines], **r.facts} for r in self.runs],
-            "plan": [{"step": i + 1, "text": a.text, "command": a.command, "blocking": a.blocking} for i, a in enumerate(self.actions)],
+            "runs": [
+                {
+                    "run": r.run,
+                    "ok": r.ok,
+                    "findings": [{"level": lv, "text": t} for lv, t in r.lines],
+                    **r.facts,
+                }
+                for r in self.runs
+            ],
+            "plan": [
+                {"step": i + 1, "text": a.text, "command": a.command, "blocking": a.blocking}
+                for i, a in enumerate(self.actions)
+            ],
             "needs_action": self.needs_action,
-        }  # fmt: skip
+        }
 
 
 def doctor(
@@ -128,23 +155,39 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
     meta = mr.meta
     if mr.damage or mr.backup_damage:
         rep.add("error", f"config: {mr.damage or 'run.backup.json is ' + mr.backup_damage}")
-        actions.append(Action(f"restore the run's description of {run} from its good copy",
-                              f"eyas verify --repair {run}"))  # fmt: skip
+        actions.append(
+            Action(
+                f"restore the run's description of {run} from its good copy",
+                f"eyas verify --repair {run}",
+            )
+        )
     else:
-        rep.add("ok", f"config: run.json intact (eyas {meta.get('eyas_version')}, created {meta.get('created')}, "
-                f"backend {meta.get('backend', 'hf')})")  # fmt: skip
+        rep.add(
+            "ok",
+            f"config: run.json intact (eyas {meta.get('eyas_version')}, created {meta.get('created')}, "
+            f"backend {meta.get('backend', 'hf')})",
+        )
 
     _check_inputs(meta, rep, actions)
     st = run_status(run)
-    rep.facts = {"done": st.done, "total": st.total, "remaining": st.remaining, "failed": st.failed,
-                 "bytes_needed": st.bytes_needed, "free_bytes": st.free_bytes}  # fmt: skip
+    rep.facts = {
+        "done": st.done,
+        "total": st.total,
+        "remaining": st.remaining,
+        "failed": st.failed,
+        "bytes_needed": st.bytes_needed,
+        "free_bytes": st.free_bytes,
+    }
     rep.add(
         "ok",
         f"progress: {st.done}/{st.total} samples done, {st.remaining} remaining, {st.failed} failed; last commit {ago(st.last_commit)}",
     )
     if not st.model_loaded and not st.live_writer and any(lk["phase"] for lk in st.locks):
-        rep.add("warn", "progress: the model never finished loading (the last writer stopped while "
-                "starting or loading it); the resume starts again from loading")  # fmt: skip
+        rep.add(
+            "warn",
+            "progress: the model never finished loading (the last writer stopped while "
+            "starting or loading it); the resume starts again from loading",
+        )
 
     _check_disk(run, st, rep, actions)
     _check_leftovers(run, st, rep)
@@ -202,19 +245,30 @@ def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:
             )
             from eyas.data.prepare import prepare_command
 
-            actions.append(Action(f"restore the prepared dataset at {data}, or start a new run"
-                                  + (" (rebuild it from the same inputs:)" if meta.get("dataset_prepare") else ""),
-                                  prepare_command(meta["dataset_prepare"]) + " --force"
-                                  if meta.get("dataset_prepare") else None))  # fmt: skip
+            actions.append(
+                Action(
+                    f"restore the prepared dataset at {data}, or start a new run"
+                    + (
+                        " (rebuild it from the same inputs:)" if meta.get("dataset_prepare") else ""
+                    ),
+                    prepare_command(meta["dataset_prepare"]) + " --force"
+                    if meta.get("dataset_prepare")
+                    else None,
+                )
+            )
     except (OSError, ValueError, KeyError) as exc:
         from eyas.data.prepare import prepare_command
         from eyas.extract import rebuild_hint
 
         rep.add("error", f"dataset: not usable at {data} ({exc})")
         if meta.get("dataset_prepare"):
-            actions.append(Action(f"rebuild the prepared dataset at {data} from the same inputs (it was moved, "
-                                  "deleted or replaced; the same inputs give the same fingerprint)",
-                                  prepare_command(meta["dataset_prepare"]) + " --force"))  # fmt: skip
+            actions.append(
+                Action(
+                    f"rebuild the prepared dataset at {data} from the same inputs (it was moved, "
+                    "deleted or replaced; the same inputs give the same fingerprint)",
+                    prepare_command(meta["dataset_prepare"]) + " --force",
+                )
+            )
         else:
             actions.append(Action(f"{rebuild_hint(meta)} (it was moved, deleted or replaced)"))
 
@@ -225,8 +279,10 @@ def _check_disk(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
 
     fs = filesystem_info(run)
     margin = fs.free_bytes - st.bytes_needed
-    line = (f"disk: {fs.mount_point} ({fs.fs_type} on {fs.device}), {human_bytes(fs.free_bytes)} free, "
-            f"run still needs ~{human_bytes(st.bytes_needed)}")  # fmt: skip
+    line = (
+        f"disk: {fs.mount_point} ({fs.fs_type} on {fs.device}), {human_bytes(fs.free_bytes)} free, "
+        f"run still needs ~{human_bytes(st.bytes_needed)}"
+    )
     if margin >= 0:
         rep.add("ok", f"{line}: fits with {human_bytes(margin)} to spare")
     else:
@@ -283,11 +339,20 @@ def _check_integrity(run: Path, st, deep: bool, rep: RunReport, actions: list[Ac
         if deep:
             rep.add("ok", f"integrity: {v.ok}/{v.checked} committed samples intact ({depth})")
         else:
-            rep.add("ok", f"integrity: {v.ok}/{v.checked} committed samples have intact headers and sizes; "
-                    f"their data was not read ({_verify_cost(run, st.store_bytes)})")  # fmt: skip
+            rep.add(
+                "ok",
+                f"integrity: {v.ok}/{v.checked} committed samples have intact headers and sizes; "
+                f"their data was not read ({_verify_cost(run, st.store_bytes)})",
+            )
             if v.checked:
-                actions.append(Action("read every committed sample and check its checksums (the quick check "
-                                      "above reads headers only)", f"eyas verify {run}", blocking=False))  # fmt: skip
+                actions.append(
+                    Action(
+                        "read every committed sample and check its checksums (the quick check "
+                        "above reads headers only)",
+                        f"eyas verify {run}",
+                        blocking=False,
+                    )
+                )
     else:
         rep.add(
             "error",
@@ -298,8 +363,13 @@ def _check_integrity(run: Path, st, deep: bool, rep: RunReport, actions: list[Ac
             if p.kind not in ("temp", "meta"):
                 rep.add("error", f"  {p.kind}: {p.detail}")
         if not any(a.command == f"eyas verify --repair {run}" for a in actions):
-            actions.append(Action(f"quarantine damaged samples and set aside damaged journal lines of {run} "
-                                  "so they are re-extracted", f"eyas verify --repair {run}"))  # fmt: skip
+            actions.append(
+                Action(
+                    f"quarantine damaged samples and set aside damaged journal lines of {run} "
+                    "so they are re-extracted",
+                    f"eyas verify --repair {run}",
+                )
+            )
     return kinds
 
 
@@ -310,43 +380,83 @@ def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
 
     if st.budget or st.retired:
         budget = f" of its {human_bytes(st.budget)} budget" if st.budget else ""
-        rep.add("ok", f"store: {human_bytes(st.store_bytes)} of samples on disk{budget}; {st.retired} retired "
-                "(consumed by training and deleted: done, not missing)")  # fmt: skip
+        rep.add(
+            "ok",
+            f"store: {human_bytes(st.store_bytes)} of samples on disk{budget}; {st.retired} retired "
+            "(consumed by training and deleted: done, not missing)",
+        )
     for f in st.followers:
         if f.get("lost"):
-            rep.add("warn", f"follower: {f['lost']} sample(s) of pass {f['pass'] + 1} were deleted before {f['out']} "
-                    "consumed them (it resumed from an older checkpoint than it had published, or came late): "
-                    "that pass trains without them")  # fmt: skip
+            rep.add(
+                "warn",
+                f"follower: {f['lost']} sample(s) of pass {f['pass'] + 1} were deleted before {f['out']} "
+                "consumed them (it resumed from an older checkpoint than it had published, or came late): "
+                "that pass trains without them",
+            )
         if f["problem"]:
             rep.add("error", f"follower: {f['describe']}")
-            actions.append(Action(f"resume the trainer that follows {run} (it rewrites its file), or remove "
-                                  "the file if that training was abandoned", f["command"] or None))  # fmt: skip
+            actions.append(
+                Action(
+                    f"resume the trainer that follows {run} (it rewrites its file), or remove "
+                    "the file if that training was abandoned",
+                    f["command"] or None,
+                )
+            )
         elif f["finished"] or f["live"]:
             rep.add(
                 "ok", f"follower: {f['describe']} ({'finished' if f['finished'] else 'running'})"
             )
         else:
             blocked = st.blocked is not None  # then the run cannot move until it runs again
-            rep.add("error" if blocked else "warn",
-                    f"follower: {f['describe']} (not running: the extractor deletes nothing it has not "
-                    "consumed, and waits for it when the store is full"
-                    + ("; it waits now: the run is blocked)" if blocked else ")"))  # fmt: skip
-            actions.append(Action("resume the trainer that follows the run (it continues from its newest "
-                                  "checkpoint: every sample once per pass)", f["command"], blocking=blocked))  # fmt: skip
-            actions.append(Action(f"or, if the training in {f['out']} was abandoned, stop the run waiting for it",
-                                  f"rm {f['path']}", blocking=False))  # fmt: skip
+            rep.add(
+                "error" if blocked else "warn",
+                f"follower: {f['describe']} (not running: the extractor deletes nothing it has not "
+                "consumed, and waits for it when the store is full"
+                + ("; it waits now: the run is blocked)" if blocked else ")"),
+            )
+            actions.append(
+                Action(
+                    "resume the trainer that follows the run (it continues from its newest "
+                    "checkpoint: every sample once per pass)",
+                    f["command"],
+                    blocking=blocked,
+                )
+            )
+            actions.append(
+                Action(
+                    f"or, if the training in {f['out']} was abandoned, stop the run waiting for it",
+                    f"rm {f['path']}",
+                    blocking=False,
+                )
+            )
     if st.budget and not st.followers and st.remaining > 0:
-        rep.add("warn", "store: the run has a --max-store budget but no trainer follows it: nothing is deleted, "
-                "and the extractor waits once the store is full")  # fmt: skip
-        actions.append(Action(f"start the trainer that consumes {run}", f"eyas train --follow --data {run} "
-                              "--out TRAIN_DIR", blocking=False))  # fmt: skip
+        rep.add(
+            "warn",
+            "store: the run has a --max-store budget but no trainer follows it: nothing is deleted, "
+            "and the extractor waits once the store is full",
+        )
+        actions.append(
+            Action(
+                f"start the trainer that consumes {run}",
+                f"eyas train --follow --data {run} --out TRAIN_DIR",
+                blocking=False,
+            )
+        )
     if (b := bottleneck(st)) is not None:
         rep.add("ok", f"bottleneck: {b}")
     if leftover_after_stream(st):
-        rep.add("ok", f"store: the run and its trainer are finished; {human_bytes(st.store_bytes)} of consumed "
-                "samples are still on disk (the extractor deletes them on its next start)")  # fmt: skip
-        actions.append(Action("delete the samples the finished trainer consumed", f"eyas extract --resume {run}",
-                              blocking=False))  # fmt: skip
+        rep.add(
+            "ok",
+            f"store: the run and its trainer are finished; {human_bytes(st.store_bytes)} of consumed "
+            "samples are still on disk (the extractor deletes them on its next start)",
+        )
+        actions.append(
+            Action(
+                "delete the samples the finished trainer consumed",
+                f"eyas extract --resume {run}",
+                blocking=False,
+            )
+        )
 
 
 def _plan_training(out: Path, actions: list[Action]) -> None:
@@ -360,8 +470,13 @@ def _plan_training(out: Path, actions: list[Action]) -> None:
     since = (
         f"from its checkpoint at step {int(ckpt.name.split('-')[-1])}" if ckpt else "from the start"
     )
-    actions.append(Action(f"resume the training in {out}: it stopped before its last step and continues "
-                          f"{since}", f"eyas train --resume --out {out}", blocking=False))  # fmt: skip
+    actions.append(
+        Action(
+            f"resume the training in {out}: it stopped before its last step and continues {since}",
+            f"eyas train --resume --out {out}",
+            blocking=False,
+        )
+    )
 
 
 def _verify_cost(run: Path, total_bytes: int) -> str:
@@ -383,8 +498,10 @@ def _verify_cost(run: Path, total_bytes: int) -> str:
     if not nbytes or el <= 0:
         return f"`eyas verify {run}` reads them"
     rate = nbytes / el
-    return (f"`eyas verify {run}` reads {human_bytes(total_bytes)}, about {human_duration(total_bytes / rate)} "
-            f"at the {rate / 1e6:,.0f} MB/s measured on {len(picked)} sample(s)")  # fmt: skip
+    return (
+        f"`eyas verify {run}` reads {human_bytes(total_bytes)}, about {human_duration(total_bytes / rate)} "
+        f"at the {rate / 1e6:,.0f} MB/s measured on {len(picked)} sample(s)"
+    )
 
 
 def _check_generation(state: Path, actions: list[Action]) -> RunReport:
@@ -400,8 +517,11 @@ def _check_generation(state: Path, actions: list[Action]) -> RunReport:
         f"generation: {g['done']}/{g['records']} records done for model {g['model']} at {g['endpoint']}",
     )
     if g["failed"]:
-        rep.add("warn", f"errors: {g['failed']} record(s) failed in the last session (see {state}/errors.jsonl); "
-                "a rerun retries them")  # fmt: skip
+        rep.add(
+            "warn",
+            f"errors: {g['failed']} record(s) failed in the last session (see {state}/errors.jsonl); "
+            "a rerun retries them",
+        )
     live = live_locks(state)
     for lk in live:
         rep.add("ok", f"lock: {lk.describe()}")
@@ -411,8 +531,13 @@ def _check_generation(state: Path, actions: list[Action]) -> RunReport:
             Action(f"a generator is running on {state}; let it finish", None, blocking=False)
         )
     elif g["remaining"] > 0 or not g["out_written"]:
-        actions.append(Action(f"continue the generation into {g['out']} (only what is missing is sent)", cmd,
-                              blocking=False))  # fmt: skip
+        actions.append(
+            Action(
+                f"continue the generation into {g['out']} (only what is missing is sent)",
+                cmd,
+                blocking=False,
+            )
+        )
     return rep
 
 
@@ -427,8 +552,11 @@ def render(rep: DoctorReport, out) -> None:
         out.print(f"  {rep.gpus.note}", **plain)
     for g in rep.gpus.gpus:
         util = f"{g.utilization}%" if g.utilization is not None else "?"
-        out.print(f"  GPU {g.index} {g.name}: {human_bytes(g.used_bytes)} / {human_bytes(g.total_bytes)} used, "
-                  f"{util} busy", **plain)  # fmt: skip
+        out.print(
+            f"  GPU {g.index} {g.name}: {human_bytes(g.used_bytes)} / {human_bytes(g.total_bytes)} used, "
+            f"{util} busy",
+            **plain,
+        )
         for p in g.processes:
             out.print(
                 f"    PID {p.pid} {human_bytes(p.used_bytes)}: {p.cmdline or p.name} [{p.owner()}]",

@@ -24,15 +24,20 @@ def render_inputs(out, d: dict, data) -> None:
     """What of --data was used: records left out and why, prompts given as raw text."""
     inputs = d.get("inputs") or {}
     if inputs.get("skipped"):
-        why = "; ".join(f"{v['count']} {v['reason']} (first at line {v['first_lines'][0]})"
-                        for v in inputs["skipped"].values())  # fmt: skip
+        why = "; ".join(
+            f"{v['count']} {v['reason']} (first at line {v['first_lines'][0]})"
+            for v in inputs["skipped"].values()
+        )
         _say(
             out,
             f"{data}: {inputs['used']} of {inputs['records']} records used as prompts; left out: {why}",
         )
     if inputs.get("raw_text"):
-        _say(out, f"{inputs['raw_text']} of {inputs['used']} prompts are raw text, tokenized as they are and "
-                  "continued (no chat template)")  # fmt: skip
+        _say(
+            out,
+            f"{inputs['raw_text']} of {inputs['used']} prompts are raw text, tokenized as they are and "
+            "continued (no chat template)",
+        )
 
 
 def render_result(out, d: dict) -> None:
@@ -48,33 +53,56 @@ def render_result(out, d: dict) -> None:
             out,
             f"{judged['kind']} drafter {judged['path']}, {k} drafts a round (it serves {judged['serves']}):",
         )
-    _say(out, f"{d['prompts']} prompts, {d['rounds']} rounds (K={k}):\n"
-              f"  tokens emitted per target forward {d['tokens_per_forward']:.2f}{ci('tokens_per_forward_ci95')}, "
-              "cut where each reply ends\n"
-              f"  acceptance length {d['acceptance_length']:.2f}{ci('acceptance_length_ci95')}, engine-style "
-              f"(counts drafts accepted past the reply's end); per-position acceptance "
-              f"[{_positions(d['per_position_acceptance'])}]\n"
-              f"speculative {d['spec_tokens_per_s']:.1f} tok/s vs greedy {d['greedy_tokens_per_s']:.1f} tok/s "
-              f"(x{d['speedup']}); lossless: {'yes' if d['lossless'] else 'NO'}")  # fmt: skip
+    _say(
+        out,
+        f"{d['prompts']} prompts, {d['rounds']} rounds (K={k}):\n"
+        f"  tokens emitted per target forward {d['tokens_per_forward']:.2f}{ci('tokens_per_forward_ci95')}, "
+        "cut where each reply ends\n"
+        f"  acceptance length {d['acceptance_length']:.2f}{ci('acceptance_length_ci95')}, engine-style "
+        f"(counts drafts accepted past the reply's end); per-position acceptance "
+        f"[{_positions(d['per_position_acceptance'])}]\n"
+        f"speculative {d['spec_tokens_per_s']:.1f} tok/s vs greedy {d['greedy_tokens_per_s']:.1f} tok/s "
+        f"(x{d['speedup']}); lossless: {'yes' if d['lossless'] else 'NO'}",
+    )
     if d.get("by_category"):
         t = Table("category", "prompts", "tokens/forward", "95% interval", "acceptance length")
         for cat, c in d["by_category"].items():
-            t.add_row(cat, str(c["prompts"]), f"{c['tokens_per_forward']:.2f}",
-                      _iv(c["tokens_per_forward_ci95"]), f"{c['acceptance_length']:.2f}")  # fmt: skip
+            t.add_row(
+                cat,
+                str(c["prompts"]),
+                f"{c['tokens_per_forward']:.2f}",
+                _iv(c["tokens_per_forward_ci95"]),
+                f"{c['acceptance_length']:.2f}",
+            )
         out.print(t)
     if d.get("by_length"):
-        t = Table("prompt tokens", "prompts", "tokens/forward", "95% interval", "acceptance length",
-                  "per-position acceptance")  # fmt: skip
+        t = Table(
+            "prompt tokens",
+            "prompts",
+            "tokens/forward",
+            "95% interval",
+            "acceptance length",
+            "per-position acceptance",
+        )
         for name, c in d["by_length"].items():
-            t.add_row(name, str(c["prompts"]), f"{c['tokens_per_forward']:.2f}", _iv(c["tokens_per_forward_ci95"]),
-                      f"{c['acceptance_length']:.2f}", _positions(c["per_position_acceptance"]))  # fmt: skip
+            t.add_row(
+                name,
+                str(c["prompts"]),
+                f"{c['tokens_per_forward']:.2f}",
+                _iv(c["tokens_per_forward_ci95"]),
+                f"{c['acceptance_length']:.2f}",
+                _positions(c["per_position_acceptance"]),
+            )
         out.print(t)
     longest = judged.get("longest_training_sample")
     lengths = [p["prompt_tokens"] for p in d.get("per_prompt", [])]
     if longest and (over := sum(n > longest for n in lengths)):
-        _say(out, f"note: {over} of {len(lengths)} prompts are longer than the longest sample the drafter was "
-                  f"trained on ({longest} tokens; prompts up to {max(lengths)}): past it, its figures are "
-                  "extrapolation (see docs/recipe.md on long context)")  # fmt: skip
+        _say(
+            out,
+            f"note: {over} of {len(lengths)} prompts are longer than the longest sample the drafter was "
+            f"trained on ({longest} tokens; prompts up to {max(lengths)}): past it, its figures are "
+            "extrapolation (see docs/recipe.md on long context)",
+        )
     for m in d["mismatches"][:3]:
         _say(out, f"  prompt {m['prompt']} differs at token {m['first_difference_at']}")
 
@@ -87,6 +115,9 @@ def render_paired(out, pairs: list[dict]) -> None:
             if p["difference_ci95"]
             else ""
         )
-        _say(out, f"{p['b']} against {p['a']}: tokens per forward {p['tokens_per_forward'][1]:.3f} vs "
-                  f"{p['tokens_per_forward'][0]:.3f}, difference {p['difference']:+.3f}{iv} "
-                  f"(paired over the same {p['prompts']} prompts)")  # fmt: skip
+        _say(
+            out,
+            f"{p['b']} against {p['a']}: tokens per forward {p['tokens_per_forward'][1]:.3f} vs "
+            f"{p['tokens_per_forward'][0]:.3f}, difference {p['difference']:+.3f}{iv} "
+            f"(paired over the same {p['prompts']} prompts)",
+        )

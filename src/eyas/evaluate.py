@@ -76,10 +76,18 @@ class EvalResult:
     def compare(self, prompt: int, spec: list[int], base: list[int], tok) -> None:
         """Record where speculative decoding's output first differs from greedy's, if it does."""
         if spec != base:
-            first = next((j for j, (a, b) in enumerate(zip(spec, base, strict=False)) if a != b),
-                         min(len(spec), len(base)))  # fmt: skip
-            self.mismatches.append({"prompt": prompt, "first_difference_at": first, "greedy": tok.decode(base),
-                                    "speculative": tok.decode(spec)})  # fmt: skip
+            first = next(
+                (j for j, (a, b) in enumerate(zip(spec, base, strict=False)) if a != b),
+                min(len(spec), len(base)),
+            )
+            self.mismatches.append(
+                {
+                    "prompt": prompt,
+                    "first_difference_at": first,
+                    "greedy": tok.decode(base),
+                    "speculative": tok.decode(spec),
+                }
+            )
 
     @property
     def acceptance_length(self) -> float:
@@ -122,13 +130,20 @@ class EvalResult:
                 groups.setdefault(cat, []).append(row)
         out = {}
         for cat, rows in sorted(groups.items()):
-            sub = EvalResult(prompts=len(rows), per_prompt=rows, rounds=sum(r[0] for r in rows),
-                             accepted=sum(r[1] for r in rows))  # fmt: skip
+            sub = EvalResult(
+                prompts=len(rows),
+                per_prompt=rows,
+                rounds=sum(r[0] for r in rows),
+                accepted=sum(r[1] for r in rows),
+            )
             ci = sub.intervals()
-            out[cat] = {"prompts": len(rows), "tokens_per_forward": round(sub.tokens_per_forward, 3),
-                        "tokens_per_forward_ci95": ci["tokens_per_forward"],
-                        "acceptance_length": round(sub.acceptance_length, 3),
-                        "acceptance_length_ci95": ci["acceptance_length"]}  # fmt: skip
+            out[cat] = {
+                "prompts": len(rows),
+                "tokens_per_forward": round(sub.tokens_per_forward, 3),
+                "tokens_per_forward_ci95": ci["tokens_per_forward"],
+                "acceptance_length": round(sub.acceptance_length, 3),
+                "acceptance_length_ci95": ci["acceptance_length"],
+            }
         return out
 
     def by_length(self) -> dict[str, dict]:
@@ -143,42 +158,78 @@ class EvalResult:
             if not pick:
                 continue
             rows = [self.per_prompt[i] for i in pick]
-            sub = EvalResult(prompts=len(rows), per_prompt=rows, rounds=sum(r[0] for r in rows),
-                             accepted=sum(r[1] for r in rows))  # fmt: skip
+            sub = EvalResult(
+                prompts=len(rows),
+                per_prompt=rows,
+                rounds=sum(r[0] for r in rows),
+                accepted=sum(r[1] for r in rows),
+            )
             ci = sub.intervals()
             pos = [sum(self.positions[i][j] for i in pick) for j in range(len(self.per_position))]
             out[_bucket_name(lo, hi)] = {
-                "prompts": len(rows), "mean_prompt_tokens": round(sum(self.lengths[i] for i in pick) / len(pick)),
-                "tokens_per_forward": round(sub.tokens_per_forward, 3), "tokens_per_forward_ci95": ci["tokens_per_forward"],
-                "acceptance_length": round(sub.acceptance_length, 3), "acceptance_length_ci95": ci["acceptance_length"],
-                "per_position_acceptance": [round(a / sub.rounds, 3) if sub.rounds else None for a in pos],
-            }  # fmt: skip
+                "prompts": len(rows),
+                "mean_prompt_tokens": round(sum(self.lengths[i] for i in pick) / len(pick)),
+                "tokens_per_forward": round(sub.tokens_per_forward, 3),
+                "tokens_per_forward_ci95": ci["tokens_per_forward"],
+                "acceptance_length": round(sub.acceptance_length, 3),
+                "acceptance_length_ci95": ci["acceptance_length"],
+                "per_position_acceptance": [
+                    round(a / sub.rounds, 3) if sub.rounds else None for a in pos
+                ],
+            }
         return out
 
     def to_dict(self) -> dict:
         ci = self.intervals()
         return {
             **({"drafter": self.drafter} if self.drafter else {}),
-            "prompts": self.prompts, "rounds": self.rounds, "draft_tokens": self.drafted, "accepted": self.accepted,
+            "prompts": self.prompts,
+            "rounds": self.rounds,
+            "draft_tokens": self.drafted,
+            "accepted": self.accepted,
             "tokens_per_forward": round(self.tokens_per_forward, 3),
             "tokens_per_forward_ci95": ci["tokens_per_forward"],
             "acceptance_length": round(self.acceptance_length, 3),
             "acceptance_length_ci95": ci["acceptance_length"],
-            "per_position_acceptance": [round(a / d, 3) if d else None for a, d in self.per_position],
-            "spec_tokens_per_s": round(self.spec_tokens / self.spec_seconds, 1) if self.spec_seconds else 0.0,
-            "greedy_tokens_per_s": round(self.base_tokens / self.base_seconds, 1) if self.base_seconds else 0.0,
-            "speedup": round((self.spec_tokens / self.spec_seconds) / (self.base_tokens / self.base_seconds), 3)
-            if self.spec_seconds and self.base_seconds and self.base_tokens else None,
-            "lossless": not self.mismatches, "mismatches": self.mismatches,
-            **({"partial": True, "stopped_by": self.stopped_by, "prompts_planned": self.planned}
-               if self.stopped_by else {}),
-            **({"by_category": self.by_category()} if any(c is not None for c in self.categories) else {}),
+            "per_position_acceptance": [
+                round(a / d, 3) if d else None for a, d in self.per_position
+            ],
+            "spec_tokens_per_s": round(self.spec_tokens / self.spec_seconds, 1)
+            if self.spec_seconds
+            else 0.0,
+            "greedy_tokens_per_s": round(self.base_tokens / self.base_seconds, 1)
+            if self.base_seconds
+            else 0.0,
+            "speedup": round(
+                (self.spec_tokens / self.spec_seconds) / (self.base_tokens / self.base_seconds), 3
+            )
+            if self.spec_seconds and self.base_seconds and self.base_tokens
+            else None,
+            "lossless": not self.mismatches,
+            "mismatches": self.mismatches,
+            **(
+                {"partial": True, "stopped_by": self.stopped_by, "prompts_planned": self.planned}
+                if self.stopped_by
+                else {}
+            ),
+            **(
+                {"by_category": self.by_category()}
+                if any(c is not None for c in self.categories)
+                else {}
+            ),
             **({"by_length": self.by_length()} if self.lengths else {}),
-            **({"per_prompt": [{"prompt_tokens": n, "rounds": r[0], "accepted": r[1], "emitted": r[2]}
-                               for n, r in zip(self.lengths, self.per_prompt, strict=False)]}
-               if self.lengths else {}),
+            **(
+                {
+                    "per_prompt": [
+                        {"prompt_tokens": n, "rounds": r[0], "accepted": r[1], "emitted": r[2]}
+                        for n, r in zip(self.lengths, self.per_prompt, strict=False)
+                    ]
+                }
+                if self.lengths
+                else {}
+            ),
             **({"inputs": self.inputs} if self.inputs else {}),
-        }  # fmt: skip
+        }
 
 
 class AuxTap:
@@ -243,9 +294,11 @@ class PromptSet:
         """One line: kept, left out and why (each reason with its first lines)."""
         out = f"{len(self.prompts)} of {self.records} records used as prompts"
         if self.skipped:
-            parts = [f"{len(lines)} {REASONS.get(code, code)} (line{'s' if len(lines) > 1 else ''} "
-                     f"{', '.join(map(str, lines[:3]))}{', ...' if len(lines) > 3 else ''})"
-                     for code, lines in sorted(self.skipped.items())]  # fmt: skip
+            parts = [
+                f"{len(lines)} {REASONS.get(code, code)} (line{'s' if len(lines) > 1 else ''} "
+                f"{', '.join(map(str, lines[:3]))}{', ...' if len(lines) > 3 else ''})"
+                for code, lines in sorted(self.skipped.items())
+            ]
             out += "; left out: " + "; ".join(parts)
         return out
 
@@ -256,9 +309,19 @@ class PromptSet:
         return len(self.prompts)
 
     def to_dict(self) -> dict:
-        return {"records": self.records, "used": len(self.prompts), "raw_text": self.raw_text,
-                "skipped": {code: {"count": len(lines), "reason": REASONS.get(code, code), "first_lines": lines[:5]}
-                            for code, lines in sorted(self.skipped.items())}}  # fmt: skip
+        return {
+            "records": self.records,
+            "used": len(self.prompts),
+            "raw_text": self.raw_text,
+            "skipped": {
+                code: {
+                    "count": len(lines),
+                    "reason": REASONS.get(code, code),
+                    "first_lines": lines[:5],
+                }
+                for code, lines in sorted(self.skipped.items())
+            },
+        }
 
 
 def read_prompts(path: Path, limit: int | None, max_error_rate: float = 1.0) -> PromptSet:
@@ -286,23 +349,40 @@ def read_prompts(path: Path, limit: int | None, max_error_rate: float = 1.0) -> 
             got.skipped.setdefault(exc.code, []).append(rec.line)
             continue
         cat = obj.get("category")
-        got.prompts.append(Prompt(conv.messages, str(cat) if cat is not None else None, conv.tools,
-                                  conv.form, conv.text))  # fmt: skip
+        got.prompts.append(
+            Prompt(
+                conv.messages,
+                str(cat) if cat is not None else None,
+                conv.tools,
+                conv.form,
+                conv.text,
+            )
+        )
         if limit and len(got.prompts) >= limit:
             break
     if not got.prompts:
-        raise ValueError(f"{path}: no usable prompts ({got.summary() if got.records else 'the file is empty'}); "
-                         'give records with a last user turn, {"prompt": ...} or conversations with an assistant turn')  # fmt: skip
+        raise ValueError(
+            f"{path}: no usable prompts ({got.summary() if got.records else 'the file is empty'}); "
+            'give records with a last user turn, {"prompt": ...} or conversations with an assistant turn'
+        )
     left = sum(len(v) for v in got.skipped.values())
     if left > max_error_rate * got.records:
-        raise PromptsRefused(f"{path}: {got.summary()}: more than --max-error-rate {max_error_rate:g} "
-                             f"({left / got.records:.1%}); fix the records or raise --max-error-rate")  # fmt: skip
+        raise PromptsRefused(
+            f"{path}: {got.summary()}: more than --max-error-rate {max_error_rate:g} "
+            f"({left / got.records:.1%}); fix the records or raise --max-error-rate"
+        )
     return got
 
 
-def _tokenizer_for(model_dir: str, drafter_dir: str, trust_remote_code: bool,
-                   template_kwargs: dict | None, chat_template: str | None,
-                   asked: PromptSet, data: str) -> tuple[object, dict | None]:  # fmt: skip
+def _tokenizer_for(
+    model_dir: str,
+    drafter_dir: str,
+    trust_remote_code: bool,
+    template_kwargs: dict | None,
+    chat_template: str | None,
+    asked: PromptSet,
+    data: str,
+) -> tuple[object, dict | None]:
     """The target's tokenizer, refused when the drafter's training data was made with
     another one; and the template variables to render with (given, or the data's). The chat
     template is the `chat_template` file's where given, else the one the training data was
@@ -336,13 +416,19 @@ def draft_length(drafter_dir: str, k: int | None) -> tuple[int, dict]:
     path, kind and drafts a round, for the report); more than a block drafts is refused."""
     served = drafts_per_round(drafter_dir, k)
     if k is not None and k > served:
-        raise DraftLengthRefused(f"--draft-tokens {k}: {drafter_dir} drafts {served} tokens a round "
-                                 f"(its block); give --draft-tokens {served} or fewer")  # fmt: skip
+        raise DraftLengthRefused(
+            f"--draft-tokens {k}: {drafter_dir} drafts {served} tokens a round "
+            f"(its block); give --draft-tokens {served} or fewer"
+        )
     k = k or served
     longest = export_rendering(drafter_dir).get("longest_sample")
-    return k, {"path": str(Path(drafter_dir).resolve()), "kind": export_kind(drafter_dir).name,
-               "draft_tokens": k, "serves": served,
-               **({"longest_training_sample": longest} if longest else {})}  # fmt: skip
+    return k, {
+        "path": str(Path(drafter_dir).resolve()),
+        "kind": export_kind(drafter_dir).name,
+        "draft_tokens": k,
+        "serves": served,
+        **({"longest_training_sample": longest} if longest else {}),
+    }
 
 
 class PromptsRefused(ValueError):
@@ -359,8 +445,13 @@ def render_prompts(
     for p in prompts:
         text = p.raw(tokenizer)
         if text is None:
-            text = chat_text(tokenizer, p.messages, tools=p.tools, template_kwargs=template_kwargs,
-                             generation_prompt=True)  # fmt: skip
+            text = chat_text(
+                tokenizer,
+                p.messages,
+                tools=p.tools,
+                template_kwargs=template_kwargs,
+                generation_prompt=True,
+            )
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return out
 
@@ -523,14 +614,20 @@ def evaluate(
         drafter.config.hidden_size != model.config.hidden_size
         or drafter.config.vocab_size != model.config.vocab_size
     ):
-        raise ValueError(f"{drafter_dir}: drafter (H={drafter.config.hidden_size}, V={drafter.config.vocab_size}) does not "
-                         f"fit target {model_dir} (H={model.config.hidden_size}, V={model.config.vocab_size})")  # fmt: skip
+        raise ValueError(
+            f"{drafter_dir}: drafter (H={drafter.config.hidden_size}, V={drafter.config.vocab_size}) does not "
+            f"fit target {model_dir} (H={model.config.hidden_size}, V={model.config.vocab_size})"
+        )
     eos = {tok.eos_token_id} | set(_as_list(model.config.eos_token_id))
     eos.discard(None)
     prompts = render_prompts(tok, asked.prompts, template_kwargs)
-    res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)],
-                     categories=[p.category for p in asked.prompts], inputs=asked.to_dict(),
-                     drafter=judged)  # fmt: skip
+    res = EvalResult(
+        prompts=len(prompts),
+        per_position=[[0, 0] for _ in range(k)],
+        categories=[p.category for p in asked.prompts],
+        inputs=asked.to_dict(),
+        drafter=judged,
+    )
     tap = AuxTap(model, aux_hf)
     proposer = export_kind(drafter_dir).proposer(drafter, aux_hf)
 
@@ -538,8 +635,10 @@ def evaluate(
         if not res.rounds:
             return ""
         speed = res.spec_tokens / res.spec_seconds if res.spec_seconds else 0.0
-        return (f"tokens/forward {res.tokens_per_forward:.2f}, acceptance {res.acceptance_length:.2f}, "
-                f"{speed:.0f} tok/s speculative")  # fmt: skip
+        return (
+            f"tokens/forward {res.tokens_per_forward:.2f}, acceptance {res.acceptance_length:.2f}, "
+            f"{speed:.0f} tok/s speculative"
+        )
 
     rep = Reporter("evaluate", len(prompts), unit="prompts", enabled=progress, extra=extra)
     res.planned = len(prompts)
@@ -549,8 +648,20 @@ def evaluate(
                 before = copy.deepcopy(res)  # what a signal mid-prompt goes back to
                 try:
                     with stop.abandoning(_Stopped):
-                        _decode_one(model, tap, proposer, p, i, k, max_new_tokens, eos, res, tok,
-                                    greedy_cache, str(model_dir))  # fmt: skip
+                        _decode_one(
+                            model,
+                            tap,
+                            proposer,
+                            p,
+                            i,
+                            k,
+                            max_new_tokens,
+                            eos,
+                            res,
+                            tok,
+                            greedy_cache,
+                            str(model_dir),
+                        )
                 except _Stopped:
                     res = before
                 if stop.requested:  # prompt i counts if it was decoded to its end
@@ -575,9 +686,14 @@ def paired_difference(a: EvalResult, b: EvalResult, n: int = 2000, seed: int = 0
     x = np.array(a.per_prompt[:m], dtype=np.float64).reshape(-1, 3)
     y = np.array(b.per_prompt[:m], dtype=np.float64).reshape(-1, 3)
     tpf = lambda r: r[..., 2].sum(-1) / np.maximum(r[..., 0].sum(-1), 1)  # noqa: E731
-    out = {"a": a.drafter.get("path"), "b": b.drafter.get("path"), "prompts": m,
-           "tokens_per_forward": [round(float(tpf(x)), 3), round(float(tpf(y)), 3)],
-           "difference": round(float(tpf(y) - tpf(x)), 3), "difference_ci95": None}  # fmt: skip
+    out = {
+        "a": a.drafter.get("path"),
+        "b": b.drafter.get("path"),
+        "prompts": m,
+        "tokens_per_forward": [round(float(tpf(x)), 3), round(float(tpf(y)), 3)],
+        "difference": round(float(tpf(y) - tpf(x)), 3),
+        "difference_ci95": None,
+    }
     if m >= 2:
         idx = np.random.default_rng(seed).integers(0, m, (n, m))
         d = tpf(y[idx]) - tpf(x[idx])
@@ -660,22 +776,39 @@ def evaluate_vllm(
     prompts = render_prompts(tok, asked.prompts, template_kwargs)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = resolve_dtype("auto", device)
-    spec = BackendSpec(model=model_dir, aux_layers=(), device=device, dtype=dtype, store_dtype=dtype,
-                       layout=Layout(), tensor_parallel_size=tensor_parallel_size,
-                       trust_remote_code=trust_remote_code,
-                       max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 8)  # fmt: skip
+    spec = BackendSpec(
+        model=model_dir,
+        aux_layers=(),
+        device=device,
+        dtype=dtype,
+        store_dtype=dtype,
+        layout=Layout(),
+        tensor_parallel_size=tensor_parallel_size,
+        trust_remote_code=trust_remote_code,
+        max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 8,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    res = EvalResult(prompts=len(prompts), per_position=[[0, 0] for _ in range(k)],
-                     inputs=asked.to_dict(), drafter=judged)  # fmt: skip
+    res = EvalResult(
+        prompts=len(prompts),
+        per_position=[[0, 0] for _ in range(k)],
+        inputs=asked.to_dict(),
+        drafter=judged,
+    )
 
     def run(speculative: dict | None) -> tuple[list[list[int]], float, object]:
         if progress:
-            console.print(f"evaluate (vllm): {'with' if speculative else 'without'} the drafter, "
-                          f"{len(prompts)} prompts", markup=False, highlight=False)  # fmt: skip
+            console.print(
+                f"evaluate (vllm): {'with' if speculative else 'without'} the drafter, "
+                f"{len(prompts)} prompts",
+                markup=False,
+                highlight=False,
+            )
         try:
-            llm = LLM(**{**engine_kwargs(spec), "disable_log_stats": speculative is None},
-                      **({"speculative_config": speculative} if speculative else {}))  # fmt: skip
+            llm = LLM(
+                **{**engine_kwargs(spec), "disable_log_stats": speculative is None},
+                **({"speculative_config": speculative} if speculative else {}),
+            )
         except RuntimeError as exc:  # vLLM's own cause is in its log, above on stderr
             what = "the target with the drafter" if speculative else "the target"
             raise ValueError(

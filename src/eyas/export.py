@@ -124,9 +124,16 @@ def export(
         tmp.mkdir(parents=True)
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", config)
-        write_manifest(tmp, ["model.safetensors", "config.json"], MANIFEST, format=fmt, kind=k.name,
-                       rendering=info.get("rendering") or {}, target=target["path"],
-                       drafts_per_round=k.drafts_per_round(config, tokens))  # fmt: skip
+        write_manifest(
+            tmp,
+            ["model.safetensors", "config.json"],
+            MANIFEST,
+            format=fmt,
+            kind=k.name,
+            rendering=info.get("rendering") or {},
+            target=target["path"],
+            drafts_per_round=k.drafts_per_round(config, tokens),
+        )
         _swap_into_place(tmp, out)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -150,8 +157,10 @@ def _check_destination(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ExportUsage(f"--out {out} is a file, not a directory")
     if out.is_dir() and any(out.iterdir()) and not is_export(out) and not force:
-        raise ExportUsage(f"--out {out} holds files that are not an earlier export; choose another "
-                          "--out, or pass --force to replace the directory and everything in it")  # fmt: skip
+        raise ExportUsage(
+            f"--out {out} holds files that are not an earlier export; choose another "
+            "--out, or pass --force to replace the directory and everything in it"
+        )
 
 
 def _remove_stale_temp(out: Path) -> None:
@@ -210,8 +219,11 @@ def export_kind(path: str | Path, cfg: dict | None = None):
 def vllm_speculative_config(path: str | Path, tokens: int) -> dict:
     """vLLM's `speculative_config` for the export at `path`: its kind's method, `tokens`
     drafted a round."""
-    return {"method": export_kind(path).vllm_method, "model": str(Path(path).resolve()),
-            "num_speculative_tokens": tokens}  # fmt: skip
+    return {
+        "method": export_kind(path).vllm_method,
+        "model": str(Path(path).resolve()),
+        "num_speculative_tokens": tokens,
+    }
 
 
 def export_serving(path: str | Path) -> dict:
@@ -242,12 +254,24 @@ def serve_command(path: str | Path, fmt: str, tokens: int | None = None) -> str:
     target = str(export_serving(path).get("target") or "TARGET")
     n = drafts_per_round(path, tokens)
     if fmt == "sglang":
-        return shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target,
-                           "--speculative-algorithm", k.sglang_algorithm,
-                           "--speculative-draft-model-path", str(path), *k.sglang_flags(cfg, n)])  # fmt: skip
+        return shlex.join(
+            [
+                "python",
+                "-m",
+                "sglang.launch_server",
+                "--model-path",
+                target,
+                "--speculative-algorithm",
+                k.sglang_algorithm,
+                "--speculative-draft-model-path",
+                str(path),
+                *k.sglang_flags(cfg, n),
+            ]
+        )
     spec = {"method": k.vllm_method, "model": str(path), "num_speculative_tokens": n}
-    return shlex.join(["vllm", "serve", target, "--speculative-config",
-                       json.dumps(spec, separators=(",", ":"))])  # fmt: skip
+    return shlex.join(
+        ["vllm", "serve", target, "--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    )
 
 
 def load_export(path: str | Path) -> tuple[torch.nn.Module, list[int]]:

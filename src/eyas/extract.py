@@ -112,10 +112,18 @@ class ExtractStopped(Exception):
 
     def __init__(self, reason: str, done: int, total: int, run: Path, pending_adoption: int = 0):
         self.reason, self.done, self.total, self.run = reason, done, total, run
-        extra = (f" ({pending_adoption} of them complete files whose journal entry did not fit: the "
-                 "resume adopts them after checking every checksum)") if pending_adoption else ""  # fmt: skip
-        super().__init__(f"{reason}. {done}/{total} samples are committed{extra}. "
-                         f"Resume with: eyas extract --resume {run}")  # fmt: skip
+        extra = (
+            (
+                f" ({pending_adoption} of them complete files whose journal entry did not fit: the "
+                "resume adopts them after checking every checksum)"
+            )
+            if pending_adoption
+            else ""
+        )
+        super().__init__(
+            f"{reason}. {done}/{total} samples are committed{extra}. "
+            f"Resume with: eyas extract --resume {run}"
+        )
 
 
 @dataclass
@@ -172,8 +180,11 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
         meta = r.meta
         if r.damage:
             console.print(f"warning: {r.damage}", markup=False, highlight=False)
-        stored = {k: v for k, v in RESUME_RULE.saved(meta["config"]).items()
-                  if k in ExtractConfig.__dataclass_fields__}  # fmt: skip
+        stored = {
+            k: v
+            for k, v in RESUME_RULE.saved(meta["config"]).items()
+            if k in ExtractConfig.__dataclass_fields__
+        }
         stored["aux_layers"] = tuple(stored["aux_layers"]) if stored.get("aux_layers") else None
         cfg = ExtractConfig(
             **{**RESUME_RULE.resume(stored, overrides, f"{run}/run.json"), "out": str(run)}
@@ -186,13 +197,17 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
         if not ((run / "run.json").exists() or (run / "run.backup.json").exists()) and (
             foreign := foreign_run_entries(run)
         ):
-            raise OutDirError(f"--out {run} holds files extract did not write ({', '.join(foreign[:3])}"
-                                    f"{' ...' if len(foreign) > 3 else ''}); give an empty or new directory")  # fmt: skip
+            raise OutDirError(
+                f"--out {run} holds files extract did not write ({', '.join(foreign[:3])}"
+                f"{' ...' if len(foreign) > 3 else ''}); give an empty or new directory"
+            )
         if (run / "run.json").exists() or (run / "run.backup.json").exists():
             meta = load_run_meta(run).meta
             if diff := RESUME_RULE.differences(meta["config"], stored_config(cfg)):
-                raise UsageError(f"{run} already holds a run with a different config ({'; '.join(diff)}); use "
-                                 f"`eyas extract --resume {run}` to continue it, or choose a new --out")  # fmt: skip
+                raise UsageError(
+                    f"{run} already holds a run with a different config ({'; '.join(diff)}); use "
+                    f"`eyas extract --resume {run}` to continue it, or choose a new --out"
+                )
     if meta.get("trust_remote_code_required") and not cfg.trust_remote_code:
         raise ValueError(
             f"{run} was started with --trust-remote-code; the model's own code runs only when "
@@ -217,8 +232,10 @@ def rebuild_hint(meta: dict) -> str:
 
     if not meta.get("dataset_prepare"):
         return f"Restore it at {meta['dataset_path']} (fingerprint {meta['dataset_fingerprint']})"
-    return (f"Rebuild it with the same inputs (fingerprint {meta['dataset_fingerprint']}), then resume: "
-            f"{prepare_command(meta['dataset_prepare'])}")  # fmt: skip
+    return (
+        f"Rebuild it with the same inputs (fingerprint {meta['dataset_fingerprint']}), then resume: "
+        f"{prepare_command(meta['dataset_prepare'])}"
+    )
 
 
 def new_run_meta(cfg: ExtractConfig, ds: PreparedDataset) -> dict:
@@ -293,8 +310,13 @@ def extract(
         check_transformers_can_run(cfg.model, device)
     check_layers_present(cfg.model)
     try:  # before anything is written: a refusal leaves nothing behind
-        gpu_preflight(device, parse_size(cfg.max_foreign_gpu_mem, 1), cfg.ignore_busy_gpus, say,
-                      count=cfg.tensor_parallel_size if cfg.backend == "vllm" else None)  # fmt: skip
+        gpu_preflight(
+            device,
+            parse_size(cfg.max_foreign_gpu_mem, 1),
+            cfg.ignore_busy_gpus,
+            say,
+            count=cfg.tensor_parallel_size if cfg.backend == "vllm" else None,
+        )
     except Exception:
         if new_dir:
             shutil.rmtree(run, ignore_errors=True)
@@ -327,13 +349,17 @@ def _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device) -> Ex
         scan = scans.get(cfg.rank) or scan_journal(journal_path(run, cfg.rank))
         if (q := set_aside_damaged_lines(run, scan)) is not None:
             for n, why in scan.damaged:
-                say(f"{scan.path}:{n}: damaged journal line ({why}) set aside (copy in {q}); "
-                    "its sample is re-checked by its checksums")  # fmt: skip
+                say(
+                    f"{scan.path}:{n}: damaged journal line ({why}) set aside (copy in {q}); "
+                    "its sample is re-checked by its checksums"
+                )
         led = ledger(run, scans)
         # Before the journal opens for appends: dropping entries rewrites it.
         if lost := check_journaled_files(run, led.present, set(mine), cfg.rank, cfg.world == 1):
-            say(f"{len(lost)} journaled sample(s) have no intact file (missing or of another size; "
-                f"e.g. {lost[0]}): their entries are dropped and they are extracted again")  # fmt: skip
+            say(
+                f"{len(lost)} journaled sample(s) have no intact file (missing or of another size; "
+                f"e.g. {lost[0]}): their entries are dropped and they are extracted again"
+            )
             led = ledger(run)
         journal = Journal(journal_path(run, cfg.rank))
         try:
@@ -350,11 +376,13 @@ def _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device) -> Ex
                 retirer.budget = _effective_budget(run, cfg, retirer.bytes, bpt)
                 batch = cfg.batch_tokens * bpt
                 if retirer.budget < 4 * batch:
-                    say(f"warning: --max-store {cfg.max_store} holds fewer than 4 batches of --batch-tokens "
+                    say(
+                        f"warning: --max-store {cfg.max_store} holds fewer than 4 batches of --batch-tokens "
                         f"{cfg.batch_tokens} (~{human_bytes(batch)} each{' per rank' if cfg.world > 1 else ''}): "
                         f"the store may reach the budget plus one batch (~{human_bytes(retirer.budget + batch)}), "
                         "and the two sides will wait on each other often; a budget of 4 batches or more lets "
-                        "them overlap")  # fmt: skip
+                        "them overlap"
+                    )
             if fresh is None:
                 todo = [i for p in range(cfg.passes) for i in mine if i not in led.pass_commits(p)]
                 need = sum(lengths[i] for i in todo) * bpt + 4096 * len(todo)
@@ -405,8 +433,10 @@ def _effective_budget(
     room = store + free // cfg.world - cfg.batch_tokens * bpt
     if room < share:
         if tell:
-            say(f"note: {fs.mount_point} holds ~{human_bytes(max(room, 0))} for this writer's samples, less than its "
-                f"--max-store share {human_bytes(share)}: the store is kept under what the disk holds")  # fmt: skip
+            say(
+                f"note: {fs.mount_point} holds ~{human_bytes(max(room, 0))} for this writer's samples, less than its "
+                f"--max-store share {human_bytes(share)}: the store is kept under what the disk holds"
+            )
         return max(room, 1)
     return share
 
@@ -416,21 +446,28 @@ def _retire_at_end(retirer: Retirer, run: Path) -> None:
     retirer.retire()
     left = [i for i in retirer.led.present if i in retirer.mine]
     if left:
-        say(f"{len(left)} sample(s) ({human_bytes(retirer.bytes)}) stay until the trainer has consumed them; "
-            f"`eyas extract --resume {run}` deletes them afterwards (it does not load the target)")  # fmt: skip
+        say(
+            f"{len(left)} sample(s) ({human_bytes(retirer.bytes)}) stay until the trainer has consumed them; "
+            f"`eyas extract --resume {run}` deletes them afterwards (it does not load the target)"
+        )
 
 
 def _spec(cfg: ExtractConfig, meta: dict, ds: PreparedDataset, device: str, lengths) -> BackendSpec:
     layout = Layout.parse(meta.get("layout"))
     return BackendSpec(
-        model=cfg.model, aux_layers=tuple(meta["aux_layers"]), device=device,
-        dtype=DTYPES[meta["compute_dtype"]], store_dtype=DTYPES[meta["store_dtype"]], layout=layout,
+        model=cfg.model,
+        aux_layers=tuple(meta["aux_layers"]),
+        device=device,
+        dtype=DTYPES[meta["compute_dtype"]],
+        store_dtype=DTYPES[meta["store_dtype"]],
+        layout=layout,
         draft_ids=ds.draft_vocab(meta["draft_vocab_size"]) if layout.topk else None,
-        trust_remote_code=cfg.trust_remote_code, tensor_parallel_size=cfg.tensor_parallel_size,
+        trust_remote_code=cfg.trust_remote_code,
+        tensor_parallel_size=cfg.tensor_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         max_model_len=cfg.max_model_len or (max(lengths) + 1 if lengths else None),
         staging_dir=cfg.staging_dir,
-    )  # fmt: skip
+    )
 
 
 def _persist_overrides(run: Path, meta: dict, cfg: ExtractConfig) -> None:
@@ -444,8 +481,10 @@ def _persist_overrides(run: Path, meta: dict, cfg: ExtractConfig) -> None:
 def _check_disk(run: Path, cfg: ExtractConfig, need: int) -> None:
     fs = filesystem_info(run)
     floor = parse_size(cfg.min_free, fs.total_bytes)
-    say(f"disk: this run needs ~{human_bytes(need)} more; {human_bytes(fs.free_bytes)} free on "
-        f"{fs.mount_point} ({fs.fs_type}), --min-free floor {human_bytes(floor)}")  # fmt: skip
+    say(
+        f"disk: this run needs ~{human_bytes(need)} more; {human_bytes(fs.free_bytes)} free on "
+        f"{fs.mount_point} ({fs.fs_type}), --min-free floor {human_bytes(floor)}"
+    )
     if need > fs.free_bytes - floor and not cfg.allow_partial:
         raise DiskFullError(
             28,
@@ -518,13 +557,26 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
                 continue
             rec = ds.records[i]
             if isinstance(res, str):
-                append_error(run, cfg.rank, {"index": i, "id": rec["id"], "file": rec["file"], "line": rec["line"],
-                                             "reason": res, **({"pass": p} if p else {})})  # fmt: skip
+                append_error(
+                    run,
+                    cfg.rank,
+                    {
+                        "index": i,
+                        "id": rec["id"],
+                        "file": rec["file"],
+                        "line": rec["line"],
+                        "reason": res,
+                        **({"pass": p} if p else {}),
+                    },
+                )
                 stats["failed"] += 1
                 continue
             x, m = ds.sample(i)
-            tensors = {"input_ids": torch.from_numpy(x.astype("int32")),
-                       "loss_mask": torch.from_numpy(m.copy()), **res}  # fmt: skip
+            tensors = {
+                "input_ids": torch.from_numpy(x.astype("int32")),
+                "loss_mask": torch.from_numpy(m.copy()),
+                **res,
+            }
             samples.append(Sample(i, rec["id"], f"{rec['file']}:{rec['line']}", tensors))
         journal.reserve(len(samples))  # the lines must fit before their files are written
         entries = commit_samples(run, samples, meta)
@@ -583,11 +635,16 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
         if waiting[0] is not None:
             return waiting[0]
         rate = recent_rate(commits, time.time())[1]
-        store = (f", store {human_bytes(retirer.bytes)}/{human_bytes(retirer.budget)}"
-                 if retirer is not None else "")  # fmt: skip
+        store = (
+            f", store {human_bytes(retirer.bytes)}/{human_bytes(retirer.budget)}"
+            if retirer is not None
+            else ""
+        )
         who = f"rank {cfg.rank}'s " if cfg.world > 1 else ""
-        return (f"{rate or 0:,.0f} tok/s ({who}last {human_duration(RATE_WINDOW)}, as status), "
-                f"{human_bytes(free_bytes(run))} free{store}")  # fmt: skip
+        return (
+            f"{rate or 0:,.0f} tok/s ({who}last {human_duration(RATE_WINDOW)}, as status), "
+            f"{human_bytes(free_bytes(run))} free{store}"
+        )
 
     def eta() -> float | None:  # in tokens, as `status` computes it
         rate = recent_rate(commits, time.time())[1]
@@ -595,8 +652,14 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
 
     with signals:
         try:
-            with Reporter("extract", total, enabled=cfg.progress, extra=extra, eta=eta,
-                          rate=lambda: recent_rate(commits, time.time())[0]) as rep:  # fmt: skip
+            with Reporter(
+                "extract",
+                total,
+                enabled=cfg.progress,
+                extra=extra,
+                eta=eta,
+                rate=lambda: recent_rate(commits, time.time())[0],
+            ) as rep:
                 rep.skip(done_before)
                 shown.append(rep)
                 seen = 0
@@ -604,8 +667,10 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
                     if stop.is_set():
                         break
                     if free_bytes(run) < floor:
-                        stop_reason.append(f"free space on {run} fell below the --min-free floor of "
-                                           f"{human_bytes(floor)} (lower it with --min-free)")  # fmt: skip
+                        stop_reason.append(
+                            f"free space on {run} fell below the --min-free floor of "
+                            f"{human_bytes(floor)} (lower it with --min-free)"
+                        )
                         break
                     q.put((p, batch, backend.run([ds.sample(i)[0] for i in batch])))
                     rep.advance(stats["committed"] + stats["failed"] - seen)
@@ -620,13 +685,27 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
     if writer_error:
         exc = writer_error[0]
         if isinstance(exc, DiskFullError) or is_disk_full(exc):
-            raise ExtractStopped(f"disk full while writing ({exc})", done_before + stats["files"], total,
-                                 run, stats["files"] - stats["committed"])  # fmt: skip
+            raise ExtractStopped(
+                f"disk full while writing ({exc})",
+                done_before + stats["files"],
+                total,
+                run,
+                stats["files"] - stats["committed"],
+            )
         raise exc
     if stop_reason:
         raise ExtractStopped(stop_reason[0], done_before + stats["committed"], total, run)
-    return ExtractSummary(str(run), total, done_before, stats["committed"], stats["failed"], stats["tokens"],
-                          time.monotonic() - t0, stats["bytes"], retirer.waited if retirer else 0.0)  # fmt: skip
+    return ExtractSummary(
+        str(run),
+        total,
+        done_before,
+        stats["committed"],
+        stats["failed"],
+        stats["tokens"],
+        time.monotonic() - t0,
+        stats["bytes"],
+        retirer.waited if retirer else 0.0,
+    )
 
 
 __all__ = ["ExtractConfig", "ExtractStopped", "ExtractSummary", "extract", "LockHeld", "StoreError"]

@@ -81,7 +81,9 @@ class ExtractConfig:
         from eyas.targets.target import DTYPES
 
         if not 0 <= self.rank < self.world:
-            raise ValueError(f"--rank {self.rank} is outside 0..{self.world - 1} (--world {self.world})")  # fmt: skip
+            raise ValueError(
+                f"--rank {self.rank} is outside 0..{self.world - 1} (--world {self.world})"
+            )
         if self.batch_tokens < 1:
             raise ValueError(f"--batch-tokens must be positive, got {self.batch_tokens}")
         if self.aux_layers is not None and not self.aux_layers:
@@ -110,9 +112,11 @@ class ExtractConfig:
         ):
             raise ValueError(f"--max-store needs a size such as 200G, got {self.max_store!r}")
         if self.passes > 1 and self.max_store is None:
-            raise ValueError("--passes runs the target over the data again for each epoch: it is for a disk "
-                             "smaller than the data, with --max-store; with room for the whole run, extract "
-                             "once and train --epochs N")  # fmt: skip
+            raise ValueError(
+                "--passes runs the target over the data again for each epoch: it is for a disk "
+                "smaller than the data, with --max-store; with room for the whole run, extract "
+                "once and train --epochs N"
+            )
         parse_size(self.max_foreign_gpu_mem, 1)
 
     @property

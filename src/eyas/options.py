@@ -69,8 +69,11 @@ def config_options(cls, *, skip: set[str] | frozenset = frozenset()):
 
     def deco(func):
         resolved = typing.get_type_hints(func)  # the command's own annotations, as types
-        own = [p.replace(annotation=resolved.get(p.name, p.annotation))
-               for p in inspect.signature(func).parameters.values() if p.name != "opts"]  # fmt: skip
+        own = [
+            p.replace(annotation=resolved.get(p.name, p.annotation))
+            for p in inspect.signature(func).parameters.values()
+            if p.name != "opts"
+        ]
         taken = {p.name for p in own} | set(skip)
         generated = []
         for f in dataclasses.fields(cls):
@@ -89,10 +92,19 @@ def config_options(cls, *, skip: set[str] | frozenset = frozenset()):
                     f"{cls.__name__}.{f.name} has no docstring: an option must say what it does"
                 )
             help_ = escape(docs[f.name])  # the help is rich markup: `[tensorboard]` is text
-            generated.append(inspect.Parameter(
-                f.name, inspect.Parameter.KEYWORD_ONLY, annotation=tp,
-                default=typer.Option(f.default, flag, help=help_, show_default=f.default is not None and f.default is not False),
-            ))  # fmt: skip
+            generated.append(
+                inspect.Parameter(
+                    f.name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    annotation=tp,
+                    default=typer.Option(
+                        f.default,
+                        flag,
+                        help=help_,
+                        show_default=f.default is not None and f.default is not False,
+                    ),
+                )
+            )
         names = {p.name for p in generated}
         params = sorted(own, key=lambda p: p.kind) + generated
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params]

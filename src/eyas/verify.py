@@ -86,15 +86,26 @@ class VerifyReport:
 
     def to_dict(self) -> dict:
         return {
-            "run": self.run, "clean": self.clean, "checked": self.checked, "ok": self.ok,
-            "quick": self.quick, "repaired": self.repaired, "repairs": self.repairs,
-            "counts": {k: self.count(k) for k in KINDS}, "unjournaled": len(self.unjournaled), "retired": self.retired,
-            "bytes_read": self.bytes_read, "seconds": round(self.seconds, 3), "mb_per_s": round(self.mb_per_s, 1),
+            "run": self.run,
+            "clean": self.clean,
+            "checked": self.checked,
+            "ok": self.ok,
+            "quick": self.quick,
+            "repaired": self.repaired,
+            "repairs": self.repairs,
+            "counts": {k: self.count(k) for k in KINDS},
+            "unjournaled": len(self.unjournaled),
+            "retired": self.retired,
+            "bytes_read": self.bytes_read,
+            "seconds": round(self.seconds, 3),
+            "mb_per_s": round(self.mb_per_s, 1),
             "problems": [p.__dict__ for p in self.problems],
-        }  # fmt: skip
+        }
 
 
-def verify(run: str | Path, *, quick: bool = False, repair: bool = False, workers: int | None = None) -> VerifyReport:  # fmt: skip
+def verify(
+    run: str | Path, *, quick: bool = False, repair: bool = False, workers: int | None = None
+) -> VerifyReport:
     """Check a run; with `repair`, hold the whole run's writer lock from before the check
     until the repair is done, so no writer can append to what the repair rewrites."""
     if not repair:
@@ -130,11 +141,22 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
     refs: dict[tuple[int, int], list[tuple[int, dict]]] = defaultdict(list)  # (pass, index)
     for rank, scan in scans.items():
         for n, why in scan.damaged:
-            rep.problems.append(Problem("journal", f"{scan.path}:{n}", f"{scan.path}:{n}: damaged journal line ({why})"))  # fmt: skip
+            rep.problems.append(
+                Problem(
+                    "journal", f"{scan.path}:{n}", f"{scan.path}:{n}: damaged journal line ({why})"
+                )
+            )
         for e in scan.entries:
             if e["index"] >= total:
-                rep.problems.append(Problem("journal", str(scan.path), f"{scan.path}: entry for sample {e['index']}, "
-                                            f"but the run has {total} samples", e["index"]))  # fmt: skip
+                rep.problems.append(
+                    Problem(
+                        "journal",
+                        str(scan.path),
+                        f"{scan.path}: entry for sample {e['index']}, "
+                        f"but the run has {total} samples",
+                        e["index"],
+                    )
+                )
                 continue
             if not e.get("retired"):
                 refs[(pass_of(e), e["index"])].append((rank, e))
@@ -147,7 +169,13 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
     def check(item):
         idx, refs = item
         path = run / sample_relpath(idx)
-        return idx, refs, check_sample_file(path, checksums=not quick, hidden_size=H, entry=refs[0][1], layout=layout)  # fmt: skip
+        return (
+            idx,
+            refs,
+            check_sample_file(
+                path, checksums=not quick, hidden_size=H, entry=refs[0][1], layout=layout
+            ),
+        )
 
     bad: set[int] = set()
     with ThreadPoolExecutor(workers or min(8, (os.cpu_count() or 2))) as ex:
@@ -162,12 +190,24 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
                 bad.add(idx)
             if len(refs) > 1:
                 ranks = ", ".join(f"rank {r}" for r, _ in refs)
-                rep.problems.append(Problem("duplicate", str(c.path), f"sample {idx} journaled {len(refs)} times ({ranks})", idx))  # fmt: skip
+                rep.problems.append(
+                    Problem(
+                        "duplicate",
+                        str(c.path),
+                        f"sample {idx} journaled {len(refs)} times ({ranks})",
+                        idx,
+                    )
+                )
     rep.seconds = time.monotonic() - t0
 
     if (sd := samples_dir(run)).is_symlink():
-        rep.problems.append(Problem("corrupt", str(sd), f"{sd} is a symlink (to {sd.resolve()}); eyas keeps "
-                                    "samples inside the run"))  # fmt: skip
+        rep.problems.append(
+            Problem(
+                "corrupt",
+                str(sd),
+                f"{sd} is a symlink (to {sd.resolve()}); eyas keeps samples inside the run",
+            )
+        )
     for p in iter_sample_files(run):
         idx = sample_index_of(p)
         if is_temp_file(p) or (
@@ -175,15 +215,31 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
         ):
             continue
         if idx in retired_files and p == run / sample_relpath(idx):
-            rep.problems.append(Problem("temp", str(p), f"{p}: file of a retired sample (a kill came between its "
-                                        "retirement and its deletion); deleted by a repair or a resume", idx))  # fmt: skip
+            rep.problems.append(
+                Problem(
+                    "temp",
+                    str(p),
+                    f"{p}: file of a retired sample (a kill came between its "
+                    "retirement and its deletion); deleted by a repair or a resume",
+                    idx,
+                )
+            )
             continue
         c = check_sample_file(p, checksums=not quick, hidden_size=H, layout=layout)
-        if idx is not None and idx < total and p == run / sample_relpath(idx) and c.ok \
-                and int(c.header["__metadata__"]["sample_index"]) == idx:  # fmt: skip
+        if (
+            idx is not None
+            and idx < total
+            and p == run / sample_relpath(idx)
+            and c.ok
+            and int(c.header["__metadata__"]["sample_index"]) == idx
+        ):
             rep.unjournaled.append(str(p))
         else:
-            rep.problems.append(Problem("orphan", str(p), f"{p}: file has no journal entry and is not an intact sample"))  # fmt: skip
+            rep.problems.append(
+                Problem(
+                    "orphan", str(p), f"{p}: file has no journal entry and is not an intact sample"
+                )
+            )
     for p in stray_temp_files(run):
         rep.problems.append(Problem("temp", str(p), f"{p}: temp file left by an interrupted write"))
 
@@ -239,17 +295,26 @@ def render(rep: VerifyReport, out) -> None:
     hashed = (
         "" if rep.quick else f"; {rep.bytes_read / 1e6:.1f} MB hashed at {rep.mb_per_s:.0f} MB/s"
     )
-    out.print(f"checked {rep.checked} samples ({what}): {rep.ok} ok in {rep.seconds:.2f}s{hashed}",
-              markup=False, highlight=False)  # fmt: skip
+    out.print(
+        f"checked {rep.checked} samples ({what}): {rep.ok} ok in {rep.seconds:.2f}s{hashed}",
+        markup=False,
+        highlight=False,
+    )
     if rep.retired:
-        out.print(f"  {rep.retired} retired sample(s): consumed by training and deleted (done, not missing)",
-                  markup=False, highlight=False)  # fmt: skip
+        out.print(
+            f"  {rep.retired} retired sample(s): consumed by training and deleted (done, not missing)",
+            markup=False,
+            highlight=False,
+        )
     for p in rep.problems:
         out.print(f"  [red]{p.kind:9s}[/] {escape(p.detail)}", highlight=False)
     if rep.unjournaled:
-        out.print(f"  {len(rep.unjournaled)} intact sample file(s) have no journal entry (written just before a "
-                  f"stop): `eyas extract --resume {run}` adopts them after checking every checksum",
-                  markup=False, highlight=False)  # fmt: skip
+        out.print(
+            f"  {len(rep.unjournaled)} intact sample file(s) have no journal entry (written just before a "
+            f"stop): `eyas extract --resume {run}` adopts them after checking every checksum",
+            markup=False,
+            highlight=False,
+        )
     for r in rep.repairs:
         out.print(f"  repaired: {r}", markup=False, highlight=False)
     if rep.repaired:

@@ -130,6 +130,9 @@ class GenerateConfig:
             "seed": self.seed,
             "turns": self.turns,
             # Another template is another rendering of every prompt: fixed for the run.
-            **({"chat_template": hashlib.sha256(self._template.encode()).hexdigest()[:16]}
-               if self._template else {}),
-        }  # fmt: skip
+            **(
+                {"chat_template": hashlib.sha256(self._template.encode()).hexdigest()[:16]}
+                if self._template
+                else {}
+            ),
+        }

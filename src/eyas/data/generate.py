@@ -66,8 +66,10 @@ class _SameFailure:
     def failed(self, reason: str) -> str | None:
         self.reasons.append(reason)
         if len(self.reasons) >= self.n and len(set(self.reasons[-self.n :])) == 1:
-            return (f"stopped: the last {self.n} records all failed the same way ({reason}); the rest would "
-                    "too. Fix the cause (the server, --endpoint, --model)")  # fmt: skip
+            return (
+                f"stopped: the last {self.n} records all failed the same way ({reason}); the rest would "
+                "too. Fix the cause (the server, --endpoint, --model)"
+            )
         return None
 
 
@@ -280,8 +282,10 @@ def post_chat(
             if status >= 400:
                 last = f"HTTP {status}: {raw[:200].decode('utf-8', 'replace')}"
                 if "chat template" in last.lower() or "chat_template" in last:
-                    last += (" (the server has no chat template for this target: start it with "
-                             "--chat-template FILE, or give eyas generate --chat-template FILE)")  # fmt: skip
+                    last += (
+                        " (the server has no chat template for this target: start it with "
+                        "--chat-template FILE, or give eyas generate --chat-template FILE)"
+                    )
                 if status not in RETRY_STATUS:
                     raise RequestFailed(last)
             else:
@@ -337,9 +341,18 @@ def regenerate(
         served = resp.get("model", served) if isinstance(resp.get("model"), str) else served
         for k in usage:
             usage[k] += int((resp.get("usage") or {}).get(k) or 0)
-    provenance = {"endpoint_model": cfg.model, "served_model": served, "max_tokens": cfg.max_tokens,
-                  "temperature": cfg.temperature, "seed": cfg.seed, "turns": cfg.turns, "finish_reason": finish,
-                  "truncated": "length" in finish, "usage": usage, "eyas_version": __version__}  # fmt: skip
+    provenance = {
+        "endpoint_model": cfg.model,
+        "served_model": served,
+        "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature,
+        "seed": cfg.seed,
+        "turns": cfg.turns,
+        "finish_reason": finish,
+        "truncated": "length" in finish,
+        "usage": usage,
+        "eyas_version": __version__,
+    }
     if kept:
         provenance["kept_as_written"] = kept  # opening assistant turns: no prompt to answer
     if cut_in_reasoning:
@@ -370,8 +383,12 @@ RESUME_RULE = ResumeRule(
 
 
 def _job(cfg: GenerateConfig) -> dict:
-    return {"model": cfg.model, "data": [str(Path(f).resolve()) for f in cfg.data],
-            "data_fingerprint": _fingerprint(cfg.data), "sampling": cfg.sampling()}  # fmt: skip
+    return {
+        "model": cfg.model,
+        "data": [str(Path(f).resolve()) for f in cfg.data],
+        "data_fingerprint": _fingerprint(cfg.data),
+        "sampling": cfg.sampling(),
+    }
 
 
 class EndpointUnreachable(ValueError):
@@ -389,10 +406,15 @@ def check_endpoint(endpoint: str, timeout: float = 10.0) -> None:
     try:
         socket.create_connection((url.hostname, port), timeout=timeout).close()
     except OSError as exc:
-        why = "connection refused" if isinstance(exc, ConnectionRefusedError) else (
-            f"no answer within {timeout:g}s" if isinstance(exc, TimeoutError) else str(exc))  # fmt: skip
-        raise EndpointUnreachable(f"cannot reach --endpoint {endpoint} ({url.hostname}:{port}): {why}; "
-                                  "is the server running, on that host and port?") from None  # fmt: skip
+        why = (
+            "connection refused"
+            if isinstance(exc, ConnectionRefusedError)
+            else (f"no answer within {timeout:g}s" if isinstance(exc, TimeoutError) else str(exc))
+        )
+        raise EndpointUnreachable(
+            f"cannot reach --endpoint {endpoint} ({url.hostname}:{port}): {why}; "
+            "is the server running, on that host and port?"
+        ) from None
 
 
 def generate(cfg: GenerateConfig, command: str = "eyas generate ...") -> GenerateSummary:
@@ -406,12 +428,23 @@ def generate(cfg: GenerateConfig, command: str = "eyas generate ...") -> Generat
     if saved.exists():
         prev = read_json(saved)
         if names := RESUME_RULE.differing(prev, job):
-            raise UsageError(f"{saved}: this generation was started with another {', '.join(names)} "
-                             f"({'; '.join(RESUME_RULE.differences(prev, job))}); use another --out, "
-                             "or the original settings")  # fmt: skip
+            raise UsageError(
+                f"{saved}: this generation was started with another {', '.join(names)} "
+                f"({'; '.join(RESUME_RULE.differences(prev, job))}); use another --out, "
+                "or the original settings"
+            )
     else:
-        atomic_write_json(saved, {**job, "endpoint": cfg.endpoint, "records": len(recs), "created": time.time(),
-                                  "command": command, "eyas_version": __version__})  # fmt: skip
+        atomic_write_json(
+            saved,
+            {
+                **job,
+                "endpoint": cfg.endpoint,
+                "records": len(recs),
+                "created": time.time(),
+                "command": command,
+                "eyas_version": __version__,
+            },
+        )
     lock = WriterLock(state, 0, 1).acquire()
     log = None
     try:
@@ -457,8 +490,9 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
 
     # The bar counts records done; a failed one leaves the total (its count is in `extra`),
     # so that failures never read as progress and the ETA is for the records still pending.
-    rep = Reporter("generate", len(recs) - len(errors), unit="records done", enabled=cfg.progress,
-                   extra=extra)  # fmt: skip
+    rep = Reporter(
+        "generate", len(recs) - len(errors), unit="records done", enabled=cfg.progress, extra=extra
+    )
     rep.__enter__()
     rep.skip(len(done))
     alike = _SameFailure(max(8, 2 * cfg.concurrency))
@@ -572,26 +606,41 @@ def generation_status(state: Path) -> dict:
 
     job = read_json(state / "generate.json")
     done = read_log(state / "log.jsonl") if (state / "log.jsonl").exists() else {}
-    errors = [json.loads(x) for x in (state / "errors.jsonl").read_text().splitlines()] \
-        if (state / "errors.jsonl").exists() else []  # fmt: skip
+    errors = (
+        [json.loads(x) for x in (state / "errors.jsonl").read_text().splitlines()]
+        if (state / "errors.jsonl").exists()
+        else []
+    )
     locks = all_locks(state)
     out = state.with_name(state.name[: -len(STATE_SUFFIX)])
-    return {"state": str(state), "out": str(out), "out_written": out.exists(), "records": job["records"],
-            "done": len(done), "failed": len(errors), "remaining": job["records"] - len(done),
-            "model": job["model"], "endpoint": job.get("endpoint"), "sampling": job["sampling"],
-            "command": job.get("command"),
-            "live_writer": any(lk.live for lk in locks), "locks": [lk.describe() for lk in locks]}  # fmt: skip
+    return {
+        "state": str(state),
+        "out": str(out),
+        "out_written": out.exists(),
+        "records": job["records"],
+        "done": len(done),
+        "failed": len(errors),
+        "remaining": job["records"] - len(done),
+        "model": job["model"],
+        "endpoint": job.get("endpoint"),
+        "sampling": job["sampling"],
+        "command": job.get("command"),
+        "live_writer": any(lk.live for lk in locks),
+        "locks": [lk.describe() for lk in locks],
+    }
 
 
 def format_generation(g: dict) -> str:
     """`generation_status` for people."""
     locks = [f"lock       {lk}" for lk in g["locks"]] or ["lock       none (no generator running)"]
-    return "\n".join([
-        f"generation {g['state']} -> {g['out']} ({'written' if g['out_written'] else 'not written yet'})",
-        f"records    {g['done']}/{g['records']} done, {g['remaining']} remaining, {g['failed']} failed last session",
-        f"model      {g['model']} at {g['endpoint']}, sampling {g['sampling']}",
-        *locks,
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"generation {g['state']} -> {g['out']} ({'written' if g['out_written'] else 'not written yet'})",
+            f"records    {g['done']}/{g['records']} done, {g['remaining']} remaining, {g['failed']} failed last session",
+            f"model      {g['model']} at {g['endpoint']}, sampling {g['sampling']}",
+            *locks,
+        ]
+    )
 
 
 __all__ = [

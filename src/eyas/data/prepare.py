@@ -132,8 +132,14 @@ def _prefix_before(render, messages: list[dict], i: int, upto: str) -> str:
     return before if before is not None else ""
 
 
-def chat_text(tokenizer, messages: list[dict], *, tools: list | None = None,
-              template_kwargs: dict | None = None, generation_prompt: bool = False) -> str:  # fmt: skip
+def chat_text(
+    tokenizer,
+    messages: list[dict],
+    *,
+    tools: list | None = None,
+    template_kwargs: dict | None = None,
+    generation_prompt: bool = False,
+) -> str:
     """A conversation as the model's chat template renders it, with the record's tools and
     the dataset's template variables: the one rendering of `prepare` and `evaluate`, so a
     prompt in evaluation is, token for token, the prefix training saw."""
@@ -171,8 +177,9 @@ def assistant_spans(
     each other turn whose content it does not render."""
 
     def render(msgs, gen=False):
-        return chat_text(tokenizer, msgs, tools=tools, template_kwargs=template_kwargs,
-                         generation_prompt=gen)  # fmt: skip
+        return chat_text(
+            tokenizer, msgs, tools=tools, template_kwargs=template_kwargs, generation_prompt=gen
+        )
 
     full = render(messages)
     spans = []
@@ -251,8 +258,11 @@ def _turn_marks(render) -> tuple[str, str] | None:
 
 def _place_by_marks(full: str, marks, k: int, n: int, message: dict, i: int) -> tuple[int, int]:
     def fail(why: str) -> RecordError:
-        return RecordError(f"assistant turn {i} renders differently inside the whole conversation and {why}, "
-                           "so its tokens cannot be located", "template")  # fmt: skip
+        return RecordError(
+            f"assistant turn {i} renders differently inside the whole conversation and {why}, "
+            "so its tokens cannot be located",
+            "template",
+        )
 
     if marks is None:
         raise fail("the template's turn markers cannot be found")
@@ -409,8 +419,9 @@ def _render_masked(messages: list[dict], last_only: bool, tools, cfg: PrepareCon
     """(ids, mask, dropped fields) of a conversation."""
     dropped: list[str] = []
     try:
-        text, spans = assistant_spans(_TOK, messages, last_only, tools, cfg.chat_template_kwargs,
-                                      dropped)  # fmt: skip
+        text, spans = assistant_spans(
+            _TOK, messages, last_only, tools, cfg.chat_template_kwargs, dropped
+        )
     except RecordError:
         raise
     except Exception as exc:  # the template itself raised (e.g. it rejects a role order)
@@ -419,9 +430,14 @@ def _render_masked(messages: list[dict], last_only: bool, tools, cfg: PrepareCon
 
 
 def _sample(
-    rid: str, rec: RawRecord, fmt: str, ids: list[int], mask: list[int], cfg: PrepareConfig,
+    rid: str,
+    rec: RawRecord,
+    fmt: str,
+    ids: list[int],
+    mask: list[int],
+    cfg: PrepareConfig,
     dropped: tuple[str, ...] = (),
-) -> Prepared:  # fmt: skip
+) -> Prepared:
     """One sample, cut to --max-length (or refused as overlong) and with trainable tokens."""
     n, truncated, full_mask = len(ids), False, mask
     if cfg.max_length is not None and n > cfg.max_length:
@@ -432,9 +448,11 @@ def _sample(
         ids, mask, truncated = ids[: cfg.max_length], mask[: cfg.max_length], True
     if not any(mask):
         if truncated:  # the conversation is fine; its first answer starts past the cut
-            exc = RecordError(f"no trainable tokens within --max-length {cfg.max_length}: the first "
-                              f"assistant token is at position {full_mask.index(1)} of {n}",
-                              "emptied-by-truncation")  # fmt: skip
+            exc = RecordError(
+                f"no trainable tokens within --max-length {cfg.max_length}: the first "
+                f"assistant token is at position {full_mask.index(1)} of {n}",
+                "emptied-by-truncation",
+            )
             exc.first_trainable = full_mask.index(1)
             raise exc
         raise RecordError("zero trainable tokens", "zero-trainable")
@@ -465,16 +483,20 @@ class TokenizerMismatch(ModelDirError):
     """Data tokenized for another model than the one given: a usage error (exit 2)."""
 
 
-def check_tokenizer(ds_path, ds_meta: dict, model: str, tokenizer=None,
-                    trust_remote_code: bool = False) -> None:  # fmt: skip
+def check_tokenizer(
+    ds_path, ds_meta: dict, model: str, tokenizer=None, trust_remote_code: bool = False
+) -> None:
     """Refuse to pair a dataset with a model whose tokenizer (or chat template) is not the
     one it was prepared with: its token ids would be read as other text. A dataset from
     before fingerprints were kept is not checked."""
     want = ds_meta.get("tokenizer_fingerprint")
     if not want:
         return
-    tok = (tokenizer if tokenizer is not None
-           else load_tokenizer(model, trust_remote_code, ds_meta.get("chat_template")))  # fmt: skip
+    tok = (
+        tokenizer
+        if tokenizer is not None
+        else load_tokenizer(model, trust_remote_code, ds_meta.get("chat_template"))
+    )
     got = tokenizer_fingerprint(tok)
     if got != want:
         made_with = ds_meta.get("model") or "another model"
@@ -492,11 +514,15 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     if out.exists() and not out.is_dir():
         raise FileNotFoundError(f"--out {out} is a file; give a directory for the dataset")
     if foreign := foreign_entries(out):
-        raise FileNotFoundError(f"--out {out} holds files prepare did not write ({', '.join(foreign[:3])}"
-                                f"{' ...' if len(foreign) > 3 else ''}); give an empty or new directory")  # fmt: skip
+        raise FileNotFoundError(
+            f"--out {out} holds files prepare did not write ({', '.join(foreign[:3])}"
+            f"{' ...' if len(foreign) > 3 else ''}); give an empty or new directory"
+        )
     if (out / "dataset.json").exists() and not cfg.force:
-        raise UsageError(f"{out} already holds a prepared dataset; extraction runs made from it need it "
-                         "to resume. Choose another --out, or pass --force to replace it")  # fmt: skip
+        raise UsageError(
+            f"{out} already holds a prepared dataset; extraction runs made from it need it "
+            "to resume. Choose another --out, or pass --force to replace it"
+        )
     for f in cfg.data:
         if Path(f).is_dir():
             raise FileNotFoundError(f"--data {f} is a directory; give JSONL or JSON files")
@@ -549,8 +575,16 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
                     summary.skipped_overlong += 1
                 else:
                     summary.emptied.append(first_trainable)
-                errors.append({"file": raw.file, "line": raw.line, "id": rid, "reason": reason,
-                               "code": code, "kind": "skipped"})  # fmt: skip
+                errors.append(
+                    {
+                        "file": raw.file,
+                        "line": raw.line,
+                        "id": rid,
+                        "reason": reason,
+                        "code": code,
+                        "kind": "skipped",
+                    }
+                )
                 continue
         elif first != where:
             code, reason = "duplicate-id", f"duplicate id {rid!r}: line {first} has the same id"
@@ -598,15 +632,22 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
         what = " and ".join(
             f"{n} assistant turn(s)' {f.replace('_', ' ')}" for f, n in sorted(refused.items())
         )
-        raise PrepareFailed(f"the chat template of {cfg.model} does not render {what} ({refused_records} "
-                            f"of {summary.records} records, > --max-error-rate {cfg.max_error_rate:.1%}): training "
-                            "would never see them. Use a model whose template renders them, or pass "
-                            "--allow-dropped-fields to train without them; no dataset was written", summary)  # fmt: skip
+        raise PrepareFailed(
+            f"the chat template of {cfg.model} does not render {what} ({refused_records} "
+            f"of {summary.records} records, > --max-error-rate {cfg.max_error_rate:.1%}): training "
+            "would never see them. Use a model whose template renders them, or pass "
+            "--allow-dropped-fields to train without them; no dataset was written",
+            summary,
+        )
     if not samples or summary.error_rate > cfg.max_error_rate:
-        why = ("no record gave a sample" if not samples else
-               f"{summary.error_rate:.1%} of records failed (> --max-error-rate {cfg.max_error_rate:.1%})")  # fmt: skip
-        raise PrepareFailed(f"{why}; no dataset was written (errors in {write_errors_only(out, errors)})",
-                            summary)  # fmt: skip
+        why = (
+            "no record gave a sample"
+            if not samples
+            else f"{summary.error_rate:.1%} of records failed (> --max-error-rate {cfg.max_error_rate:.1%})"
+        )
+        raise PrepareFailed(
+            f"{why}; no dataset was written (errors in {write_errors_only(out, errors)})", summary
+        )
     summary.fingerprint = write_dataset(out, samples, errors, cfg, tok, summary)
     return summary
 
@@ -645,19 +686,29 @@ def write_dataset(
     )
     vocab = len(tok)
     if cfg.draft_vocab_size > vocab:
-        summary.notes.append(f"--draft-vocab-size {cfg.draft_vocab_size} is more than the target's vocabulary "
-                             f"({vocab} tokens): the draft vocabulary is all {vocab}")  # fmt: skip
+        summary.notes.append(
+            f"--draft-vocab-size {cfg.draft_vocab_size} is more than the target's vocabulary "
+            f"({vocab} tokens): the draft vocabulary is all {vocab}"
+        )
     if ids.size and int(ids.max()) >= vocab:
         raise ValueError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size {vocab}")
     counts = np.bincount(ids[mask.astype(bool)], minlength=vocab).astype(np.int64)
 
     tensor_bytes = np_save({"input_ids": ids, "loss_mask": mask, "offsets": offsets})
     records = [
-        {"index": i, "id": s.id, "file": s.file, "line": s.line, "format": s.format,
-         "tokens": len(s.input_ids), "trainable": int(sum(s.loss_mask)),
-         "original_tokens": s.original_tokens, "truncated": s.truncated}
+        {
+            "index": i,
+            "id": s.id,
+            "file": s.file,
+            "line": s.line,
+            "format": s.format,
+            "tokens": len(s.input_ids),
+            "trainable": int(sum(s.loss_mask)),
+            "original_tokens": s.original_tokens,
+            "truncated": s.truncated,
+        }
         for i, s in enumerate(samples)
-    ]  # fmt: skip
+    ]
     records_bytes = "".join(json.dumps(r) + "\n" for r in records).encode()
     fp = hashlib.sha256(tensor_bytes + records_bytes).hexdigest()[:16]
 
@@ -687,13 +738,18 @@ def write_dataset(
         "draft_vocab_size": min(cfg.draft_vocab_size, vocab),
         "files": {k: {"name": v, "sha256": sha256_file(out / v)} for k, v in files.items()},
         "counts": {
-            "records": summary.records, "samples": len(samples), "failed": summary.failed,
-            "skipped_overlong": summary.skipped_overlong, "truncated": summary.truncated,
+            "records": summary.records,
+            "samples": len(samples),
+            "failed": summary.failed,
+            "skipped_overlong": summary.skipped_overlong,
+            "truncated": summary.truncated,
             "emptied_by_truncation": len(summary.emptied),
-            "dropped_fields": dict(summary.dropped), "records_with_dropped_fields": summary.dropped_records,
+            "dropped_fields": dict(summary.dropped),
+            "records_with_dropped_fields": summary.dropped_records,
         },
         "tokens": {
-            "total": int(offsets[-1]), "trainable": int(mask.sum()),
+            "total": int(offsets[-1]),
+            "trainable": int(mask.sum()),
             "mean": float(lengths.mean()) if len(samples) else 0.0,
             "max": int(lengths.max()) if len(samples) else 0,
             "min": int(lengths.min()) if len(samples) else 0,
@@ -702,9 +758,15 @@ def write_dataset(
             "mean_trainable": float(mask.sum() / n),
         },
         "error_reasons": summary.reasons,
-        "config": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()
-                      if k not in ("progress", "force")}, "cwd": os.getcwd()},
-    }  # fmt: skip
+        "config": {
+            **{
+                k: (list(v) if isinstance(v, tuple) else v)
+                for k, v in asdict(cfg).items()
+                if k not in ("progress", "force")
+            },
+            "cwd": os.getcwd(),
+        },
+    }
     atomic_write_json(out / "dataset.json", meta)
     # The new dataset is committed; files of earlier versions are no longer referenced.
     keep = set(files.values()) | {"dataset.json"}
@@ -829,8 +891,10 @@ class PreparedDataset:
         if len(off) != n + 1 or (n and (off[0] != 0 or np.any(np.diff(off) < 0))):
             raise DatasetError(f"{tpath}: offsets are not {n + 1} non-decreasing values from 0")
         if off[-1] != len(ids) or len(mask) != len(ids):
-            raise DatasetError(f"{tpath}: offsets end at {int(off[-1])}, but there are {len(ids)} ids "
-                               f"and {len(mask)} mask values")  # fmt: skip
+            raise DatasetError(
+                f"{tpath}: offsets end at {int(off[-1])}, but there are {len(ids)} ids "
+                f"and {len(mask)} mask values"
+            )
         vocab = self.meta["vocab_size"]
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
@@ -842,8 +906,10 @@ class PreparedDataset:
         lengths = np.diff(off)
         for i, r in enumerate(self.records):
             if not isinstance(r, dict) or r.get("index") != i or r.get("tokens") != int(lengths[i]):
-                raise DatasetError(f"{rpath}:{i + 1}: record does not describe sample {i} of "
-                                   f"{int(lengths[i])} tokens")  # fmt: skip
+                raise DatasetError(
+                    f"{rpath}:{i + 1}: record does not describe sample {i} of "
+                    f"{int(lengths[i])} tokens"
+                )
             if not all(
                 isinstance(r.get(k), t) for k, t in (("id", str), ("file", str), ("line", int))
             ):
@@ -884,8 +950,11 @@ def prepare_command(config: dict) -> str:
 
     cmd = ["eyas", "prepare", "--model", config["model"]]
     # Records name their input files as given: relative names must be given from the same place.
-    cd = (f"cd {shlex.quote(config['cwd'])} && "
-          if config.get("cwd") and not all(Path(f).is_absolute() for f in config["data"]) else "")  # fmt: skip
+    cd = (
+        f"cd {shlex.quote(config['cwd'])} && "
+        if config.get("cwd") and not all(Path(f).is_absolute() for f in config["data"])
+        else ""
+    )
     for f in config["data"]:
         cmd += ["--data", f]
     cmd += ["--out", config["out"]]
@@ -908,10 +977,12 @@ def _check_meta(mpath: Path, meta: dict) -> None:
     """dataset.json's own fields: the sizes every later check relies on."""
     files = meta.get("files")
     if not isinstance(files, dict) or not all(
-        isinstance(files.get(k), dict) and isinstance(files[k].get("name"), str)
-        and "/" not in files[k]["name"] and isinstance(files[k].get("sha256"), str)
+        isinstance(files.get(k), dict)
+        and isinstance(files[k].get("name"), str)
+        and "/" not in files[k]["name"]
+        and isinstance(files[k].get("sha256"), str)
         for k in ("tokens", "records", "vocab_freq")
-    ):  # fmt: skip
+    ):
         raise DatasetError(
             f"{mpath}: 'files' does not name the tokens, records and vocab_freq files"
         )

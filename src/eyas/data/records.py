@@ -101,9 +101,11 @@ def iter_records(path: Path) -> Iterator[RawRecord]:
 
 def parse_record(rec: RawRecord) -> dict:
     if rec.cut:
-        raise RecordError(f"{rec.file} looks incomplete: its last line ({rec.line}) is cut off "
-                          "and has no newline after it; was the file still being written?",
-                          "incomplete-file")  # fmt: skip
+        raise RecordError(
+            f"{rec.file} looks incomplete: its last line ({rec.line}) is cut off "
+            "and has no newline after it; was the file still being written?",
+            "incomplete-file",
+        )
     if isinstance(rec.raw, bytes):
         try:
             text = rec.raw.decode("utf-8")
@@ -144,12 +146,18 @@ def _text_of(content, i: int, role: str) -> str:
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             if kind != "text" or not isinstance(part.get("text"), str):
-                raise RecordError(f"turn {i} ({role}) content part {j} is of type {kind!r}; only text parts "
-                                  "can be trained on", "bad-content")  # fmt: skip
+                raise RecordError(
+                    f"turn {i} ({role}) content part {j} is of type {kind!r}; only text parts "
+                    "can be trained on",
+                    "bad-content",
+                )
             texts.append(part["text"])
         return "\n".join(texts)
-    raise RecordError(f"turn {i} ({role}) content must be a string or a list of text parts, "
-                      f"got {type(content).__name__}", "bad-content")  # fmt: skip
+    raise RecordError(
+        f"turn {i} ({role}) content must be a string or a list of text parts, "
+        f"got {type(content).__name__}",
+        "bad-content",
+    )
 
 
 def to_messages(obj: dict, prompt: bool = False) -> tuple[str, list[dict] | str]:
@@ -189,8 +197,10 @@ def to_messages(obj: dict, prompt: bool = False) -> tuple[str, list[dict] | str]
         if role == "assistant" and not (
             content.strip() or m.get("reasoning_content") or m.get("tool_calls")
         ):
-            raise RecordError(f"turn {i} is an empty assistant turn (no text, reasoning or tool calls)",
-                              "empty-assistant")  # fmt: skip
+            raise RecordError(
+                f"turn {i} is an empty assistant turn (no text, reasoning or tool calls)",
+                "empty-assistant",
+            )
         messages.append(m)
     if not prompt and not any(m["role"] == "assistant" for m in messages):
         raise RecordError("no assistant turn", "no-assistant")

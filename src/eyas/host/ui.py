@@ -178,5 +178,8 @@ class still_working:  # noqa: N801 - used as a context manager, like a function
         from eyas.run.fsutil import human_duration
 
         while not self._done.wait(self.every):
-            console.print(f"... {self.what}: {human_duration(time.monotonic() - self._t0)} so far",
-                          markup=False, highlight=False)  # fmt: skip
+            console.print(
+                f"... {self.what}: {human_duration(time.monotonic() - self._t0)} so far",
+                markup=False,
+                highlight=False,
+            )

@@ -226,4 +226,6 @@ def parse_size(spec: str, total: int) -> int:
             return int(float(low[:-1]) * units[low[-1]])
         return int(float(low))
     except ValueError:
-        raise ValueError(f"cannot read size {spec!r}: use bytes, a K/M/G suffix or a percentage") from None  # fmt: skip
+        raise ValueError(
+            f"cannot read size {spec!r}: use bytes, a K/M/G suffix or a percentage"
+        ) from None

@@ -220,10 +220,14 @@ class WriterLock:
         if len(self._fds) < 2:
             return
         rec = {
-            "pid": os.getpid(), "host": socket.gethostname(), "proc_start": _proc_start(os.getpid()),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "proc_start": _proc_start(os.getpid()),
             "started": getattr(self, "_started", None) or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "rank": self.rank, "world": self.world, "phase": phase,
-        }  # fmt: skip
+            "rank": self.rank,
+            "world": self.world,
+            "phase": phase,
+        }
         self._started = rec["started"]
         self._owned = True
         data = json.dumps(rec).encode()

@@ -115,8 +115,9 @@ class Layout:
         """Name -> (allowed dtypes, row width; None for 1-D) of every tensor in a file."""
         floats = {"F32", "F16", "BF16"}
         out: dict[str, tuple[set[str], int | None]] = {
-            "input_ids": ({"I32"}, None), "loss_mask": ({"U8"}, None),
-        }  # fmt: skip
+            "input_ids": ({"I32"}, None),
+            "loss_mask": ({"U8"}, None),
+        }
         out["aux_hidden_states"] = (
             {"F8_E4M3"} if self.aux == "fp8" else floats,
             self.layers * H if H else -1,
@@ -175,8 +176,13 @@ def overhead_per_sample(layout: Layout, H: int, dtype: torch.dtype, tokens: int)
             (tokens, width) if width else (tokens,),
             dt or (torch.float16 if "logprobs" in name else dtype),
         )
-    meta = {"aux_layers": [10, 20, 30], "aux_layers_hf": [11, 21, 31], "last_hidden_state": "post_norm",
-            "model_fingerprint": "0" * 16, "layout": layout.name()}  # fmt: skip
+    meta = {
+        "aux_layers": [10, 20, 30],
+        "aux_layers_hf": [11, 21, 31],
+        "last_hidden_state": "post_norm",
+        "model_fingerprint": "0" * 16,
+        "layout": layout.name(),
+    }
     fake = {k: torch.zeros(0, dtype=dt) for k, (_, dt) in shapes.items()}
     enc = encode_sample(Sample(99999, "conversation-000000", "data.jsonl:100000", fake), meta)
     header = enc.header.replace(b"[0]", b"[%d]" % tokens)  # the shapes' digits, roughly
@@ -184,8 +190,14 @@ def overhead_per_sample(layout: Layout, H: int, dtype: torch.dtype, tokens: int)
     return len(header) + len(json.dumps(entry, sort_keys=True)) + 1
 
 
-def projected_bytes(layout: Layout, H: int, dtype: torch.dtype, samples: int, tokens_per_sample: float,
-                    draft_vocab: int = 32000) -> int:  # fmt: skip
+def projected_bytes(
+    layout: Layout,
+    H: int,
+    dtype: torch.dtype,
+    samples: int,
+    tokens_per_sample: float,
+    draft_vocab: int = 32000,
+) -> int:
     per_token = layout.bytes_per_token(H, dtype, draft_vocab)
     per_sample = overhead_per_sample(layout, H, dtype, int(tokens_per_sample))
     return int(samples * (tokens_per_sample * per_token + per_sample))
@@ -249,8 +261,11 @@ def encode_sample(s: Sample, run_meta: dict) -> Encoded:
     header: dict = {"__metadata__": meta}
     off = 0
     for k, t in tensors.items():
-        header[k] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                     "data_offsets": [off, off + raw[k].nbytes]}  # fmt: skip
+        header[k] = {
+            "dtype": _DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [off, off + raw[k].nbytes],
+        }
         off += raw[k].nbytes
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)  # safetensors aligns the data start to 8 bytes
@@ -325,9 +340,15 @@ def commit_samples(run: Path, samples: list[Sample], run_meta: dict) -> list[dic
 def journal_entry(index: int, sample_id: str, header: bytes, size: int) -> dict:
     """A journal line: the sample, its size and the xxh3-128 of its header bytes."""
     meta = parse_header(header, Path(sample_relpath(index)))[0]["__metadata__"]
-    return {"index": index, "id": sample_id, "path": sample_relpath(index), "size": size,
-            "header_xxh3": xxhash.xxh3_128_hexdigest(header), "tokens": int(meta["tokens"]),
-            "t": round(time.time(), 3)}  # fmt: skip
+    return {
+        "index": index,
+        "id": sample_id,
+        "path": sample_relpath(index),
+        "size": size,
+        "header_xxh3": xxhash.xxh3_128_hexdigest(header),
+        "tokens": int(meta["tokens"]),
+        "t": round(time.time(), 3),
+    }
 
 
 # ---------------------------------------------------------------------------- reading/checking
@@ -394,7 +415,9 @@ def check_sample_bytes(
             if dt not in dtypes or b - a != _ST_DTYPES[dt] * _prod(shape):
                 raise StoreError(f"{path}: tensor {name} has {b - a} bytes for shape {shape} {dt}")
             if shape[0] != T:
-                raise StoreError(f"{path}: {name} has {shape[0]} rows, expected {T} tokens (token-count mismatch)")  # fmt: skip
+                raise StoreError(
+                    f"{path}: {name} has {shape[0]} rows, expected {T} tokens (token-count mismatch)"
+                )
             if width is None and len(shape) != 1:
                 raise StoreError(f"{path}: {name} should be 1-D, has shape {shape}")
             if width is not None and (len(shape) != 2 or (width > 0 and shape[1] != width)):
@@ -403,17 +426,27 @@ def check_sample_bytes(
         if hidden_size is None and found.target == "last":
             H = header["last_hidden_states"]["shape"][1]
             if header["aux_hidden_states"]["shape"][1] != found.layers * H:
-                raise StoreError(f"{path}: aux_hidden_states width {header['aux_hidden_states']['shape'][1]} "
-                                 f"!= {found.layers} x {H}")  # fmt: skip
+                raise StoreError(
+                    f"{path}: aux_hidden_states width {header['aux_hidden_states']['shape'][1]} "
+                    f"!= {found.layers} x {H}"
+                )
         if base + end != len(data):
-            raise StoreError(f"{path}: file is {len(data)} bytes, header says {base + end} (truncated or padded)")  # fmt: skip
+            raise StoreError(
+                f"{path}: file is {len(data)} bytes, header says {base + end} (truncated or padded)"
+            )
         if entry is not None:
             if entry.get("size") != len(data):
-                raise StoreError(f"{path}: size {len(data)} differs from the journal's {entry.get('size')}")  # fmt: skip
+                raise StoreError(
+                    f"{path}: size {len(data)} differs from the journal's {entry.get('size')}"
+                )
             if xxhash.xxh3_128_hexdigest(bytes(data[:base])) != entry.get("header_xxh3"):
-                raise StoreError(f"{path}: header differs from the one journaled (not the committed file)")  # fmt: skip
+                raise StoreError(
+                    f"{path}: header differs from the one journaled (not the committed file)"
+                )
             if int(meta["sample_index"]) != entry["index"]:
-                raise StoreError(f"{path}: holds sample {meta['sample_index']}, journal says {entry['index']}")  # fmt: skip
+                raise StoreError(
+                    f"{path}: holds sample {meta['sample_index']}, journal says {entry['index']}"
+                )
         if checksums:
             sums = json.loads(meta["checksums"])
             view = memoryview(data)  # slices of a view hash in place; slices of bytes copy
@@ -461,9 +494,13 @@ def _read_head_from(f) -> bytes:
 
 
 def check_sample_file(
-    path: Path, *, checksums: bool = True, hidden_size: int | None = None,
-    entry: dict | None = None, layout: Layout | None = None,
-) -> Check:  # fmt: skip
+    path: Path,
+    *,
+    checksums: bool = True,
+    hidden_size: int | None = None,
+    entry: dict | None = None,
+    layout: Layout | None = None,
+) -> Check:
     try:
         if checksums:
             data: bytes | _Sized = path.read_bytes()
@@ -473,8 +510,14 @@ def check_sample_file(
         return Check(path, False, f"{path}: file is missing")
     except OSError as exc:
         return Check(path, False, f"{path}: cannot read ({exc})")
-    return check_sample_bytes(data, path, checksums=checksums, hidden_size=hidden_size,  # type: ignore[arg-type]
-                              entry=entry, layout=layout)  # fmt: skip
+    return check_sample_bytes(
+        data,
+        path,
+        checksums=checksums,
+        hidden_size=hidden_size,  # type: ignore[arg-type]
+        entry=entry,
+        layout=layout,
+    )
 
 
 def decode(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

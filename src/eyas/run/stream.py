@@ -86,8 +86,11 @@ class Follower:
     def describe(self) -> str:
         if self.problem:
             return f"{self.path}: {self.problem}"
-        what = ("finished" if self.finished else
-                f"pass {self.pass_ + 1}, {len(self.consumed)} sample(s) consumed as of its last checkpoint")  # fmt: skip
+        what = (
+            "finished"
+            if self.finished
+            else f"pass {self.pass_ + 1}, {len(self.consumed)} sample(s) consumed as of its last checkpoint"
+        )
         r = self.rate()
         rate = f", {r:.2f} samples/s" if r else ""
         wait = ", waiting for samples" if self.waiting and not self.finished else ""
@@ -123,18 +126,37 @@ def read_followers(run: Path) -> list[Follower]:
 def _parse_follower(p: Path) -> Follower:
     try:
         d = read_json(p)
-        f = Follower(p, out=str(d["out"]), pass_=int(d["pass"]), consumed=from_ranges(d["consumed"]),
-                     finished=bool(d.get("finished")), waiting=bool(d.get("waiting")),
-                     updated=d.get("updated"), command=str(d.get("command", "")),
-                     history=list(d.get("history", [])))  # fmt: skip
+        f = Follower(
+            p,
+            out=str(d["out"]),
+            pass_=int(d["pass"]),
+            consumed=from_ranges(d["consumed"]),
+            finished=bool(d.get("finished")),
+            waiting=bool(d.get("waiting")),
+            updated=d.get("updated"),
+            command=str(d.get("command", "")),
+            history=list(d.get("history", [])),
+        )
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        return Follower(p, problem=f"unreadable follower file ({type(exc).__name__}: {exc}); "
-                        "nothing is deleted until it is rewritten or removed")  # fmt: skip
+        return Follower(
+            p,
+            problem=f"unreadable follower file ({type(exc).__name__}: {exc}); "
+            "nothing is deleted until it is rewritten or removed",
+        )
     return f
 
 
-def publish(run: Path, out: Path, p: int, consumed: set[int], trained: int, *, command: str,
-            finished: bool = False, waiting: bool = False) -> None:  # fmt: skip
+def publish(
+    run: Path,
+    out: Path,
+    p: int,
+    consumed: set[int],
+    trained: int,
+    *,
+    command: str,
+    finished: bool = False,
+    waiting: bool = False,
+) -> None:
     """Register or update this trainer in the run. Call only once the checkpoint holding
     `consumed` is durable: the extractor deletes what this file says was consumed.
     `trained`: samples consumed in all passes so far (the consumption rate's clock)."""
@@ -149,10 +171,21 @@ def publish(run: Path, out: Path, p: int, consumed: set[int], trained: int, *, c
     now = time.time()
     history = ([h for h in kept if isinstance(h, list)] + [[now, p, trained]])[-HISTORY:]
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, {"out": str(Path(out).resolve()), "pass": p, "consumed": to_ranges(consumed),
-                             "finished": finished, "waiting": waiting, "updated": now,
-                             "host": socket.gethostname(), "pid": os.getpid(), "command": command,
-                             "history": history})  # fmt: skip
+    atomic_write_json(
+        path,
+        {
+            "out": str(Path(out).resolve()),
+            "pass": p,
+            "consumed": to_ranges(consumed),
+            "finished": finished,
+            "waiting": waiting,
+            "updated": now,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "command": command,
+            "history": history,
+        },
+    )
 
 
 class Retirer:
@@ -217,10 +250,17 @@ class Retirer:
             if stop.is_set():
                 return False
             followers = read_followers(self.run)
-            why = (f"store {human_bytes(self.bytes)} of its {human_bytes(self.budget)} budget" if not busy
-                   else f"{len(busy)} sample(s) of the last pass not yet consumed")  # fmt: skip
-            who = ("no trainer follows this run (start `eyas train --follow --data "
-                   f"{self.run} --out DIR`)" if not followers else "waiting for the trainer")  # fmt: skip
+            why = (
+                f"store {human_bytes(self.bytes)} of its {human_bytes(self.budget)} budget"
+                if not busy
+                else f"{len(busy)} sample(s) of the last pass not yet consumed"
+            )
+            who = (
+                "no trainer follows this run (start `eyas train --follow --data "
+                f"{self.run} --out DIR`)"
+                if not followers
+                else "waiting for the trainer"
+            )
             show(f"{who}: {why}")
             waited = True
             stop.wait(0.2)

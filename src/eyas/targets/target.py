@@ -32,8 +32,13 @@ def check_model_dir(path: str | Path, *, tokenizer: bool = False, weights: bool 
         raise ModelDirError(f"{p} is a file, not a model directory")
     if not (p / "config.json").is_file():
         raise ModelDirError(f"{p} has no config.json (not a transformers model directory)")
-    tokenizer_files = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json",
-                       "tokenizer_config.json")  # fmt: skip
+    tokenizer_files = (
+        "tokenizer.json",
+        "tokenizer.model",
+        "tiktoken.model",
+        "vocab.json",
+        "tokenizer_config.json",
+    )
     if tokenizer and not any((p / f).is_file() for f in tokenizer_files):
         raise ModelDirError(f"{p} has no tokenizer (tokenizer.json or tokenizer.model)")
     if weights and not any(p.glob("*.safetensors")):
@@ -96,8 +101,10 @@ def check_transformers_can_run(model_dir: str | Path, device: str) -> None:
     """Refuse, before anything is written, a checkpoint transformers cannot run here."""
     raw = read_json(Path(model_dir) / "config.json")
     if (q := _quantization(raw)) and not str(device).startswith(("cuda", "multi")):
-        raise ModelDirError(f"{model_dir} is quantized ({q}); transformers cannot run it on this machine. "
-                            "Extract with --backend vllm, which runs such checkpoints")  # fmt: skip
+        raise ModelDirError(
+            f"{model_dir} is quantized ({q}); transformers cannot run it on this machine. "
+            "Extract with --backend vllm, which runs such checkpoints"
+        )
 
 
 def load_causal_lm(
@@ -126,8 +133,10 @@ def load_causal_lm(
     if type(cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING and not getattr(cfg, "auto_map", None):
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else None
         if text is None or text is cfg or type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-            raise ModelDirError(f"{model_dir}: eyas cannot run architecture {arch}: it is neither a causal "
-                                "language model nor a wrapper around one (a text_config)")  # fmt: skip
+            raise ModelDirError(
+                f"{model_dir}: eyas cannot run architecture {arch}: it is neither a causal "
+                "language model nor a wrapper around one (a text_config)"
+            )
         args.update(config=text, key_mapping=TEXT_KEY_MAPPING)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -143,21 +152,30 @@ def load_causal_lm(
     # runs, and every state it gives is wrong in a way no checksum can see. A wrapper's
     # checkpoint also holds its vision tower, which the language model does not take.
     unexpected = [] if "key_mapping" in args else sorted(info.get("unexpected_keys") or [])
-    _refuse_incomplete(model_dir, sorted(info.get("missing_keys") or []), unexpected,
-                       [str(m[0]) for m in info.get("mismatched_keys") or []])  # fmt: skip
+    _refuse_incomplete(
+        model_dir,
+        sorted(info.get("missing_keys") or []),
+        unexpected,
+        [str(m[0]) for m in info.get("mismatched_keys") or []],
+    )
     return model
 
 
 def _refuse_incomplete(model_dir, missing: list, unexpected: list, mismatched: list) -> None:
     parts = []
-    for what, names in (("missing", missing), ("not taken by the model", unexpected),
-                        ("of the wrong shape", mismatched)):  # fmt: skip
+    for what, names in (
+        ("missing", missing),
+        ("not taken by the model", unexpected),
+        ("of the wrong shape", mismatched),
+    ):
         if names:
             more = f" and {len(names) - 3} more" if len(names) > 3 else ""
             parts.append(f"{len(names)} tensor(s) {what} ({', '.join(names[:3])}{more})")
     if parts:
-        raise ModelDirError(f"{model_dir}: the checkpoint does not fill the model: {'; '.join(parts)}. "
-                            "A target with weights left random gives wrong states; refusing it")  # fmt: skip
+        raise ModelDirError(
+            f"{model_dir}: the checkpoint does not fill the model: {'; '.join(parts)}. "
+            "A target with weights left random gives wrong states; refusing it"
+        )
 
 
 def check_layers_present(model_dir: str | Path) -> None:

@@ -295,8 +295,17 @@ def _wrapper_config(model_type: str, text, tokenizer, top: dict | None = None):
     from transformers import AutoConfig
 
     top = dict(top or {})
-    for k in ("model_type", "text_config", "vision_config", "architectures", "auto_map", "quantization_config",
-              "transformers_version", "dtype", "torch_dtype"):  # fmt: skip
+    for k in (
+        "model_type",
+        "text_config",
+        "vision_config",
+        "architectures",
+        "auto_map",
+        "quantization_config",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+    ):
         top.pop(k, None)
     media = (
         tokenizer.convert_tokens_to_ids("<|media_pad|>")
@@ -305,10 +314,25 @@ def _wrapper_config(model_type: str, text, tokenizer, top: dict | None = None):
     )
     if isinstance(media, int) and media >= 0:
         top.update(image_token_id=media, video_token_id=media)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  pos_emb_height=8, pos_emb_width=8, pos_emb_time=2)  # fmt: skip
-    return AutoConfig.for_model(model_type, **{"tie_word_embeddings": False, **top, "text_config": text.to_dict(),
-                                                "vision_config": vision, "projection_hidden_size": 32})  # fmt: skip
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        pos_emb_height=8,
+        pos_emb_width=8,
+        pos_emb_time=2,
+    )
+    return AutoConfig.for_model(
+        model_type,
+        **{
+            "tie_word_embeddings": False,
+            **top,
+            "text_config": text.to_dict(),
+            "vision_config": vision,
+            "projection_hidden_size": 32,
+        },
+    )
 
 
 # Keys that set a model's size; scaled down by `_like_config`. Everything else is kept.
@@ -421,12 +445,17 @@ def build_tiny_target(
 
         tokenizer = load_tokenizer(str(like), trust_remote_code)
         if not tokenizer.chat_template and not base:
-            raise ValueError(f"--like {like}: the tokenizer has no chat template (a base "
-                             "checkpoint: pass --base)")  # fmt: skip
+            raise ValueError(
+                f"--like {like}: the tokenizer has no chat template (a base "
+                "checkpoint: pass --base)"
+            )
         config = _like_config(like, sizes, len(tokenizer), tokenizer)
         if _quantization_of(like):
-            print(f"note: the twin leaves out {like}'s quantization config ({_quantization_of(like)}): "
-                  "its weights are float32", flush=True)  # fmt: skip
+            print(
+                f"note: the twin leaves out {like}'s quantization config ({_quantization_of(like)}): "
+                "its weights are float32",
+                flush=True,
+            )
     else:
         if arch not in ARCHES:
             raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
@@ -475,8 +504,11 @@ def _compare_names(out: Path, like: Path) -> None:
     ours, real = shape(weight_map(out)), shape(weight_map(like))
     extra = sorted(ours - real)
     if extra:
-        print(f"note: {len(extra)} of the twin's weight names are not in {like}'s index "
-              f"(e.g. {', '.join(extra[:3])})", flush=True)  # fmt: skip
+        print(
+            f"note: {len(extra)} of the twin's weight names are not in {like}'s index "
+            f"(e.g. {', '.join(extra[:3])})",
+            flush=True,
+        )
     else:
         print(f"the twin's weight names are all in {like}'s index", flush=True)
 

@@ -86,8 +86,10 @@ def lm_head_weight(model_dir: str | Path) -> torch.Tensor:
         return read_tensor(model_dir, _HEAD)
     except KeyError:
         if not _tied(Path(model_dir)):
-            raise KeyError(f"{model_dir}: no lm_head in the checkpoint's weights (looked for {', '.join(_HEAD)}), "
-                           "and tie_word_embeddings is false, so the embeddings are not the head") from None  # fmt: skip
+            raise KeyError(
+                f"{model_dir}: no lm_head in the checkpoint's weights (looked for {', '.join(_HEAD)}), "
+                "and tie_word_embeddings is false, so the embeddings are not the head"
+            ) from None
         return embed_weight(model_dir)
 
 

@@ -108,8 +108,12 @@ def save_checkpoint(
                 opt_tensors[f"{pi}.{name}"] = torch.as_tensor(v).contiguous()
         save_safetensors(opt_tensors, tmp / "optimizer.safetensors")
         atomic_write_json(tmp / "state.json", state)
-        write_manifest(tmp, ["drafter.safetensors", "optimizer.safetensors", "state.json"], MARKER,
-                       step=state["step"])  # fmt: skip
+        write_manifest(
+            tmp,
+            ["drafter.safetensors", "optimizer.safetensors", "state.json"],
+            MARKER,
+            step=state["step"],
+        )
         old = final.with_name(final.name + ".old")
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -187,12 +191,16 @@ def resume_checkpoint(
             )
         return state, ckpt
     if damaged:
-        raise CheckpointError(f"{out}: every checkpoint is damaged ({'; '.join(damaged)}); they are set aside "
-                              "as checkpoints/damaged-*. Rerun the same command to train again from step 0 "
-                              "in this directory, or use another --out")  # fmt: skip
+        raise CheckpointError(
+            f"{out}: every checkpoint is damaged ({'; '.join(damaged)}); they are set aside "
+            "as checkpoints/damaged-*. Rerun the same command to train again from step 0 "
+            "in this directory, or use another --out"
+        )
     if aside := sorted(p.name for p in (Path(out) / "checkpoints").glob("damaged-*")):
-        log(f"warning: {out} has no intact checkpoint ({len(aside)} damaged one(s) set aside, e.g. {aside[0]}): "
-            "training starts again from step 0")  # fmt: skip
+        log(
+            f"warning: {out} has no intact checkpoint ({len(aside)} damaged one(s) set aside, e.g. {aside[0]}): "
+            "training starts again from step 0"
+        )
     return None
 
 
@@ -222,12 +230,16 @@ def load_weights(model: torch.nn.Module, state: dict, where) -> None:
     mine = model.state_dict()
     for name, t in mine.items():
         if name in state and tuple(state[name].shape) != tuple(t.shape):
-            raise ValueError(f"{where}: tensor {name} is {tuple(state[name].shape)} there, but the config "
-                             f"makes it {tuple(t.shape)}: the config does not match the weights")  # fmt: skip
+            raise ValueError(
+                f"{where}: tensor {name} is {tuple(state[name].shape)} there, but the config "
+                f"makes it {tuple(t.shape)}: the config does not match the weights"
+            )
     missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
     if missing or unexpected:
-        raise ValueError(f"{where}: the config's drafter has tensors the weights lack ({', '.join(missing[:4]) or 'none'}) "
-                         f"or the weights hold tensors it has not ({', '.join(unexpected[:4]) or 'none'})")  # fmt: skip
+        raise ValueError(
+            f"{where}: the config's drafter has tensors the weights lack ({', '.join(missing[:4]) or 'none'}) "
+            f"or the weights hold tensors it has not ({', '.join(unexpected[:4]) or 'none'})"
+        )
     model.load_state_dict(state)
 
 
@@ -314,8 +326,10 @@ def initial_weights(path: Path, model, kind) -> None:
         if name not in state:
             raise ValueError(f"--init-from {what}: it has no tensor {name}")
         if tuple(state[name].shape) != tuple(t.shape):
-            raise ValueError(f"--init-from {what}: {name} is {tuple(state[name].shape)}, this drafter's "
-                             f"{tuple(t.shape)} (another target, draft vocabulary or size)")  # fmt: skip
+            raise ValueError(
+                f"--init-from {what}: {name} is {tuple(state[name].shape)}, this drafter's "
+                f"{tuple(t.shape)} (another target, draft vocabulary or size)"
+            )
     if "d2t" in mine and not torch.equal(state["d2t"].long(), mine["d2t"].long()):
         raise ValueError(f"--init-from {what}: another draft vocabulary than this run's")
     model.load_state_dict({n: state[n].to(t.dtype) for n, t in mine.items()})

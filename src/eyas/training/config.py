@@ -137,8 +137,10 @@ class TrainConfig:
         if self.report_to not in ("none", "tensorboard"):
             raise ValueError(f"--report-to must be none or tensorboard, got {self.report_to!r}")
         if self.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-            raise ValueError("--report-to tensorboard needs the tensorboard package: "
-                             "pip install -e '.[tensorboard]' (or pip install tensorboard)")  # fmt: skip
+            raise ValueError(
+                "--report-to tensorboard needs the tensorboard package: "
+                "pip install -e '.[tensorboard]' (or pip install tensorboard)"
+            )
         if self.head_init not in HEAD_INITS:
             raise ValueError(
                 f"--head-init must be one of {', '.join(HEAD_INITS)}, got {self.head_init!r}"

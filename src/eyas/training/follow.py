@@ -44,8 +44,17 @@ HEARTBEAT = 5.0  # rank 0 tells the other ranks it is still waiting (collectives
 class FollowSource:
     saves_each_epoch = True  # the extractor may delete a pass once its end is checkpointed
 
-    def __init__(self, cfg, run: Path, out: Path, meta: dict, rank: int, world: int,
-                 reader: SampleReader, log):  # fmt: skip
+    def __init__(
+        self,
+        cfg,
+        run: Path,
+        out: Path,
+        meta: dict,
+        rank: int,
+        world: int,
+        reader: SampleReader,
+        log,
+    ):
         from eyas.data.prepare import PreparedDataset
 
         self.cfg, self.run, self.out, self.rank, self.world = cfg, Path(run), Path(out), rank, world
@@ -96,8 +105,10 @@ class FollowSource:
 
     def describe(self) -> str:
         left = f", {self.passes} extraction pass(es)" if self.passes > 1 else ""
-        return (f"{self.run} as it is extracted ({len(self.train_idx)} samples, "
-                f"{len(self.val_idx)} held out{left})")  # fmt: skip
+        return (
+            f"{self.run} as it is extracted ({len(self.train_idx)} samples, "
+            f"{len(self.val_idx)} held out{left})"
+        )
 
     def steps_per_epoch(self) -> int:
         """Batches of one pass planned over the whole set: a lower bound, as each window ends
@@ -183,8 +194,15 @@ class FollowSource:
 
     def finished(self, state: dict) -> None:
         if self.rank == 0:
-            publish(self.run, self.out, state["epoch"], set(), self.trained, command=self.command,
-                    finished=True)  # fmt: skip
+            publish(
+                self.run,
+                self.out,
+                state["epoch"],
+                set(),
+                self.trained,
+                command=self.command,
+                finished=True,
+            )
 
     def waiting(self) -> str | None:
         return self._wait
@@ -207,9 +225,14 @@ class FollowSource:
         while True:
             led = self._ledger()
             commits = led.pass_commits(p)
-            pend = [i for i in commits if i in self.train_set and i not in self.consumed
-                    and i not in self.unreadable
-                    and pass_of(led.present.get(i) or {"pass": -1}) == p]  # fmt: skip
+            pend = [
+                i
+                for i in commits
+                if i in self.train_set
+                and i not in self.consumed
+                and i not in self.unreadable
+                and pass_of(led.present.get(i) or {"pass": -1}) == p
+            ]
             complete = self._complete(led, p)
             # The extractor waits for room, or is not running (a full disk stops it): a window
             # that will not fill is trained as it is, so that its checkpoint makes room.
@@ -241,9 +264,11 @@ class FollowSource:
                 # its resume) may delete it and go on.
                 hooks.before_wait()
             ready = sum(commits[i]["tokens"] for i in pend)
-            self._wait = (f"waiting for extraction: pass {p + 1}/{self.passes}, {len(commits)}/{self.n} "
-                          f"committed, {len(self.consumed)} trained; {len(pend)} untrained ({ready:,} tokens "
-                          f"of the {self.window_tokens:,} a window takes)" + self._extractor_note())  # fmt: skip
+            self._wait = (
+                f"waiting for extraction: pass {p + 1}/{self.passes}, {len(commits)}/{self.n} "
+                f"committed, {len(self.consumed)} trained; {len(pend)} untrained ({ready:,} tokens "
+                f"of the {self.window_tokens:,} a window takes)" + self._extractor_note()
+            )
             hooks.note(self._wait)
             if self.world > 1 and time.monotonic() - beat > HEARTBEAT:
                 self._share(("wait",))
@@ -284,15 +309,19 @@ class FollowSource:
 
     def _note_lost(self, led: Ledger, p: int) -> None:
         if bad := sorted(self.unreadable & self.train_set - self.consumed):
-            self.log(f"warning: pass {p + 1} is incomplete: {len(bad)} sample(s) (e.g. {bad[:3]}) could not "
-                     "be read (see skipped_samples.jsonl); they are not counted as consumed, so the "
-                     f"extractor keeps them: `eyas verify --repair {self.run}` sets them up for extraction again")  # fmt: skip
+            self.log(
+                f"warning: pass {p + 1} is incomplete: {len(bad)} sample(s) (e.g. {bad[:3]}) could not "
+                "be read (see skipped_samples.jsonl); they are not counted as consumed, so the "
+                f"extractor keeps them: `eyas verify --repair {self.run}` sets them up for extraction again"
+            )
         lost = [i for i in led.pass_retired(p) if i in self.train_set and i not in self.consumed]
         if lost and (p, len(lost)) not in self._lost_said:
             self._lost_said.add((p, len(lost)))
-            self.log(f"warning: {len(lost)} sample(s) of pass {p + 1} were deleted before this trainer "
-                     "consumed them (it registered late, or resumed from an older checkpoint than the "
-                     "one it had published): they are not trained in this pass")  # fmt: skip
+            self.log(
+                f"warning: {len(lost)} sample(s) of pass {p + 1} were deleted before this trainer "
+                "consumed them (it registered late, or resumed from an older checkpoint than the "
+                "one it had published): they are not trained in this pass"
+            )
 
     def _extractor_waits(self) -> bool:
         return any(lk.live and lk.phase == "waiting for followers" for lk in all_locks(self.run))
@@ -328,8 +357,11 @@ class FollowSource:
         if self.rank == 0:
             led = self._ledger()
             p = min(epoch, self.passes - 1)
-            entries = {i: led.present[i] for i in self.val_idx
-                       if i in led.present and pass_of(led.present[i]) == p}  # fmt: skip
+            entries = {
+                i: led.present[i]
+                for i in self.val_idx
+                if i in led.present and pass_of(led.present[i]) == p
+            }
             plan = pack_batches if self.cfg.pack else plan_batches
             lengths = {i: e["tokens"] for i, e in entries.items()}
             msg = (plan(lengths, sorted(entries), self.cfg.batch_tokens), entries)
@@ -342,6 +374,10 @@ class FollowSource:
             led = ledger(self.run)
             entries = {i: e for i, e in led.present.items() if i < self.n}
             self.reader.update(entries)
-            self._store = StoreSource(self.cfg, entries, [i for i in self.train_idx if i in entries],
-                                      [i for i in self.val_idx if i in entries])  # fmt: skip
+            self._store = StoreSource(
+                self.cfg,
+                entries,
+                [i for i in self.train_idx if i in entries],
+                [i for i in self.val_idx if i in entries],
+            )
         return self._store

@@ -115,9 +115,13 @@ def loss_masks(batch: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def ttt_loss(
-    drafter: Drafter, batch: dict, steps: int, decay: float, norm: list[float] | None = None,
+    drafter: Drafter,
+    batch: dict,
+    steps: int,
+    decay: float,
+    norm: list[float] | None = None,
     kind: str = "kl",
-):  # fmt: skip
+):
     """Weighted TTT loss and per-step sums (steps, 6) for metrics.
 
     Step i at root t predicts the target's distribution at position t+1+i (`kind`: one of
@@ -146,8 +150,16 @@ def ttt_loss(
         cond = scored & all_right
         missed_at = torch.where(all_right & ~right, i, missed_at)
         all_right = all_right & right
-        stats.append([float(loss_sum.detach()), float(lmask.sum()), float((right & scored).sum()), float(scored.sum()),
-                      float((right & cond).sum()), float(cond.sum())])  # fmt: skip
+        stats.append(
+            [
+                float(loss_sum.detach()),
+                float(lmask.sum()),
+                float((right & scored).sum()),
+                float(scored.sum()),
+                float((right & cond).sum()),
+                float(cond.sum()),
+            ]
+        )
     return total, torch.tensor(stats, dtype=torch.float64)
 
 

@@ -34,10 +34,18 @@ def orthogonalise(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
 class Muon(torch.optim.Optimizer):
     """Muon over 2-D parameters; `lr` is scaled per matrix by 0.2 * sqrt(max(rows, cols))."""
 
-    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-                 ns_steps: int = 5):  # fmt: skip
-        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum,
-                                  "ns_steps": ns_steps})  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+    ):
+        super().__init__(
+            params,
+            {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "ns_steps": ns_steps},
+        )
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:

@@ -160,8 +160,11 @@ def _resolve_schedule(cfg: TrainConfig, meta: dict, rank: int) -> TrainConfig:
     chosen = {k: v for k, v in (("batch_tokens", batch), ("lr", lr)) if getattr(cfg, k) is None}
     if rank == 0 and cfg.progress:
         said = ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in chosen.items())
-        console.print(f"{said}: chosen for {tokens:,} tokens x {cfg.epochs} epoch(s); pass them to choose",
-                      markup=False, highlight=False)  # fmt: skip
+        console.print(
+            f"{said}: chosen for {tokens:,} tokens x {cfg.epochs} epoch(s); pass them to choose",
+            markup=False,
+            highlight=False,
+        )
     return replace(cfg, **chosen)
 
 
@@ -209,8 +212,12 @@ def _wait_for_run(run: Path) -> None:
     """A follower may start before its extractor has written the run's intent."""
     if (run / "run.json").exists() or (run / "run.backup.json").exists():
         return
-    console.print(f"waiting for {run} to be created by `eyas extract` (Ctrl-C stops; if nothing is "
-                  "extracting there, check the path)", markup=False, highlight=False)  # fmt: skip
+    console.print(
+        f"waiting for {run} to be created by `eyas extract` (Ctrl-C stops; if nothing is "
+        "extracting there, check the path)",
+        markup=False,
+        highlight=False,
+    )
     while not ((run / "run.json").exists() or (run / "run.backup.json").exists()):
         time.sleep(0.5)
 
@@ -238,7 +245,9 @@ def _check_complete(run: Path, meta: dict, allow_partial: bool) -> dict[int, dic
     return done  # the committed samples: training reads the journals once
 
 
-def _record_config(cfg: TrainConfig, resume: bool, rank: int, world: int, run: Path, out: Path, meta: dict) -> None:  # fmt: skip
+def _record_config(
+    cfg: TrainConfig, resume: bool, rank: int, world: int, run: Path, out: Path, meta: dict
+) -> None:
     """Write train.json for a new training directory; check a resumed one's against it."""
     ident = _identity(meta)
     saved = out / "train.json"
@@ -249,20 +258,29 @@ def _record_config(cfg: TrainConfig, resume: bool, rank: int, world: int, run: P
                 f"{saved}: this training directory was made from other data ({prev['data'].get('run')})"
             )
         if diff := RESUME_RULE.differences(prev["config"], asdict(cfg)):
-            raise UsageError(f"{saved}: config differs ({', '.join(diff)}); leave the option out to resume "
-                             "with the saved value, or use another --out")  # fmt: skip
+            raise UsageError(
+                f"{saved}: config differs ({', '.join(diff)}); leave the option out to resume "
+                "with the saved value, or use another --out"
+            )
         if not resume and latest_checkpoint(out) is not None:
             raise ValueError(
                 f"{out} already has checkpoints; pass --resume to continue, or use another --out"
             )
     elif rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(saved, {"config": asdict(cfg), "data": {"run": str(run.resolve()), **ident},
-                                  "rendering": _rendering(meta),
-                                  "aux_layers": meta["aux_layers"], "aux_layers_hf": meta["aux_layers_hf"],
-                                  "model_path": str(Path(cfg.model or meta["model_path"]).resolve()),
-                                  "world": world, "threads": choose_threads()
-                                  if not torch.cuda.is_available() else None})  # fmt: skip
+        atomic_write_json(
+            saved,
+            {
+                "config": asdict(cfg),
+                "data": {"run": str(run.resolve()), **ident},
+                "rendering": _rendering(meta),
+                "aux_layers": meta["aux_layers"],
+                "aux_layers_hf": meta["aux_layers_hf"],
+                "model_path": str(Path(cfg.model or meta["model_path"]).resolve()),
+                "world": world,
+                "threads": choose_threads() if not torch.cuda.is_available() else None,
+            },
+        )
 
 
 def _rendering(meta: dict) -> dict:
@@ -272,24 +290,41 @@ def _rendering(meta: dict) -> dict:
     ds = Path(meta["dataset_path"]) / "dataset.json"
     made = read_json(ds) if ds.is_file() else {}
     kwargs = (meta.get("dataset_prepare") or {}).get("chat_template_kwargs")
-    return {"tokenizer_fingerprint": made.get("tokenizer_fingerprint"),
-            "chat_template_kwargs": kwargs, "chat_template": made.get("chat_template"),
-            "longest_sample": (made.get("tokens") or {}).get("max")}  # fmt: skip
+    return {
+        "tokenizer_fingerprint": made.get("tokenizer_fingerprint"),
+        "chat_template_kwargs": kwargs,
+        "chat_template": made.get("chat_template"),
+        "longest_sample": (made.get("tokens") or {}).get("max"),
+    }
 
 
 def _train(
-    cfg: TrainConfig, resume: bool, rank: int, world: int, run: Path, out: Path, meta: dict,
-    done: dict[int, dict] | None, auto: bool = False,
-) -> dict:  # fmt: skip
+    cfg: TrainConfig,
+    resume: bool,
+    rank: int,
+    world: int,
+    run: Path,
+    out: Path,
+    meta: dict,
+    done: dict[int, dict] | None,
+    auto: bool = False,
+) -> dict:
     _record_config(cfg, resume, rank, world, run, out, meta)
     saved = out / "train.json"
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if cfg.device == "auto" else cfg.device))  # fmt: skip
+    device = torch.device(
+        "cuda"
+        if cfg.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if cfg.device == "auto" else cfg.device)
+    )
     # Training batches are thousands of tokens: wide enough to use every CPU, unlike decoding.
     threads = configure_threads() if device.type == "cpu" else None
     if rank == 0 and threads and (was := read_json(saved).get("threads")) != threads:
-        console.print(f"note: {threads} CPU thread(s) now, {was} before: float sums change order, so the "
-                      "weights will differ from an uninterrupted run in the last bits", markup=False, highlight=False)  # fmt: skip
+        console.print(
+            f"note: {threads} CPU thread(s) now, {was} before: float sums change order, so the "
+            "weights will differ from an uninterrupted run in the last bits",
+            markup=False,
+            highlight=False,
+        )
     log = (
         (lambda m: console.print(m, markup=False, highlight=False))
         if rank == 0
@@ -302,8 +337,11 @@ def _train(
     def skipped(index: int, problem: str, when: str = "while training") -> None:
         unreadable.add(index)
         if when == "while training":
-            console.print(f"warning: damaged sample left out of training: {problem}",
-                          markup=False, highlight=False)  # fmt: skip
+            console.print(
+                f"warning: damaged sample left out of training: {problem}",
+                markup=False,
+                highlight=False,
+            )
         if rank != 0 or index in listed:
             return
         listed.add(index)
@@ -336,29 +374,50 @@ def _train(
         reader.close()
 
 
-def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, world: int,
-          run: Path, out: Path, log, auto: bool = False) -> dict:  # fmt: skip
+def _loop(
+    cfg: TrainConfig,
+    trainer: Trainer,
+    source,
+    resume: bool,
+    rank: int,
+    world: int,
+    run: Path,
+    out: Path,
+    log,
+    auto: bool = False,
+) -> dict:
     """Epochs of windows of optimizer steps, from `source`; metrics, evaluation, checkpoints,
     and a clean stop on SIGTERM/SIGINT."""
     trainer.schedule(cfg.epochs * source.steps_per_epoch() // cfg.grad_accum)
     total_steps, warmup = trainer.total_steps, trainer.warmup
-    log(f"training on {source.describe()}: {total_steps} optimizer steps, warmup {warmup}, "
-        f"{trainer.kind.describe(cfg)}")  # fmt: skip
+    log(
+        f"training on {source.describe()}: {total_steps} optimizer steps, warmup {warmup}, "
+        f"{trainer.kind.describe(cfg)}"
+    )
     if rank == 0 and cfg.progress and warmup >= total_steps:
-        log(f"warning: --warmup-steps {warmup} >= the run's {total_steps} optimizer steps: the learning "
-            "rate never reaches --lr; train longer (--epochs) or lower --warmup-steps")  # fmt: skip
+        log(
+            f"warning: --warmup-steps {warmup} >= the run's {total_steps} optimizer steps: the learning "
+            "rate never reaches --lr; train longer (--epochs) or lower --warmup-steps"
+        )
     if rank == 0 and cfg.progress and total_steps < 20:
-        how = ("add epochs (--epochs) or data: --lr and --batch-tokens were already chosen for this run's size"
-               if auto else
-               "lower --batch-tokens (more steps per epoch; 2048 suits a few hundred conversations) with "
-               "--lr 3e-3 (or leave both out: train picks them from the run's size), or add epochs or data")  # fmt: skip
-        log(f"warning: only {total_steps} optimizer steps ({source.describe()}, --batch-tokens "
-            f"{cfg.batch_tokens}): the drafter will learn little; {how}")  # fmt: skip
+        how = (
+            "add epochs (--epochs) or data: --lr and --batch-tokens were already chosen for this run's size"
+            if auto
+            else "lower --batch-tokens (more steps per epoch; 2048 suits a few hundred conversations) with "
+            "--lr 3e-3 (or leave both out: train picks them from the run's size), or add epochs or data"
+        )
+        log(
+            f"warning: only {total_steps} optimizer steps ({source.describe()}, --batch-tokens "
+            f"{cfg.batch_tokens}): the drafter will learn little; {how}"
+        )
 
     def announce(name: str) -> None:  # at once: a scheduler's grace period is short
         if rank == 0:
-            print(f"{name}: stopping at the next micro-batch; the last complete step is saved",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{name}: stopping at the next micro-batch; the last complete step is saved",
+                file=sys.stderr,
+                flush=True,
+            )
 
     stop = StopSignals(enabled=rank == 0 or world > 1, on_first=announce).__enter__()
     state = {"step": 0, "epoch": 0, "batch": 0}
@@ -379,8 +438,10 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
 
     def stopped(st: dict) -> TrainStopped:
         checkpoint(st)
-        return TrainStopped(f"stopped by {stop.name or 'another rank'} at step {st['step']}; checkpoint "
-                            f"saved. Resume with: eyas train --resume --out {out}")  # fmt: skip
+        return TrainStopped(
+            f"stopped by {stop.name or 'another rank'} at step {st['step']}; checkpoint "
+            f"saved. Resume with: eyas train --resume --out {out}"
+        )
 
     last_val: dict = {}
     t0, tokens_seen = time.monotonic(), 0
@@ -412,8 +473,10 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
         if board is not None:
             board.write(rec)
 
-    first = still_working("the first optimizer step (on a CPU, minutes at a real size)",
-                          enabled=cfg.progress and rank == 0).__enter__()  # fmt: skip
+    first = still_working(
+        "the first optimizer step (on a CPU, minutes at a real size)",
+        enabled=cfg.progress and rank == 0,
+    ).__enter__()
     hooks = _Hooks(
         before_wait=lambda: (
             checkpoint(state) if state["step"] > saved_step[0] else source.caught_up()
@@ -431,9 +494,11 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
                         for n, group in enumerate(groups, 1):
                             try:
                                 stats, tokens = trainer.step(
-                                    loaded, len(group), trainer.lr_at(state["step"]),
+                                    loaded,
+                                    len(group),
+                                    trainer.lr_at(state["step"]),
                                     stops=stop,
-                                )  # fmt: skip
+                                )
                             except StepAbandoned:
                                 raise stopped(state) from None
                             first.stop()
@@ -444,14 +509,35 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
                             shown.update(loss=s["loss"][0], acc=s["acc"][0])
                             rep.advance()
                             if rank == 0 and cfg.follow:
-                                _log(out, rank, {"step": state["step"], "pass": epoch,
-                                                 "samples": sorted(i for b in group for i in b if i not in source.unreadable)}, "consumed.jsonl")  # fmt: skip
+                                _log(
+                                    out,
+                                    rank,
+                                    {
+                                        "step": state["step"],
+                                        "pass": epoch,
+                                        "samples": sorted(
+                                            i
+                                            for b in group
+                                            for i in b
+                                            if i not in source.unreadable
+                                        ),
+                                    },
+                                    "consumed.jsonl",
+                                )
                             if state["step"] % 10 == 0 or n == len(groups):
                                 if world > 1:
                                     all_reduce_cpu(window)
-                                metric({"split": "train", **_plain(state), "lr": trainer.lr_at(state["step"] - 1),
-                                                 "tokens_per_s": tokens_seen * world / max(time.monotonic() - t0, 1e-9),
-                                                 **summarize(window)})  # fmt: skip
+                                metric(
+                                    {
+                                        "split": "train",
+                                        **_plain(state),
+                                        "lr": trainer.lr_at(state["step"] - 1),
+                                        "tokens_per_s": tokens_seen
+                                        * world
+                                        / max(time.monotonic() - t0, 1e-9),
+                                        **summarize(window),
+                                    }
+                                )
                                 window.zero_()
                             if (
                                 cfg.eval_every
@@ -478,9 +564,11 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
                 checkpoint(state)  # the extractor may delete this pass once it is durable
         loop_seconds = time.monotonic() - t0  # the training itself, without the final saves
         if state["step"] == 0:  # an untrained drafter is no result: say why instead of saving one
-            raise ValueError(f"no optimizer step was taken on {source.describe()}: no training sample could be "
-                             "read (see the warnings above; a follower that comes after the extractor deleted "
-                             "its passes' samples has nothing to train: follow a run from its start)")  # fmt: skip
+            raise ValueError(
+                f"no optimizer step was taken on {source.describe()}: no training sample could be "
+                "read (see the warnings above; a follower that comes after the extractor deleted "
+                "its passes' samples has nothing to train: follow a run from its start)"
+            )
         checkpoint(state)
         if rank == 0:
             save_final(out, trainer.drafter, trainer.kind)
@@ -493,9 +581,14 @@ def _loop(cfg: TrainConfig, trainer: Trainer, source, resume: bool, rank: int, w
         rep.__exit__(None, None, None)
         stop.__exit__()
     elapsed = time.monotonic() - t0
-    return {"val": last_val, "steps": state["step"], "steps_now": state["step"] - start_step,
-            "tokens_per_s": tokens_seen * world / max(loop_seconds, 1e-9),
-            "seconds": elapsed, "waited_s": getattr(source, "waited", 0.0)}  # fmt: skip
+    return {
+        "val": last_val,
+        "steps": state["step"],
+        "steps_now": state["step"] - start_step,
+        "tokens_per_s": tokens_seen * world / max(loop_seconds, 1e-9),
+        "seconds": elapsed,
+        "waited_s": getattr(source, "waited", 0.0),
+    }
 
 
 def _plain(state: dict) -> dict:
@@ -574,8 +667,12 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if damaged:  # named, and kept aside whole, as the journals' damaged lines are
         aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
         atomic_write_bytes(aside, path.read_bytes())
-        console.print(f"warning: {path}: {len(damaged)} damaged line(s) (first: line {damaged[0][0]}) left "
-                      f"out; the file as it was is kept in {aside}", markup=False, highlight=False)  # fmt: skip
+        console.print(
+            f"warning: {path}: {len(damaged)} damaged line(s) (first: line {damaged[0][0]}) left "
+            f"out; the file as it was is kept in {aside}",
+            markup=False,
+            highlight=False,
+        )
     atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
 
 
@@ -593,8 +690,12 @@ def _skipped_indices(path: Path) -> set[int]:
 
 def _print_summary(epoch: int, s: dict) -> None:
     accs = " ".join(f"{a:.2f}" for a in s["acc"])
-    console.print(f"epoch {epoch + 1}: val loss0 {s['loss'][0]:.3f}, acc/step [{accs}], "
-                  f"est. acceptance length (k={len(s['acc'])}) {s['accept_len'][-1]:.2f}", markup=False, highlight=False)  # fmt: skip
+    console.print(
+        f"epoch {epoch + 1}: val loss0 {s['loss'][0]:.3f}, acc/step [{accs}], "
+        f"est. acceptance length (k={len(s['acc'])}) {s['accept_len'][-1]:.2f}",
+        markup=False,
+        highlight=False,
+    )
 
 
 def plot_metrics(out: Path) -> list[Path]:
@@ -613,8 +714,15 @@ def plot_metrics(out: Path) -> list[Path]:
             if not rs:
                 continue
             for i in range(len(rs[0][key])):
-                ax.plot([r["step"] for r in rs], [r[key][i] for r in rs], style, label=f"{split} step {i}", color=f"C{i}",
-                        alpha=0.5 if split == "train" else 1.0, markersize=3)  # fmt: skip
+                ax.plot(
+                    [r["step"] for r in rs],
+                    [r[key][i] for r in rs],
+                    style,
+                    label=f"{split} step {i}",
+                    color=f"C{i}",
+                    alpha=0.5 if split == "train" else 1.0,
+                    markersize=3,
+                )
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(title)
         ax.set_title(f"drafter {title} per TTT step")

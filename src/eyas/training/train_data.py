@@ -45,8 +45,10 @@ def usable_samples(
         else:
             bad[i] = c.problem
     if bad:
-        log(f"warning: {len(bad)} damaged sample(s) left out of training "
-            f"(`eyas verify --repair {run}` and `eyas extract --resume {run}` redo them):")  # fmt: skip
+        log(
+            f"warning: {len(bad)} damaged sample(s) left out of training "
+            f"(`eyas verify --repair {run}` and `eyas extract --resume {run}` redo them):"
+        )
         for p in list(bad.values())[:10]:
             log(f"  {p}")
     return good, bad
@@ -76,9 +78,13 @@ def pack_batches(lengths, indices: list[int], batch_tokens: int) -> list[list[in
 
 
 def epoch_batches(
-    lengths: dict[int, int], indices: list[int], batch_tokens: int, seed: int, epoch: int,
+    lengths: dict[int, int],
+    indices: list[int],
+    batch_tokens: int,
+    seed: int,
+    epoch: int,
     packed: bool = False,
-) -> list[list[int]]:  # fmt: skip
+) -> list[list[int]]:
     """Length-bucketed (or packed) batches, in an order that depends only on (seed, epoch)."""
     plan = pack_batches if packed else plan_batches
     batches = plan(lengths, sorted(indices), batch_tokens)
@@ -163,8 +169,15 @@ class SampleReader:
     rows where they landed. Upcasting happens on the device (`to_device`), so the bytes
     that travel are the stored ones."""
 
-    def __init__(self, run: Path, entries: dict[int, dict], checksums: bool, pin: bool = False,
-                 report=None, threads: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        run: Path,
+        entries: dict[int, dict],
+        checksums: bool,
+        pin: bool = False,
+        report=None,
+        threads: int | None = None,
+    ):
         self.run, self.entries, self.checksums, self.pin = Path(run), entries, checksums, pin
         self.report = report or (lambda index, problem: None)
         self._summed: set[int] = set()
@@ -295,8 +308,14 @@ class SampleReader:
         else:
             for r in range(len(idx)):
                 one(r)
-        out = {"input_ids": buf.pop("input_ids"), "loss_mask": buf.pop("loss_mask"), "valid": valid,
-               "segments": segments, "positions": positions, **buf}  # fmt: skip
+        out = {
+            "input_ids": buf.pop("input_ids"),
+            "loss_mask": buf.pop("loss_mask"),
+            "valid": valid,
+            "segments": segments,
+            "positions": positions,
+            **buf,
+        }
         if "target_topk_logprobs" in out:
             lp = out["target_topk_logprobs"]
             for r, n in enumerate(lengths):
@@ -320,8 +339,10 @@ class SampleReader:
                 best = min(fits, key=lambda n: sum(t.numel() for t in self._free[n].values()))
                 return self._free.pop(best)
         lay = self.layout()
-        return {k: torch.empty(1 << max(v - 1, 0).bit_length(), dtype=lay[k][0], pin_memory=self.pin)
-                for k, v in need.items()}  # fmt: skip
+        return {
+            k: torch.empty(1 << max(v - 1, 0).bit_length(), dtype=lay[k][0], pin_memory=self.pin)
+            for k, v in need.items()
+        }
 
     def release(self, batch: dict[str, torch.Tensor], copied=None) -> None:
         """Give a batch's buffers back once the step that used them is done (optional: a

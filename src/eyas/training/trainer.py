@@ -37,11 +37,17 @@ def build_drafter(cfg, meta: dict) -> tuple[torch.nn.Module, torch.Tensor | None
     model_dir = cfg.model or meta["model_path"]
     check_model_dir(model_dir, weights=True)
     if (fp := model_fingerprint(model_dir)) != meta["model_fingerprint"]:
-        raise UsageError(f"{model_dir} is not the target {cfg.data} was extracted with (fingerprint {fp}, "
-                         f"the run's is {meta['model_fingerprint']}); pass the right --model")  # fmt: skip
+        raise UsageError(
+            f"{model_dir} is not the target {cfg.data} was extracted with (fingerprint {fp}, "
+            f"the run's is {meta['model_fingerprint']}); pass the right --model"
+        )
     ds = PreparedDataset.open(meta["dataset_path"], check=False)
-    check_tokenizer(meta["dataset_path"], ds.meta, model_dir,
-                    trust_remote_code=bool(meta.get("trust_remote_code_required")))  # fmt: skip
+    check_tokenizer(
+        meta["dataset_path"],
+        ds.meta,
+        model_dir,
+        trust_remote_code=bool(meta.get("trust_remote_code_required")),
+    )
     draft_ids = ds.draft_vocab(draft_vocab_for(cfg.draft_vocab_size, meta))
     return kind(cfg.kind).build(cfg, meta, model_dir, draft_ids)
 
@@ -50,8 +56,10 @@ def draft_vocab_for(requested: int | None, meta: dict) -> int | None:
     """D: the run's when it stores top-K over its draft vocabulary, else as requested."""
     fixed = meta.get("draft_vocab_size")
     if fixed and requested and requested != fixed:
-        raise UsageError(f"the run stores the target's top-K over a draft vocabulary of {fixed}; "
-                         f"--draft-vocab-size {requested} cannot differ")  # fmt: skip
+        raise UsageError(
+            f"the run stores the target's top-K over a draft vocabulary of {fixed}; "
+            f"--draft-vocab-size {requested} cannot differ"
+        )
     return fixed or requested
 
 
@@ -98,8 +106,16 @@ class Trainer:
     Which samples make the batches is the data source's business (`StoreSource`,
     `FollowSource`); the trainer only loads the batches it is given."""
 
-    def __init__(self, cfg, meta: dict, rank: int, world: int, device: torch.device,
-                 out: Path, reader: SampleReader):  # fmt: skip
+    def __init__(
+        self,
+        cfg,
+        meta: dict,
+        rank: int,
+        world: int,
+        device: torch.device,
+        out: Path,
+        reader: SampleReader,
+    ):
         self.cfg, self.rank, self.world, self.device, self.out = cfg, rank, world, device, out
         self.reader = reader
         self.kind = kind(cfg.kind)
@@ -254,8 +270,12 @@ def build_optimizer(drafter: Drafter, cfg) -> torch.optim.Optimizer | Optimizers
         return torch.optim.AdamW([p for _, p in named], **adamw)
     matrices = [p for n, p in named if p.ndim == 2 and min(p.shape) > 1 and "lm_head" not in n]
     rest = [p for n, p in named if not any(p is q for q in matrices)]
-    muon = Muon([{"params": matrices, "lr_scale": cfg.muon_lr_scale}],
-                lr=cfg.lr * cfg.muon_lr_scale, momentum=0.95, weight_decay=0.1)  # fmt: skip
+    muon = Muon(
+        [{"params": matrices, "lr_scale": cfg.muon_lr_scale}],
+        lr=cfg.lr * cfg.muon_lr_scale,
+        momentum=0.95,
+        weight_decay=0.1,
+    )
     return Optimizers([muon, torch.optim.AdamW(rest, **adamw)] if rest else [muon])
 
 

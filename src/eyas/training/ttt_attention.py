@@ -92,8 +92,16 @@ class _ChunkedTTT(torch.autograd.Function):
             dq[:, :, a:b] = dqb * scale
         dpk *= scale
         cast = lambda g, like: g.to(like.dtype)  # noqa: E731
-        return (cast(dq, q), cast(dpk, pk), cast(dpv, pv), None, None, None,
-                *[cast(g, k) for g, k in zip(dck, ck, strict=True)], *[cast(g, v) for g, v in zip(dcv, cv, strict=True)])  # fmt: skip
+        return (
+            cast(dq, q),
+            cast(dpk, pk),
+            cast(dpv, pv),
+            None,
+            None,
+            None,
+            *[cast(g, k) for g, k in zip(dck, ck, strict=True)],
+            *[cast(g, v) for g, v in zip(dcv, cv, strict=True)],
+        )
 
 
 def _acc(q: torch.Tensor) -> torch.dtype:
@@ -142,9 +150,15 @@ def _key_start(first: torch.Tensor | None, a: int, window: int | None = None) ->
 
 
 def chunked(
-    q, prefix_k, prefix_v, chain_k: list, chain_v: list, block: int = 256, segments=None,
+    q,
+    prefix_k,
+    prefix_v,
+    chain_k: list,
+    chain_v: list,
+    block: int = 256,
+    segments=None,
     window: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """(B, h, T, d) attention output of the TTT pattern, without the (T, T) matrix; with
     `segments` (B, T), packed rows: the causal prefix is restricted to the query's sample;
     with `window`, to the `window` latest prefix keys."""

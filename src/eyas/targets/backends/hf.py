@@ -26,10 +26,14 @@ class Capture:
         n = len(base.layers)
         for i in aux_layers:
             if not 0 <= i < n:
-                raise ValueError(f"aux layer {i} is outside 0..{n - 1} (the target has {n} decoder layers)")  # fmt: skip
+                raise ValueError(
+                    f"aux layer {i} is outside 0..{n - 1} (the target has {n} decoder layers)"
+                )
         self.states: dict[str, torch.Tensor] = {}
-        self.handles = [base.layers[i].register_forward_hook(self._keep(f"aux{k}"))
-                        for k, i in enumerate(aux_layers)]  # fmt: skip
+        self.handles = [
+            base.layers[i].register_forward_hook(self._keep(f"aux{k}"))
+            for k, i in enumerate(aux_layers)
+        ]
         self.handles.append(base.norm.register_forward_hook(self._keep("last")))
 
     def _keep(self, key: str):
@@ -80,8 +84,11 @@ class _Batch(Pending):
             s = {k: v[r * self.T : r * self.T + n] for k, v in t.items() if k != "finite"}
             # A row sum is finite iff its terms are, barring overflow: only a row whose sum
             # is not finite gets the exact elementwise check.
-            if not finite[r] and not all(torch.isfinite(v.float()).all() for k, v in s.items()
-                                         if k in ("aux_hidden_states", "last_hidden_states")):  # fmt: skip
+            if not finite[r] and not all(
+                torch.isfinite(v.float()).all()
+                for k, v in s.items()
+                if k in ("aux_hidden_states", "last_hidden_states")
+            ):
                 out.append("non-finite values (NaN/Inf) in hidden states")
             else:
                 out.append(s)

@@ -203,17 +203,21 @@ class VLLMBackend(Backend):
                 (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
                 min(len(got), len(want)),
             )
-            return (f"token ids the engine saw differ from the prepared ones ({len(got)} vs {len(want)} "
-                    f"tokens, first difference at position {k})")  # fmt: skip
+            return (
+                f"token ids the engine saw differ from the prepared ones ({len(got)} vs {len(want)} "
+                f"tokens, first difference at position {k})"
+            )
         if hs.shape[0] != len(want):
             return f"token-count mismatch: {len(want)} ids but {hs.shape[0]} hidden-state rows"
         want_shape = (len(want), len(self.layer_ids), self.facts.hidden_size)
         if hs.dim() != 3 or tuple(hs.shape) != want_shape:
             # Some vLLM versions silently drop the final layer's state of DeepSeek/Kimi
             # backbones (vLLM issue 46973): fewer layers than asked for comes back.
-            return (f"the engine returned hidden states of shape {tuple(hs.shape)}, not {want_shape} "
-                    f"(layers {self.layer_ids} of width {self.facts.hidden_size}); a vLLM that drops a "
-                    "requested layer (vLLM issue 46973 for DeepSeek/Kimi backbones) gives this")  # fmt: skip
+            return (
+                f"the engine returned hidden states of shape {tuple(hs.shape)}, not {want_shape} "
+                f"(layers {self.layer_ids} of width {self.facts.hidden_size}); a vLLM that drops a "
+                "requested layer (vLLM issue 46973 for DeepSeek/Kimi backbones) gives this"
+            )
         hs = hs.to(self.spec.dtype)
         aux = torch.cat([hs[:, c] for c in self.columns[:-1]], -1)  # (T, L*H)
         last = rms_norm(

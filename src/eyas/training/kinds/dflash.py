@@ -66,19 +66,28 @@ class DFlash:
         kv = getattr(t, "num_key_value_heads", None) or heads
         ds = PreparedDataset.open(meta["dataset_path"], check=False)
         c = DFlashConfig(
-            hidden_size=H, intermediate_size=cfg.intermediate_size or getattr(t, "intermediate_size", 4 * H),
-            num_hidden_layers=cfg.drafter_layers, num_attention_heads=heads,
+            hidden_size=H,
+            intermediate_size=cfg.intermediate_size or getattr(t, "intermediate_size", 4 * H),
+            num_hidden_layers=cfg.drafter_layers,
+            num_attention_heads=heads,
             num_key_value_heads=kv if heads % kv == 0 else heads,
-            head_dim=getattr(t, "head_dim", None) or H // heads, vocab_size=t.vocab_size,
-            draft_vocab_size=len(draft_ids), target_layers=len(meta["aux_layers"]),
+            head_dim=getattr(t, "head_dim", None) or H // heads,
+            vocab_size=t.vocab_size,
+            draft_vocab_size=len(draft_ids),
+            target_layers=len(meta["aux_layers"]),
             block_size=cfg.block_size,
-            mask_token_id=choose_mask_token(model_dir, ds.vocab_counts(), bool(meta.get("trust_remote_code_required"))),
+            mask_token_id=choose_mask_token(
+                model_dir, ds.vocab_counts(), bool(meta.get("trust_remote_code_required"))
+            ),
             rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
-            rope_theta=float(((getattr(t, "rope_parameters", None) or {}).get("rope_theta"))
-                             or getattr(t, "rope_theta", 10000.0) or 10000.0),
+            rope_theta=float(
+                ((getattr(t, "rope_parameters", None) or {}).get("rope_theta"))
+                or getattr(t, "rope_theta", 10000.0)
+                or 10000.0
+            ),
             max_position_embeddings=getattr(t, "max_position_embeddings", 4096),
             hidden_act=getattr(t, "hidden_act", "silu"),
-        )  # fmt: skip
+        )
         torch.manual_seed(cfg.seed)
         model = DFlashDrafter(c)
         model.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
@@ -149,8 +158,16 @@ class DFlash:
             cond = scored & all_right
             missed_at = torch.where(all_right & ~right, j - 1, missed_at)
             all_right = all_right & right
-            stats.append([float(loss_sum.detach()), float(lmask.sum()), float((right & scored).sum()), float(scored.sum()),
-                          float((right & cond).sum()), float(cond.sum())])  # fmt: skip
+            stats.append(
+                [
+                    float(loss_sum.detach()),
+                    float(lmask.sum()),
+                    float((right & scored).sum()),
+                    float(scored.sum()),
+                    float((right & cond).sum()),
+                    float(cond.sum()),
+                ]
+            )
         return total, torch.tensor(stats, dtype=torch.float64)
 
     # ---------------------------------------------------------------- export
@@ -192,7 +209,7 @@ class DFlash:
                 "target_layer_ids": list(info["aux_layers"]),
                 "block_size": c.block_size,
                 "mask_token_id": c.mask_token_id,
-            },  # fmt: skip
+            },
             "torch_dtype": str(dtype).removeprefix("torch."),
             "eyas_version": __version__,
         }
@@ -212,14 +229,22 @@ class DFlash:
                 )
         ids = d["target_layer_ids"]
         c = DFlashConfig(
-            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], vocab_size=cfg["vocab_size"],
-            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"], target_layers=len(ids),
-            block_size=d["block_size"], mask_token_id=d["mask_token_id"], rms_norm_eps=cfg["rms_norm_eps"],
-            rope_theta=cfg["rope_theta"], max_position_embeddings=cfg["max_position_embeddings"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg["head_dim"],
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            target_layers=len(ids),
+            block_size=d["block_size"],
+            mask_token_id=d["mask_token_id"],
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=cfg["rope_theta"],
+            max_position_embeddings=cfg["max_position_embeddings"],
             hidden_act=cfg["hidden_act"],
-        )  # fmt: skip
+        )
         model = DFlashDrafter(c)
         state = {n: v.float() if v.is_floating_point() else v for n, v in raw.items()}
         if c.draft_vocab_size == c.vocab_size and "d2t" not in state:
@@ -249,8 +274,10 @@ class BlockProposer:
 
     def propose(self, next_token: int, k: int) -> list[int]:
         if k > self.m.config.block_size - 1:
-            raise ValueError(f"a DFlash block of {self.m.config.block_size} drafts {self.m.config.block_size - 1} "
-                             f"tokens a round, not {k}: give --draft-tokens {self.m.config.block_size - 1} or fewer")  # fmt: skip
+            raise ValueError(
+                f"a DFlash block of {self.m.config.block_size} drafts {self.m.config.block_size - 1} "
+                f"tokens a round, not {k}: give --draft-tokens {self.m.config.block_size - 1} or fewer"
+            )
         return self.m.draft_block(self.kv, self.n, next_token)[:k]
 
     def accept(self, tokens: list[int], states: torch.Tensor) -> None:

@@ -34,9 +34,15 @@ class Eagle3:
     def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
         # A chain: one candidate per step (top-k 1), K steps, K + 1 tokens verified a round.
         window = export_config.get(_WINDOW)
-        return ["--speculative-num-steps", str(tokens), "--speculative-eagle-topk", "1",
-                "--speculative-num-draft-tokens", str(tokens + 1),
-                *(["--speculative-draft-window-size", str(window)] if window else [])]  # fmt: skip
+        return [
+            "--speculative-num-steps",
+            str(tokens),
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            str(tokens + 1),
+            *(["--speculative-draft-window-size", str(window)] if window else []),
+        ]
 
     # ---------------------------------------------------------------- training
 
@@ -47,9 +53,14 @@ class Eagle3:
 
         over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
         norms = {k: getattr(cfg, k) for k in _SGLANG_LACKS}
-        dcfg = DrafterConfig.from_target(text_config(model_dir), len(draft_ids), **over, **norms,
-                                         attention_window=cfg.attention_window,
-                                         target_layers=len(meta["aux_layers"]))  # fmt: skip
+        dcfg = DrafterConfig.from_target(
+            text_config(model_dir),
+            len(draft_ids),
+            **over,
+            **norms,
+            attention_window=cfg.attention_window,
+            target_layers=len(meta["aux_layers"]),
+        )
         torch.manual_seed(cfg.seed)
         drafter = Drafter(dcfg)
         drafter.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
@@ -105,8 +116,10 @@ class Eagle3:
                 + ")"
             )
         if c.target_layers != 3:
-            raise ValueError(f"the drafter reads {c.target_layers} target layers; vLLM's and SGLang's EAGLE-3 "
-                             "models read three: extract with three --aux-layers to serve it")  # fmt: skip
+            raise ValueError(
+                f"the drafter reads {c.target_layers} target layers; vLLM's and SGLang's EAGLE-3 "
+                "models read three: extract with three --aux-layers to serve it"
+            )
         if fmt == "vllm" and c.attention_window:
             raise ValueError(
                 f"the drafter was trained with --attention-window {c.attention_window}, which vLLM does not "
@@ -142,29 +155,44 @@ class Eagle3:
             layer, aux = cfg["transformer_layer_config"], cfg["eagle_aux_hidden_state_layer_ids"]
             prefix = "layers.0."
             # vLLM's defaults for fields a speculators config leaves out
-            norms = {"norm_before_residual": cfg.get("norm_before_residual", True),
-                     "norm_before_fc": cfg.get("norm_before_fc", False),
-                     "norm_output": cfg.get("norm_output", False)}  # fmt: skip
+            norms = {
+                "norm_before_residual": cfg.get("norm_before_residual", True),
+                "norm_before_fc": cfg.get("norm_before_fc", False),
+                "norm_output": cfg.get("norm_output", False),
+            }
             for key, allowed in _ARCH_FIELDS.items():
                 if cfg.get(key) not in allowed:
-                    raise ValueError(f"{cfg_file}: {key} = {cfg.get(key)!r} is an architecture eyas's "
-                                     "drafter does not have; it cannot evaluate this export")  # fmt: skip
+                    raise ValueError(
+                        f"{cfg_file}: {key} = {cfg.get(key)!r} is an architecture eyas's "
+                        "drafter does not have; it cannot evaluate this export"
+                    )
         else:  # SGLang's ids: outputs of 0-based layers
             layer, prefix = cfg, "midlayer."
             aux = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
-            norms = {"norm_before_residual": False,  # what SGLang's model does whatever is written
-                     "attention_window": cfg.get(_WINDOW)}  # fmt: skip
+            norms = {
+                "norm_before_residual": False,  # what SGLang's model does whatever is written
+                "attention_window": cfg.get(_WINDOW),
+            }
         if layer.get("num_hidden_layers", 1) != 1:
-            raise ValueError(f"{cfg_file}: {layer['num_hidden_layers']} decoder layers; eyas's EAGLE-3 "
-                             "drafter has one, so it cannot evaluate this export")  # fmt: skip
+            raise ValueError(
+                f"{cfg_file}: {layer['num_hidden_layers']} decoder layers; eyas's EAGLE-3 "
+                "drafter has one, so it cannot evaluate this export"
+            )
         c = DrafterConfig(
-            hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
-            num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
-            head_dim=layer["head_dim"], vocab_size=layer["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
-            rms_norm_eps=layer["rms_norm_eps"], rope_theta=layer["rope_theta"],
-            max_position_embeddings=layer["max_position_embeddings"], hidden_act=layer["hidden_act"],
-            target_layers=len(aux), **norms,
-        )  # fmt: skip
+            hidden_size=layer["hidden_size"],
+            intermediate_size=layer["intermediate_size"],
+            num_attention_heads=layer["num_attention_heads"],
+            num_key_value_heads=layer["num_key_value_heads"],
+            head_dim=layer["head_dim"],
+            vocab_size=layer["vocab_size"],
+            draft_vocab_size=cfg["draft_vocab_size"],
+            rms_norm_eps=layer["rms_norm_eps"],
+            rope_theta=layer["rope_theta"],
+            max_position_embeddings=layer["max_position_embeddings"],
+            hidden_act=layer["hidden_act"],
+            target_layers=len(aux),
+            **norms,
+        )
         drafter = Drafter(c)
         state = {
             ("midlayer." + n.removeprefix(prefix) if n.startswith(prefix) else n): v
