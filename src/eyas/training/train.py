@@ -389,17 +389,27 @@ def _loop(
     """Epochs of windows of optimizer steps, from `source`; metrics, evaluation, checkpoints,
     and a clean stop on SIGTERM/SIGINT."""
     trainer.schedule(cfg.epochs * source.steps_per_epoch() // cfg.grad_accum)
+    _schedule_warnings(cfg, trainer, source, rank, log, auto)
+    return _Loop(cfg, trainer, source, rank, world, out).run(resume, log)
+
+
+def _schedule_warnings(
+    cfg: TrainConfig, trainer: Trainer, source, rank: int, log, auto: bool
+) -> None:
+    """The schedule, said once; and a warning where it cannot train well."""
     total_steps, warmup = trainer.total_steps, trainer.warmup
     log(
         f"training on {source.describe()}: {total_steps} optimizer steps, warmup {warmup}, "
         f"{trainer.kind.describe(cfg)}"
     )
-    if rank == 0 and cfg.progress and warmup >= total_steps:
+    if rank != 0 or not cfg.progress:
+        return
+    if warmup >= total_steps:
         log(
             f"warning: --warmup-steps {warmup} >= the run's {total_steps} optimizer steps: the learning "
             "rate never reaches --lr; train longer (--epochs) or lower --warmup-steps"
         )
-    if rank == 0 and cfg.progress and total_steps < 20:
+    if total_steps < 20:
         how = (
             "add epochs (--epochs) or data: --lr and --batch-tokens were already chosen for this run's size"
             if auto
@@ -411,184 +421,195 @@ def _loop(
             f"{cfg.batch_tokens}): the drafter will learn little; {how}"
         )
 
-    def announce(name: str) -> None:  # at once: a scheduler's grace period is short
-        if rank == 0:
+
+class _Loop:
+    """One training run's loop in named steps: `run` goes over the epochs, each a sequence of
+    windows of optimizer steps from the data source; after each step `_after_step` logs,
+    evaluates, checkpoints and stops where asked; `_end_epoch` evaluates the epoch. `state`
+    (step, epoch, batch) is what a checkpoint saves and a resume restores."""
+
+    def __init__(
+        self, cfg: TrainConfig, trainer: Trainer, source, rank: int, world: int, out: Path
+    ):
+        self.cfg, self.trainer, self.source = cfg, trainer, source
+        self.rank, self.world, self.out = rank, world, out
+        self.state = {"step": 0, "epoch": 0, "batch": 0}
+        self.saved_step = self.start_step = 0
+        self.last_val: dict = {}
+        self.tokens_seen = 0
+        self.window = torch.zeros(trainer.positions, 6, dtype=torch.float64)
+        self.shown: dict = {}
+        self.board = None
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self, resume: bool, log) -> dict:
+        cfg, rank = self.cfg, self.rank
+        self.stop = StopSignals(enabled=rank == 0 or self.world > 1, on_first=self._announce)
+        with self.stop:
+            if resume and (found := self.trainer.resume(log)) is not None:
+                self.state = found
+            self.source.restore(self.state)
+            if rank == 0:  # metrics and consumption logged after the state we start from are redone
+                _truncate_metrics(self.out / "metrics.jsonl", self.state["step"])
+                _truncate_metrics(self.out / "consumed.jsonl", self.state["step"])
+            self.saved_step = self.start_step = self.state["step"]
+            self.t0 = time.monotonic()
+            self.rep = Reporter("train", self.trainer.total_steps, unit="steps",
+                                enabled=cfg.progress and rank == 0, extra=self._extra)  # fmt: skip
+            self.rep.__enter__()
+            self.rep.skip(self.state["step"])
+            if cfg.report_to == "tensorboard" and rank == 0:
+                self.board = _TensorBoard(self.out / "tensorboard")
+            self.first = still_working(
+                "the first optimizer step (on a CPU, minutes at a real size)",
+                enabled=cfg.progress and rank == 0,
+            ).__enter__()
+            try:
+                loop_seconds = self._epochs()
+            finally:
+                self.first.stop()
+                if self.board is not None:
+                    self.board.close()
+                self.rep.__exit__(None, None, None)
+        return {
+            "val": self.last_val,
+            "steps": self.state["step"],
+            "steps_now": self.state["step"] - self.start_step,
+            "tokens_per_s": self.tokens_seen * self.world / max(loop_seconds, 1e-9),
+            "seconds": time.monotonic() - self.t0,
+            "waited_s": getattr(self.source, "waited", 0.0),
+        }
+
+    def _epochs(self) -> float:
+        """Every epoch from the state on, then the final save; the seconds of training."""
+        hooks = _Hooks(
+            before_wait=lambda: (
+                self.checkpoint(self.state)
+                if self.state["step"] > self.saved_step
+                else self.source.caught_up()
+            ),
+            stopping=lambda: self.stop.requested,
+            note=lambda msg: (self.first.stop(), self.rep.note(msg)),  # a wait is said as a wait
+        )
+        for epoch in range(self.state["epoch"], self.cfg.epochs):
+            try:
+                for groups in self.source.windows(epoch, self.state, hooks):
+                    self._window(epoch, groups)
+            except StopRequested:
+                raise self.stopped() from None
+            self._end_epoch(epoch)
+        loop_seconds = time.monotonic() - self.t0  # the training itself, without the final saves
+        if (
+            self.state["step"] == 0
+        ):  # an untrained drafter is no result: say why instead of saving one
+            raise ValueError(
+                f"no optimizer step was taken on {self.source.describe()}: no training sample could be "
+                "read (see the warnings above; a follower that comes after the extractor deleted "
+                "its passes' samples has nothing to train: follow a run from its start)"
+            )
+        self.checkpoint(self.state)
+        if self.rank == 0:
+            save_final(self.out, self.trainer.drafter, self.trainer.kind)
+            plot_metrics(self.out)
+        self.source.finished(self.state)
+        return loop_seconds
+
+    def _window(self, epoch: int, groups: list) -> None:
+        """One window of optimizer steps (a group of micro-batches each), loaded ahead."""
+        if (left := self.source.steps_after(epoch, groups)) is not None:
+            self.rep.retotal(self.state["step"] + len(groups) + left)
+        trainer = self.trainer
+        with prefetch([b for g in groups for b in g], trainer.load) as loaded:
+            for n, group in enumerate(groups, 1):
+                try:
+                    lr = trainer.lr_at(self.state["step"])
+                    stats, tokens = trainer.step(loaded, len(group), lr, stops=self.stop)
+                except StepAbandoned:
+                    raise self.stopped() from None
+                self.first.stop()
+                self.state = self.source.advance(self.state, epoch, group)
+                self._after_step(epoch, group, stats, tokens, last=n == len(groups))
+
+    def _after_step(
+        self, epoch: int, group: list, stats: torch.Tensor, tokens: int, last: bool
+    ) -> None:
+        """Progress, the consumed samples (a follower), train metrics every 10 steps and at a
+        window's end, evaluation and checkpoints at their intervals, and a stop where asked."""
+        cfg, state = self.cfg, self.state
+        self.window += stats
+        self.tokens_seen += tokens
+        s = summarize(self.window)
+        self.shown.update(loss=s["loss"][0], acc=s["acc"][0])
+        self.rep.advance()
+        if self.rank == 0 and cfg.follow:
+            samples = sorted(i for b in group for i in b if i not in self.source.unreadable)
+            _log(self.out, self.rank, {"step": state["step"], "pass": epoch, "samples": samples},
+                 "consumed.jsonl")  # fmt: skip
+        if state["step"] % 10 == 0 or last:
+            if self.world > 1:
+                all_reduce_cpu(self.window)
+            self._metric({"split": "train", **_plain(state), "lr": self.trainer.lr_at(state["step"] - 1),
+                          "tokens_per_s": self._tokens_per_s(), **summarize(self.window)})  # fmt: skip
+            self.window.zero_()
+        if cfg.eval_every and state["step"] % cfg.eval_every == 0 and self.source.has_val(epoch):
+            self.last_val = self.trainer.evaluate(self.source.val_batches(epoch))
+            self._metric({"split": "val", **_plain(state), **self.last_val})
+        if state["step"] % cfg.save_every == 0:
+            self.checkpoint(state)
+        if _should_stop(self.stop.requested, self.world):
+            raise self.stopped()
+
+    def _end_epoch(self, epoch: int) -> None:
+        has_val = self.source.has_val(epoch)
+        val_batches = self.source.val_batches(epoch) if has_val else []
+        self.state = self.source.end_epoch(self.state, epoch)
+        if has_val:
+            self.last_val = self.trainer.evaluate(val_batches)
+            self._metric({"split": "val", **_plain(self.state), **self.last_val})
+            if self.rank == 0 and self.cfg.progress:
+                _print_summary(epoch, self.last_val)
+        if self.source.saves_each_epoch:
+            self.checkpoint(self.state)  # the extractor may delete this pass once it is durable
+
+    # ------------------------------------------------------------------ checkpoints and stops
+
+    def checkpoint(self, st: dict) -> None:
+        self.trainer.save(self.source.stamp(st))
+        self.saved_step = st["step"]
+        self.source.saved(st)
+
+    def stopped(self) -> TrainStopped:
+        self.checkpoint(self.state)
+        return TrainStopped(
+            f"stopped by {self.stop.name or 'another rank'} at step {self.state['step']}; checkpoint "
+            f"saved. Resume with: eyas train --resume --out {self.out}"
+        )
+
+    def _announce(self, name: str) -> None:  # at once: a scheduler's grace period is short
+        if self.rank == 0:
             print(
                 f"{name}: stopping at the next micro-batch; the last complete step is saved",
                 file=sys.stderr,
                 flush=True,
             )
 
-    stop = StopSignals(enabled=rank == 0 or world > 1, on_first=announce).__enter__()
-    state = {"step": 0, "epoch": 0, "batch": 0}
-    if resume and (found := trainer.resume(log)) is not None:
-        state = found
-    source.restore(state)
-    if rank == 0:  # metrics and consumption logged after the state we start from are redone
-        _truncate_metrics(out / "metrics.jsonl", state["step"])
-        _truncate_metrics(out / "consumed.jsonl", state["step"])
+    # ------------------------------------------------------------------ what is shown
 
-    saved_step = [state["step"]]
-    start_step = state["step"]
+    def _tokens_per_s(self) -> float:
+        return self.tokens_seen * self.world / max(time.monotonic() - self.t0, 1e-9)
 
-    def checkpoint(st: dict) -> None:
-        trainer.save(source.stamp(st))
-        saved_step[0] = st["step"]
-        source.saved(st)
-
-    def stopped(st: dict) -> TrainStopped:
-        checkpoint(st)
-        return TrainStopped(
-            f"stopped by {stop.name or 'another rank'} at step {st['step']}; checkpoint "
-            f"saved. Resume with: eyas train --resume --out {out}"
-        )
-
-    last_val: dict = {}
-    t0, tokens_seen = time.monotonic(), 0
-    window = torch.zeros(trainer.positions, 6, dtype=torch.float64)
-    shown: dict = {}
-
-    def extra() -> str:
-        if (w := source.waiting()) is not None:
+    def _extra(self) -> str:
+        if (w := self.source.waiting()) is not None:
             return w
-        speed = (
-            f"{tokens_seen * world / max(time.monotonic() - t0, 1e-9):,.0f} tok/s"
-            if tokens_seen
-            else ""
-        )
-        vals = f"loss0 {shown['loss']:.3f} acc0 {shown['acc']:.2f} " if shown else ""
+        speed = f"{self._tokens_per_s():,.0f} tok/s" if self.tokens_seen else ""
+        vals = f"loss0 {self.shown['loss']:.3f} acc0 {self.shown['acc']:.2f} " if self.shown else ""
         return vals + speed
 
-    rep = Reporter(
-        "train", total_steps, unit="steps", enabled=cfg.progress and rank == 0, extra=extra
-    )
-    rep.__enter__()
-    rep.skip(state["step"])
-    board = (
-        _TensorBoard(out / "tensorboard") if cfg.report_to == "tensorboard" and rank == 0 else None
-    )
-
-    def metric(rec: dict) -> None:
-        _log(out, rank, rec)
-        if board is not None:
-            board.write(rec)
-
-    first = still_working(
-        "the first optimizer step (on a CPU, minutes at a real size)",
-        enabled=cfg.progress and rank == 0,
-    ).__enter__()
-    hooks = _Hooks(
-        before_wait=lambda: (
-            checkpoint(state) if state["step"] > saved_step[0] else source.caught_up()
-        ),
-        stopping=lambda: stop.requested,
-        note=lambda msg: (first.stop(), rep.note(msg)),  # a wait is said as a wait
-    )
-    try:
-        for epoch in range(state["epoch"], cfg.epochs):
-            try:
-                for groups in source.windows(epoch, state, hooks):
-                    if (left := source.steps_after(epoch, groups)) is not None:
-                        rep.retotal(state["step"] + len(groups) + left)
-                    with prefetch([b for g in groups for b in g], trainer.load) as loaded:
-                        for n, group in enumerate(groups, 1):
-                            try:
-                                stats, tokens = trainer.step(
-                                    loaded,
-                                    len(group),
-                                    trainer.lr_at(state["step"]),
-                                    stops=stop,
-                                )
-                            except StepAbandoned:
-                                raise stopped(state) from None
-                            first.stop()
-                            state = source.advance(state, epoch, group)
-                            window += stats
-                            tokens_seen += tokens
-                            s = summarize(window)
-                            shown.update(loss=s["loss"][0], acc=s["acc"][0])
-                            rep.advance()
-                            if rank == 0 and cfg.follow:
-                                _log(
-                                    out,
-                                    rank,
-                                    {
-                                        "step": state["step"],
-                                        "pass": epoch,
-                                        "samples": sorted(
-                                            i
-                                            for b in group
-                                            for i in b
-                                            if i not in source.unreadable
-                                        ),
-                                    },
-                                    "consumed.jsonl",
-                                )
-                            if state["step"] % 10 == 0 or n == len(groups):
-                                if world > 1:
-                                    all_reduce_cpu(window)
-                                metric(
-                                    {
-                                        "split": "train",
-                                        **_plain(state),
-                                        "lr": trainer.lr_at(state["step"] - 1),
-                                        "tokens_per_s": tokens_seen
-                                        * world
-                                        / max(time.monotonic() - t0, 1e-9),
-                                        **summarize(window),
-                                    }
-                                )
-                                window.zero_()
-                            if (
-                                cfg.eval_every
-                                and state["step"] % cfg.eval_every == 0
-                                and source.has_val(epoch)
-                            ):
-                                last_val = trainer.evaluate(source.val_batches(epoch))
-                                metric({"split": "val", **_plain(state), **last_val})
-                            if state["step"] % cfg.save_every == 0:
-                                checkpoint(state)
-                            if _should_stop(stop.requested, world):
-                                raise stopped(state)
-            except StopRequested:
-                raise stopped(state) from None
-            has_val = source.has_val(epoch)
-            val_batches = source.val_batches(epoch) if has_val else []
-            state = source.end_epoch(state, epoch)
-            if has_val:
-                last_val = trainer.evaluate(val_batches)
-                metric({"split": "val", **_plain(state), **last_val})
-                if rank == 0 and cfg.progress:
-                    _print_summary(epoch, last_val)
-            if source.saves_each_epoch:
-                checkpoint(state)  # the extractor may delete this pass once it is durable
-        loop_seconds = time.monotonic() - t0  # the training itself, without the final saves
-        if state["step"] == 0:  # an untrained drafter is no result: say why instead of saving one
-            raise ValueError(
-                f"no optimizer step was taken on {source.describe()}: no training sample could be "
-                "read (see the warnings above; a follower that comes after the extractor deleted "
-                "its passes' samples has nothing to train: follow a run from its start)"
-            )
-        checkpoint(state)
-        if rank == 0:
-            save_final(out, trainer.drafter, trainer.kind)
-            plot_metrics(out)
-        source.finished(state)
-    finally:
-        first.stop()
-        if board is not None:
-            board.close()
-        rep.__exit__(None, None, None)
-        stop.__exit__()
-    elapsed = time.monotonic() - t0
-    return {
-        "val": last_val,
-        "steps": state["step"],
-        "steps_now": state["step"] - start_step,
-        "tokens_per_s": tokens_seen * world / max(loop_seconds, 1e-9),
-        "seconds": elapsed,
-        "waited_s": getattr(source, "waited", 0.0),
-    }
+    def _metric(self, rec: dict) -> None:
+        _log(self.out, self.rank, rec)
+        if self.board is not None:
+            self.board.write(rec)
 
 
 def _plain(state: dict) -> dict:
