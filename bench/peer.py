@@ -662,7 +662,7 @@ def main() -> None:
         results = judge_all(args, args.real, run, exports, trainings, plan, wn / "judged")
         rows = {c: [f"{c}-s{s}" for s in seeds] for c in [*eyas_confs, *peers]}
         if not args.prompts:
-            report += val_table(size, len(plan["val"]), results, rows)
+            report += val_table(size, sum(len(b) for b in plan["val"]), results, rows)
             continue
         means = {c: sum(tpf(results[n]["per_prompt"]) for n in rows[c]) / len(seeds) for c in peers}
         anchor = max(means, key=means.get)
