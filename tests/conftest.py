@@ -109,15 +109,45 @@ def grow(mnt: Path, size: str) -> None:
     subprocess.run(["mount", "-o", f"remount,size={size}", str(mnt)], check=True)
 
 
-def eyas(*args, check: bool = False, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-    """Run the real CLI in a child process."""
-    p = subprocess.run([sys.executable, "-m", "eyas.cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, **kw)  # fmt: skip
+def eyas(*args, check: bool = False, timeout: float = 300, child: bool = False, **kw):
+    """Run the real CLI: in this process (typer's test runner: the same commands, options
+    and exit codes, without a second torch import), or in a child process where the call
+    needs one (`child=True`, or any of subprocess.run's env, cwd or input). Either way the
+    answer reads as a CompletedProcess (returncode, stdout, stderr)."""
+    argv = [str(a) for a in args]
+    if child or kw:
+        p = subprocess.run([sys.executable, "-m", "eyas.cli", *argv], capture_output=True,
+                           text=True, timeout=timeout, **kw)  # fmt: skip
+    else:
+        p = _in_process(argv)
     if check and p.returncode != 0:
-        raise AssertionError(
-            f"eyas {' '.join(map(str, args))} exited {p.returncode}\n{p.stdout}\n{p.stderr}"
-        )
+        raise AssertionError(f"eyas {' '.join(argv)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
     return p
+
+
+def _in_process(argv: list[str]) -> subprocess.CompletedProcess:
+    """`python -m eyas.cli ARGV` in this process. What a child would print is printed here
+    too: an uncaught exception's traceback (exit 1) and warnings, both on stderr."""
+    import traceback
+    import warnings
+
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = show
+        r = CliRunner().invoke(app, argv or ["--help"], prog_name="eyas")
+        code = r.exit_code
+        stderr = r.stderr
+        if r.exception is not None and not isinstance(r.exception, SystemExit):
+            stderr += "".join(traceback.format_exception(r.exception))
+            code = 1
+    return subprocess.CompletedProcess(["eyas", *argv], code, r.stdout, stderr)
 
 
 def pytest_collection_modifyitems(config, items):
