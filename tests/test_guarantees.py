@@ -168,6 +168,14 @@ def test_one_training_per_directory(small_run, tmp_path):
             r = eyas(*args, *extra)
             assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
             assert "train cannot start" in r.stderr and f"PID {first.pid}" in r.stderr, r.stderr
+        metrics = out / "metrics.jsonl"
+        while (  # a few steps logged before the stop, so the check below has lines to check
+            not (metrics.is_file() and metrics.read_text().count('"train"') >= 3)
+            and first.poll() is None
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert first.poll() is None, first.stderr.read()
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=120)
@@ -177,7 +185,7 @@ def test_one_training_per_directory(small_run, tmp_path):
         for x in (out / "metrics.jsonl").read_text().splitlines()
         if '"train"' in x
     ]
-    assert len(steps) == len(set(steps))
+    assert len(steps) >= 3 and len(steps) == len(set(steps))
     assert not list((out / "checkpoints").glob("*.tmp"))
 
 
