@@ -8,8 +8,9 @@ from conftest import eyas
 
 
 def test_eyas_demo(tmp_path):
+    """In a child process, as a user runs it (the other tests call the CLI in-process)."""
     work = tmp_path / "demo"
-    r = eyas("demo", "--workdir", work, "--eval-prompts", "300", "--json", timeout=900)
+    r = eyas("demo", "--workdir", work, "--eval-prompts", "300", "--json", timeout=900, child=True)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout)
     assert s["samples"] == 300 and s["lossless"]
