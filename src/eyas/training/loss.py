@@ -132,25 +132,46 @@ def ttt_loss(
     outs = drafter.forward_ttt(
         batch["input_ids"], batch["aux"], steps, batch.get("segments"), batch.get("positions")
     )
-    total = torch.zeros((), device=batch["aux"].device)
-    all_right = torch.ones_like(batch["valid"])
-    missed_at = torch.full_like(batch["input_ids"], -1)  # opd: the step of the chain's first miss
-    stats = []
+    chain = Chain(batch["input_ids"])
     for i, ((logits, _), (scored, lmask)) in enumerate(
         zip(outs, loss_masks(batch, steps), strict=True)
     ):
         right = dids[logits.argmax(-1)] == shift(batch["tgt_top"], 1 + i, -1)  # (B, T)
         if kind == "opd":
-            ce = on_policy(*target_logprobs(batch, logits, 1 + i), all_right, i - missed_at)
+            ce = on_policy(*target_logprobs(batch, logits, 1 + i), chain.all_right, chain.since(i))
         else:
             ce = position_loss(batch, logits, 1 + i, kind, lmask)  # (B, T)
-        loss_sum = (ce * lmask).sum()
         n = norm[i] if norm is not None else float(lmask.sum())
-        total = total + decay**i * loss_sum / max(n, 1.0)
-        cond = scored & all_right
-        missed_at = torch.where(all_right & ~right, i, missed_at)
-        all_right = all_right & right
-        stats.append(
+        chain.add(i, ce, lmask, scored, right, decay**i, n)
+    return chain.result()
+
+
+class Chain:
+    """The running sums of one chain of predictions (TTT steps, or a block's positions), each
+    position of the chain scored in turn: the weighted loss, which roots' drafts are all right
+    so far and at which step each first missed (what serving would verify; `opd` needs both),
+    and per step the six metric sums `summarize` reads (loss, counted, right, scored, right
+    with all before right, all before right)."""
+
+    def __init__(self, roots: torch.Tensor):
+        self.total = torch.zeros((), device=roots.device)
+        self.all_right = torch.ones_like(roots, dtype=torch.bool)
+        self.missed_at = torch.full_like(roots, -1)
+        self.stats: list[list[float]] = []
+
+    def since(self, step: int) -> torch.Tensor:
+        """Steps since each root's first miss (meaningless where none missed)."""
+        return step - self.missed_at
+
+    def add(self, step, per, lmask, scored, right, weight: float, n: float) -> None:
+        """Step `step`: its per-position loss `per`, counted where `lmask`, divided by `n`
+        and weighted; `right` where the drafter's argmax is the target's."""
+        loss_sum = (per * lmask).sum()
+        self.total = self.total + weight * loss_sum / max(n, 1.0)
+        cond = scored & self.all_right
+        self.missed_at = torch.where(self.all_right & ~right, step, self.missed_at)
+        self.all_right = self.all_right & right
+        self.stats.append(
             [
                 float(loss_sum.detach()),
                 float(lmask.sum()),
@@ -160,7 +181,10 @@ def ttt_loss(
                 float(cond.sum()),
             ]
         )
-    return total, torch.tensor(stats, dtype=torch.float64)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the weighted loss, the per-step sums (steps, 6))."""
+        return self.total, torch.tensor(self.stats, dtype=torch.float64)
 
 
 def on_policy(logq: torch.Tensor, logp: torch.Tensor, matched: torch.Tensor, since: torch.Tensor):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from eyas.targets.weights import embed_weight, lm_head_weight
 from eyas.training.checkpoint import load_weights
 from eyas.training.dflash import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
-from eyas.training.loss import add_targets, divergence, on_policy
+from eyas.training.loss import Chain, add_targets, divergence, on_policy
 
 ARCH = "DFlashDraftModel"
 
@@ -139,36 +139,19 @@ class DFlash:
         )  # (B, N, S, D)
         w = block_weights(S, cfg.block_decay)
         dids = model.draft_ids
-        total = torch.zeros((), device=logits.device)
-        all_right = torch.ones_like(batch["anchors"], dtype=torch.bool)
-        missed_at = torch.full_like(batch["anchors"], -1)  # opd: the first block position missed
-        stats = []
+        chain = Chain(batch["anchors"])
         for j, (src, scored, lmask) in enumerate(self._masks(batch, S), start=1):
             lj = logits[:, :, j].float()  # (B, N, D)
             tgt = batch["tgt_logits"].gather(1, src[..., None].expand(-1, -1, lj.shape[-1])).float()
             logq, logp = F.log_softmax(lj, -1), F.log_softmax(tgt, -1)  # (B, N, D)
             right = dids[lj.argmax(-1)] == batch["tgt_top"].gather(1, src)
             if cfg.loss == "opd":
-                per = on_policy(logq, logp, all_right, j - 1 - missed_at)  # (B, N)
+                per = on_policy(logq, logp, chain.all_right, chain.since(j - 1))  # (B, N)
             else:
                 per = divergence(logq, logp, cfg.loss, lmask)  # (B, N)
-            loss_sum = (per * lmask).sum()
             n = norm[j - 1] if norm is not None else float(lmask.sum())
-            total = total + float(w[j - 1]) * loss_sum / max(n, 1.0)
-            cond = scored & all_right
-            missed_at = torch.where(all_right & ~right, j - 1, missed_at)
-            all_right = all_right & right
-            stats.append(
-                [
-                    float(loss_sum.detach()),
-                    float(lmask.sum()),
-                    float((right & scored).sum()),
-                    float(scored.sum()),
-                    float((right & cond).sum()),
-                    float(cond.sum()),
-                ]
-            )
-        return total, torch.tensor(stats, dtype=torch.float64)
+            chain.add(j - 1, per, lmask, scored, right, float(w[j - 1]), n)
+        return chain.result()
 
     # ---------------------------------------------------------------- export
 
