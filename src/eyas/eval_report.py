@@ -40,6 +40,19 @@ def render_inputs(out, d: dict, data) -> None:
         )
 
 
+_BUCKET_COLUMNS = ("prompts", "tokens/forward", "95% interval", "acceptance length")
+
+
+def _bucket_cells(c: dict) -> tuple[str, ...]:
+    """A bucket's (a category's, a length's) cells under _BUCKET_COLUMNS."""
+    return (
+        str(c["prompts"]),
+        f"{c['tokens_per_forward']:.2f}",
+        _iv(c["tokens_per_forward_ci95"]),
+        f"{c['acceptance_length']:.2f}",
+    )
+
+
 def render_result(out, d: dict) -> None:
     """One drafter's evaluation (`EvalResult.to_dict` with its engine)."""
     judged = d.get("drafter") or {}
@@ -65,34 +78,14 @@ def render_result(out, d: dict) -> None:
         f"(x{d['speedup']}); lossless: {'yes' if d['lossless'] else 'NO'}",
     )
     if d.get("by_category"):
-        t = Table("category", "prompts", "tokens/forward", "95% interval", "acceptance length")
+        t = Table("category", *_BUCKET_COLUMNS)
         for cat, c in d["by_category"].items():
-            t.add_row(
-                cat,
-                str(c["prompts"]),
-                f"{c['tokens_per_forward']:.2f}",
-                _iv(c["tokens_per_forward_ci95"]),
-                f"{c['acceptance_length']:.2f}",
-            )
+            t.add_row(cat, *_bucket_cells(c))
         out.print(t)
     if d.get("by_length"):
-        t = Table(
-            "prompt tokens",
-            "prompts",
-            "tokens/forward",
-            "95% interval",
-            "acceptance length",
-            "per-position acceptance",
-        )
+        t = Table("prompt tokens", *_BUCKET_COLUMNS, "per-position acceptance")
         for name, c in d["by_length"].items():
-            t.add_row(
-                name,
-                str(c["prompts"]),
-                f"{c['tokens_per_forward']:.2f}",
-                _iv(c["tokens_per_forward_ci95"]),
-                f"{c['acceptance_length']:.2f}",
-                _positions(c["per_position_acceptance"]),
-            )
+            t.add_row(name, *_bucket_cells(c), _positions(c["per_position_acceptance"]))
         out.print(t)
     longest = judged.get("longest_training_sample")
     lengths = [p["prompt_tokens"] for p in d.get("per_prompt", [])]

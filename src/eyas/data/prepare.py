@@ -508,6 +508,19 @@ def check_tokenizer(
         )
 
 
+def _error_line(raw, rid: str, reason: str, code: str, kind: str) -> dict:
+    """One line of errors.jsonl: the record (file, line, id), what was wrong, and whether it
+    was an error or a record skipped as asked (--max-length)."""
+    return {
+        "file": raw.file,
+        "line": raw.line,
+        "id": rid,
+        "reason": reason,
+        "code": code,
+        "kind": kind,
+    }
+
+
 def prepare(cfg: PrepareConfig) -> PrepareSummary:
     """Run the prepare stage; returns counts. Raises only for problems with the whole run."""
     out = Path(cfg.out)
@@ -575,16 +588,7 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
                     summary.skipped_overlong += 1
                 else:
                     summary.emptied.append(first_trainable)
-                errors.append(
-                    {
-                        "file": raw.file,
-                        "line": raw.line,
-                        "id": rid,
-                        "reason": reason,
-                        "code": code,
-                        "kind": "skipped",
-                    }
-                )
+                errors.append(_error_line(raw, rid, reason, code, "skipped"))
                 continue
         elif first != where:
             code, reason = "duplicate-id", f"duplicate id {rid!r}: line {first} has the same id"
@@ -595,16 +599,7 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
         reasons[code] += 1
         if code == "unknown-role" and (m := re.search(r"unknown role (.+)$", reason)):
             summary.unknown_roles[m.group(1)] = summary.unknown_roles.get(m.group(1), 0) + 1
-        errors.append(
-            {
-                "file": raw.file,
-                "line": raw.line,
-                "id": rid,
-                "reason": reason,
-                "code": code,
-                "kind": "error",
-            }
-        )
+        errors.append(_error_line(raw, rid, reason, code, "error"))
 
     summary.failed = sum(reasons.values())
     summary.reasons = dict(reasons.most_common())
