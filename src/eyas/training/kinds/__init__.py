@@ -22,6 +22,7 @@ __all__ = [
     "KINDS",
     "DrafterKind",
     "Proposer",
+    "decoder_fields",
     "kind",
     "kind_for_export",
     "kind_of",
@@ -132,3 +133,26 @@ def kind_of(cdict: dict) -> tuple[DrafterKind, dict]:
 def with_kind(name: str, cdict: dict) -> dict:
     """A drafter config as it is stored: its kind's name first."""
     return {"kind": name, **cdict}
+
+
+def decoder_fields(c, model_type: str, layers: int) -> dict:
+    """The fields of an export's config.json that describe its decoder layers as
+    transformers writes them for `model_type`, from a drafter config of either kind (no
+    biases, no tied embeddings, no rope scaling: eyas trains none)."""
+    return {
+        "model_type": model_type,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }

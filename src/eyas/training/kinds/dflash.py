@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from eyas.targets.weights import embed_weight, lm_head_weight
 from eyas.training.checkpoint import load_weights
 from eyas.training.dflash import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
+from eyas.training.kinds import decoder_fields
 from eyas.training.loss import Chain, add_targets, divergence, on_policy
 
 ARCH = "DFlashDraftModel"
@@ -170,23 +171,9 @@ class DFlash:
             ).contiguous()
         config = {
             "architectures": [ARCH],
-            "model_type": "qwen3",
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_hidden_layers": c.num_hidden_layers,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim,
-            "hidden_act": c.hidden_act,
-            "rms_norm_eps": c.rms_norm_eps,
-            "rope_theta": c.rope_theta,
-            "rope_scaling": None,
-            "max_position_embeddings": c.max_position_embeddings,
-            "vocab_size": c.vocab_size,
+            **decoder_fields(c, "qwen3", c.num_hidden_layers),
             "draft_vocab_size": c.draft_vocab_size,
             "target_hidden_size": c.hidden_size,
-            "attention_bias": False,
-            "tie_word_embeddings": False,
             # Both engines read DFlash's target_layer_ids as outputs of 0-based layers.
             "dflash_config": {
                 "target_layer_ids": list(info["aux_layers"]),

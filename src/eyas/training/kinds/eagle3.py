@@ -9,6 +9,7 @@ import torch
 from eyas.targets.weights import embed_weight, final_norm_weight, lm_head_weight
 from eyas.training.checkpoint import load_weights
 from eyas.training.drafter import Drafter, DrafterConfig
+from eyas.training.kinds import decoder_fields
 from eyas.training.loss import add_targets, loss_masks, ttt_loss
 
 _ARCHS = {"vllm": "Eagle3Speculator", "sglang": "LlamaForCausalLMEagle3"}
@@ -213,24 +214,7 @@ _WINDOW = "eyas_attention_window"  # an SGLang export's window, served by the fl
 
 
 def _llama_fields(c: DrafterConfig) -> dict:
-    return {
-        "model_type": "llama",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": c.hidden_act,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": None,
-        "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-    }
+    return {**decoder_fields(c, "llama", 1), "mlp_bias": False}
 
 
 def export_config(
