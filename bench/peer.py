@@ -417,12 +417,18 @@ def eyas_job(run: Path, out: Path, options: str, seed: int) -> Job:
            "--ttt-steps", "3", "--epochs", "3", "--seed", str(seed), *shlex.split(options)]  # fmt: skip
     if (out / "train.json").is_file():
         cmd.append("--resume")
+    # A fine-tune (--init-from a training of this comparison) starts once that one has ended.
+    words = shlex.split(options)
+    start = Path(words[words.index("--init-from") + 1]) if "--init-from" in words[:-1] else None
+    is_export = start is not None and (start / "eyas-manifest.json").exists()
+    after = start / "drafter.manifest.json" if start is not None and not is_export else None
     return Job(
         f"eyas {out.name}",
         cmd,
         out / "drafter.manifest.json",
         out.with_suffix(".log"),
         one_thread(),
+        after=after,
     )
 
 
@@ -618,11 +624,13 @@ def main() -> None:
         return None
     if not (args.real and args.work):
         ap.error("--real and --work are needed")
-    try:
-        py = ensure_venv(args.venv)
-    except Skip as exc:
-        print(f"skipped: {exc}")
-        return None
+    py = None
+    if [p for p in args.peer.split(",") if p]:
+        try:
+            py = ensure_venv(args.venv)
+        except Skip as exc:
+            print(f"skipped: {exc}")
+            return None
     from eyas.export import export
 
     eyas_confs = dict(e.split("=", 1) for e in (args.eyas or ["eyas="]))
