@@ -27,9 +27,9 @@ from pathlib import Path
 
 
 def build(work: Path, args) -> tuple[Path, Path]:
-    from eyas.data.prepare import PrepareConfig, prepare
-    from eyas.targets.demo_data import generate_conversations
-    from eyas.targets.tiny import TinySizes, build_tiny_target
+    from eyas.demo_target.data import generate_conversations
+    from eyas.demo_target.tiny import TinySizes, build_tiny_target
+    from eyas.stages.prepare import PrepareConfig, prepare
 
     sizes = TinySizes(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.hidden // 64,
                       num_key_value_heads=max(1, args.hidden // 128), intermediate_size=2 * args.hidden)  # fmt: skip
@@ -49,7 +49,7 @@ def build(work: Path, args) -> tuple[Path, Path]:
 
 
 def extract_rate(model: Path, ds: Path, out: Path, backend: str, batch_tokens: int) -> float:
-    from eyas.extract import ExtractConfig, extract
+    from eyas.stages.extract import ExtractConfig, extract
 
     shutil.rmtree(out, ignore_errors=True)
     s = extract(ExtractConfig(model=str(model), data=str(ds), out=str(out), backend=backend, batch_tokens=batch_tokens,
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
 
-    from eyas.data.prepare import PreparedDataset
+    from eyas.data.dataset import PreparedDataset
     from eyas.targets.backends.vllm import engine_kwargs, import_vllm
 
     vllm = import_vllm()

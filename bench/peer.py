@@ -99,9 +99,9 @@ def build_run(
     sys.path.insert(0, str(REPO / "bench"))
     from real_target import pick_conversations
 
-    from eyas.data.prepare import PrepareConfig, prepare
-    from eyas.extract import ExtractConfig, extract
     from eyas.run.runmeta import read_run_meta
+    from eyas.stages.extract import ExtractConfig, extract
+    from eyas.stages.prepare import PrepareConfig, prepare
 
     w = work / (f"n{n}" if not skip else f"n{n}-from{skip}")
     run = w / "run"
@@ -133,7 +133,7 @@ def build_run(
 
 def batch_plan(run: Path, train_dir: Path) -> dict:
     """eyas's training of `train_dir`, batch by batch: samples, split, lr per step."""
-    from eyas.data.prepare import PreparedDataset
+    from eyas.data.dataset import PreparedDataset
     from eyas.run.runmeta import read_run_meta
     from eyas.training.train_data import epoch_batches, plan_batches, split_samples, usable_samples
     from eyas.training.trainer import draft_vocab_for, lr_at, warmup_for
@@ -161,9 +161,9 @@ def val_accuracy(drafter, run: Path, plan: dict) -> dict:
     """eyas's validation summary of `drafter` over the plan's held-out batches."""
     import torch
 
+    from eyas.drafters.loss import add_targets, summarize, ttt_loss
     from eyas.run.runmeta import read_run_meta
     from eyas.targets.weights import lm_head_weight
-    from eyas.training.loss import add_targets, summarize, ttt_loss
     from eyas.training.train_data import SampleReader, to_device, usable_samples
 
     meta = read_run_meta(run)
@@ -310,9 +310,9 @@ def _to_eyas(model, packed, plan: dict, norms: bool, out: Path, eyas_train: Path
 
     import torch
 
+    from eyas.drafters.eagle3.model import Drafter, DrafterConfig
     from eyas.targets.target import text_config
     from eyas.training.checkpoint import save_final
-    from eyas.training.drafter import Drafter, DrafterConfig
 
     c = DrafterConfig.from_target(text_config(plan["model"]), len(plan["draft_ids"]),
                                   norm_before_fc=norms, norm_before_residual=norms, norm_output=norms)  # fmt: skip
@@ -466,8 +466,8 @@ def judge_all(args, real: Path, run: Path, exports: dict[str, Path], trainings: 
     """Every export on the same MT-Bench prompts in one process (greedy decoding shared), and
     its validation accuracy on the run's held-out samples (and --holdout's); each result kept
     in `cache` so a rerun judges only what is new."""
-    from eyas.evaluate import EvalResult, evaluate
-    from eyas.export import load_export
+    from eyas.stages.evaluate import EvalResult, evaluate
+    from eyas.stages.export import load_export
 
     sys.path.insert(0, str(REPO / "bench"))
     from recipe import holdout_accuracy
@@ -631,7 +631,7 @@ def main() -> None:
         except Skip as exc:
             print(f"skipped: {exc}")
             return None
-    from eyas.export import export
+    from eyas.stages.export import export
 
     eyas_confs = dict(e.split("=", 1) for e in (args.eyas or ["eyas="]))
     peers = [p for p in args.peer.split(",") if p]

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def rate(tok, conversations) -> tuple[float, list]:
-    from eyas.data.prepare import assistant_spans, tokenize_with_mask
+    from eyas.data.chat import assistant_spans, tokenize_with_mask
 
     out, n, t0 = [], 0, time.perf_counter()
     for messages in conversations:
@@ -44,8 +44,8 @@ def main() -> None:
     from test_python_tokenizer import python_tokenizer_copy
     from transformers import AutoTokenizer
 
-    from eyas.targets.demo_data import generate_conversations
-    from eyas.targets.tiny import build_tiny_target
+    from eyas.demo_target.data import generate_conversations
+    from eyas.demo_target.tiny import build_tiny_target
 
     work = Path(tempfile.mkdtemp(prefix="eyas-bench-"))
     try:

@@ -38,10 +38,10 @@ def main() -> None:
     if args.compare == "head":
         return compare_heads(args)
 
-    from eyas.data.prepare import PrepareConfig, prepare
-    from eyas.extract import ExtractConfig, extract
-    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
-    from eyas.training.train import TrainConfig, train
+    from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.stages.extract import ExtractConfig, extract
+    from eyas.stages.prepare import PrepareConfig, prepare
+    from eyas.stages.train import TrainConfig, train
 
     work = Path(tempfile.mkdtemp(prefix="eyas-quality-", dir=args.workdir))
     try:
@@ -78,14 +78,14 @@ def main() -> None:
 def compare_heads(args) -> None:
     import statistics
 
-    from eyas.data.prepare import PrepareConfig, prepare
-    from eyas.demo import EVAL_SEED
-    from eyas.evaluate import evaluate
-    from eyas.export import export
-    from eyas.extract import ExtractConfig, extract
-    from eyas.targets.demo_data import generate_conversations, write_jsonl
-    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
-    from eyas.training.train import TrainConfig, train
+    from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.demo_target.data import generate_conversations, write_jsonl
+    from eyas.inspect.demo import EVAL_SEED
+    from eyas.stages.evaluate import evaluate
+    from eyas.stages.export import export
+    from eyas.stages.extract import ExtractConfig, extract
+    from eyas.stages.prepare import PrepareConfig, prepare
+    from eyas.stages.train import TrainConfig, train
 
     work = Path(tempfile.mkdtemp(prefix="eyas-heads-", dir=args.workdir))
     try:

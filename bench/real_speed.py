@@ -91,8 +91,9 @@ def _median_pairs(ours: list[float], bare: list[float]) -> float:
 
 
 def part_extract(args, work: Path, model: str) -> dict:
-    from eyas.data.prepare import PrepareConfig, PreparedDataset, prepare
-    from eyas.extract import ExtractConfig, extract
+    from eyas.data.dataset import PreparedDataset
+    from eyas.stages.extract import ExtractConfig, extract
+    from eyas.stages.prepare import PrepareConfig, prepare
 
     recs = pick_conversations(args.real / "sharegpt.jsonl", args.samples, seed=0)
     (work / "conv.jsonl").write_text(
@@ -126,7 +127,7 @@ def part_extract(args, work: Path, model: str) -> dict:
 
 
 def part_train(args, work: Path) -> dict:
-    from eyas.training.train import TrainConfig, train
+    from eyas.stages.train import TrainConfig, train
 
     cfg = TrainConfig(data=str(work / "run"), out=str(work / "train"), epochs=1, ttt_steps=args.ttt_steps,
                       lr=3e-3, batch_tokens=args.batch_tokens, val_fraction=0.0, save_every=10**9,
@@ -151,7 +152,7 @@ def train_flops_per_token(args, work: Path) -> float:
     (forward only), the fc once and, per TTT step, the drafter's layer and head (forward and
     backward: 3x); attention scores are left out (small at these lengths)."""
     from eyas.run.runmeta import read_run_meta
-    from eyas.training.train import TrainConfig, build_drafter
+    from eyas.stages.train import TrainConfig, build_drafter
 
     cfg = TrainConfig(data=str(work / "run"), out="-", draft_vocab_size=args.draft_vocab)
     meta = read_run_meta(work / "run")
@@ -181,9 +182,16 @@ def _timed(fn, now: list[dict], name: str, longest: int | None = None):
 
 def part_decode(args, model_dir: str, drafter_dir: str) -> dict:
     """Per greedy step and per speculative round, prompts' prefills left out of both (the speedup, end to end, keeps them)."""
-    from eyas.evaluate import AuxTap, EvalResult, greedy, read_prompts, render_prompts, speculative
-    from eyas.export import export_kind, load_export
     from eyas.host.cpu import configure_threads
+    from eyas.stages.evaluate import (
+        AuxTap,
+        EvalResult,
+        greedy,
+        read_prompts,
+        render_prompts,
+        speculative,
+    )
+    from eyas.stages.export import export_kind, load_export
     from eyas.targets.target import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(model_dir)
@@ -265,8 +273,8 @@ def main() -> None:
     args = ap.parse_args()
     from transformers.utils import logging as hf_logging
 
-    from eyas.export import export
     from eyas.host.cpu import choose_threads
+    from eyas.stages.export import export
 
     hf_logging.disable_progress_bar()
     model = str(args.real / "model")

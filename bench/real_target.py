@@ -261,11 +261,11 @@ def train_options(text: str) -> dict:
 
 
 def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
-    from eyas.data.prepare import PrepareConfig, prepare
-    from eyas.evaluate import evaluate
-    from eyas.export import export
-    from eyas.extract import ExtractConfig, extract
-    from eyas.training.train import TrainConfig, train
+    from eyas.stages.evaluate import evaluate
+    from eyas.stages.export import export
+    from eyas.stages.extract import ExtractConfig, extract
+    from eyas.stages.prepare import PrepareConfig, prepare
+    from eyas.stages.train import TrainConfig, train
 
     model = str(real / "model")
     n = len(recs)
@@ -298,7 +298,7 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
         progress=True)))  # fmt: skip
     drafter = timed("export", lambda: export(w / "train", "vllm", w / "drafter"))
     if args.engine == "vllm":  # vLLM as the judge: far faster than the hf loop on a CPU
-        from eyas.evaluate import evaluate_vllm
+        from eyas.stages.evaluate import evaluate_vllm
 
         e = timed("evaluate", lambda: evaluate_vllm(
             model, str(drafter), str(real / "mtbench.jsonl"), k=args.k, max_new_tokens=args.max_new_tokens,
@@ -405,7 +405,7 @@ def main() -> None:
 
 
 def run(args) -> list[dict]:
-    from eyas.real_target import build
+    from real_fixture import build
 
     build(args.real)
     sizes = sorted(int(s) for s in args.sizes.split(","))

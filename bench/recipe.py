@@ -29,10 +29,10 @@ def holdout_accuracy(train_dir: Path, holdout: Path, steps: int) -> dict:
     """eyas's validation summary of a trained drafter over every sample of `holdout`."""
     import torch
 
+    from eyas.drafters.loss import summarize
     from eyas.run.runmeta import read_run_meta
     from eyas.targets.weights import lm_head_weight
     from eyas.training.checkpoint import load_trained
-    from eyas.training.loss import summarize
     from eyas.training.train_data import SampleReader, plan_batches, to_device, usable_samples
 
     d, kind = load_trained(train_dir)

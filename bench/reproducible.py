@@ -33,9 +33,9 @@ ARGS = ["--lr", "3e-3", "--warmup-steps", "5", "--batch-tokens", "1024", "--ttt-
 
 
 def demo_run(work: Path) -> Path:
-    from eyas.data.prepare import PrepareConfig, prepare
-    from eyas.extract import ExtractConfig, extract
-    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.stages.extract import ExtractConfig, extract
+    from eyas.stages.prepare import PrepareConfig, prepare
 
     src = work / "conv.jsonl"
     src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:150]))

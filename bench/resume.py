@@ -28,12 +28,13 @@ import torch
 
 
 def build(work: Path, samples: int) -> Path:
-    from eyas.data.prepare import PrepareConfig, PreparedDataset, prepare
-    from eyas.extract import ExtractConfig, new_run_meta, resolve
+    from eyas.data.dataset import PreparedDataset
+    from eyas.demo_target.tiny import TinySizes, build_tiny_target
     from eyas.run.journal import Journal, journal_path
     from eyas.run.runmeta import write_run_meta
     from eyas.run.store import Sample, commit_samples
-    from eyas.targets.tiny import TinySizes, build_tiny_target
+    from eyas.stages.extract import ExtractConfig, new_run_meta, resolve
+    from eyas.stages.prepare import PrepareConfig, prepare
 
     model = build_tiny_target(work / "target", "llama", sizes=TinySizes(hidden_size=16, num_attention_heads=2,
                                                                          num_key_value_heads=1, intermediate_size=32))  # fmt: skip

@@ -31,10 +31,10 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
 
-    from eyas.data.prepare import PrepareConfig, prepare
-    from eyas.extract import ExtractConfig, extract
-    from eyas.targets.demo_data import generate_conversations, write_jsonl
-    from eyas.targets.tiny import TinySizes, build_tiny_target
+    from eyas.demo_target.data import generate_conversations, write_jsonl
+    from eyas.demo_target.tiny import TinySizes, build_tiny_target
+    from eyas.stages.extract import ExtractConfig, extract
+    from eyas.stages.prepare import PrepareConfig, prepare
 
     work = Path(tempfile.mkdtemp(prefix="eyas-storage-", dir=args.workdir))
     try:

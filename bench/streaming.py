@@ -117,8 +117,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
 
-    from eyas.data.prepare import PrepareConfig, prepare
-    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.stages.prepare import PrepareConfig, prepare
 
     work = Path(tempfile.mkdtemp(prefix="eyas-stream-", dir=args.workdir))
     try:

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from eyas.evaluate import greedy, read_prompts, render_prompts
-from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.stages.evaluate import greedy, read_prompts, render_prompts
 
 
 def timed(model, prompts, tokens: int, eos: set[int]) -> float:

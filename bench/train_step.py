@@ -38,7 +38,7 @@ import torch
 
 
 def _drafter(args, device):
-    from eyas.training.drafter import Drafter, DrafterConfig
+    from eyas.drafters.eagle3.model import Drafter, DrafterConfig
 
     H = args.hidden
     c = DrafterConfig(hidden_size=H, intermediate_size=2 * H, num_attention_heads=args.heads,
@@ -52,7 +52,7 @@ def _drafter(args, device):
 
 def one_row(args) -> dict:
     """Runs in its own process: one (attention, T) row."""
-    from eyas.training.train import add_targets, ttt_loss
+    from eyas.stages.train import add_targets, ttt_loss
 
     device = torch.device(args.device)
     attention, T = args.one[0], int(args.one[1])
@@ -111,7 +111,7 @@ def bare_train(cfg, run: Path, epochs: int, batch_tokens: int, ttt_steps: int) -
     batches already collated in memory, without its reading, checks and bookkeeping."""
     from eyas.host.cpu import configure_threads
     from eyas.run.runmeta import read_run_meta
-    from eyas.training.train import add_targets, build_drafter, ttt_loss
+    from eyas.stages.train import add_targets, build_drafter, ttt_loss
     from eyas.training.train_data import (
         SampleReader,
         epoch_batches,
@@ -153,7 +153,7 @@ def bare_train(cfg, run: Path, epochs: int, batch_tokens: int, ttt_steps: int) -
 
 def train_vs_bare(args) -> float:
     """Ratio of `eyas train`'s tokens/s to a bare loop over the same batches in memory."""
-    from eyas.training.train import TrainConfig, train
+    from eyas.stages.train import TrainConfig, train
 
     work = Path(tempfile.mkdtemp(prefix="eyas-trainbench-", dir=args.workdir))
     try:
@@ -175,7 +175,7 @@ def train_vs_bare(args) -> float:
 
 def packed_vs_padded(args) -> float:
     """tokens/s of `eyas train --pack` over padded batches, same run, budget and steps."""
-    from eyas.training.train import TrainConfig, train
+    from eyas.stages.train import TrainConfig, train
 
     work = Path(tempfile.mkdtemp(prefix="eyas-packbench-", dir=args.workdir))
     try:
@@ -200,10 +200,10 @@ def packed_vs_padded(args) -> float:
 def _small_run(work: Path, args, lengths_spread: bool = False) -> None:
     """A tiny target's extraction run over generated conversations (their lengths spread
     widely with `lengths_spread`: padding's cost shows)."""
-    from eyas.data.prepare import PrepareConfig, prepare
-    from eyas.extract import ExtractConfig, extract
-    from eyas.targets.demo_data import generate_conversations, write_jsonl
-    from eyas.targets.tiny import TinySizes, build_tiny_target
+    from eyas.demo_target.data import generate_conversations, write_jsonl
+    from eyas.demo_target.tiny import TinySizes, build_tiny_target
+    from eyas.stages.extract import ExtractConfig, extract
+    from eyas.stages.prepare import PrepareConfig, prepare
 
     sizes = TinySizes(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
                       intermediate_size=2 * args.hidden)  # fmt: skip

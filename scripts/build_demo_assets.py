@@ -1,4 +1,4 @@
-"""Rebuild the demo target and demo conversations shipped in src/eyas/assets/.
+"""Rebuild the demo target and demo conversations shipped in src/eyas/demo_target/assets/.
 
 python scripts/build_demo_assets.py [--steps 1500]
 """
@@ -7,7 +7,7 @@ import argparse
 import json
 import shutil
 
-from eyas.targets.demo_target import (
+from eyas.demo_target.build import (
     DEMO_CONVERSATIONS,
     DEMO_TARGET,
     build_demo_target,

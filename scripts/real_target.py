@@ -14,7 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from eyas.real_target import RealTargetError, build
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from real_fixture import RealTargetError, build  # noqa: E402 - the builder lives with the benchmarks
 
 p = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -15,8 +15,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several workers: one CPU thr
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("EYAS_THREADS", "1")
 
-from eyas.targets.demo_data import generate_conversations, write_jsonl  # noqa: E402
-from eyas.targets.tiny import build_tiny_target  # noqa: E402
+from eyas.demo_target.data import generate_conversations, write_jsonl  # noqa: E402
+from eyas.demo_target.tiny import build_tiny_target  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +38,7 @@ def conversations(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_dataset(tmp_path_factory, targets, conversations) -> Path:
-    from eyas.data.prepare import PrepareConfig, prepare
+    from eyas.stages.prepare import PrepareConfig, prepare
 
     out = tmp_path_factory.mktemp("ds") / "llama"
     prepare(
@@ -55,9 +55,9 @@ def demo_runs(tmp_path_factory):
     (draft vocabulary 400), built once per session for each `n`, its dataset beside it
     (`run.parent / "ds"`). Tests read it and never change it (a test that does works on a
     copy)."""
-    from eyas.data.prepare import PrepareConfig, prepare
-    from eyas.extract import ExtractConfig, extract
-    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.stages.extract import ExtractConfig, extract
+    from eyas.stages.prepare import PrepareConfig, prepare
 
     built: dict[int, Path] = {}
 

@@ -117,8 +117,9 @@ def test_plain_text_end_to_end_with_text_prompts(base, text_export):
 def test_text_prompt_tokens_match_prepared_text(base, tmp_path):
     """A text record prepared for training and the same text given as a prompt are the same
     token ids: the drafter is judged on what it was trained on."""
-    from eyas.data.prepare import PrepareConfig, PreparedDataset, prepare
-    from eyas.evaluate import read_prompts, render_prompts
+    from eyas.data.dataset import PreparedDataset
+    from eyas.stages.evaluate import read_prompts, render_prompts
+    from eyas.stages.prepare import PrepareConfig, prepare
     from eyas.targets.target import load_tokenizer
 
     data = _jsonl(tmp_path / "t.jsonl", [{"text": "  héllo <|eot_id|> wörld\n\n\tx = 1  "},

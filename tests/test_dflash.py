@@ -8,7 +8,7 @@ import json
 import torch
 from conftest import eyas
 
-from eyas.training.dflash import DFlashConfig, DFlashDrafter, choose_anchors
+from eyas.drafters.dflash.model import DFlashConfig, DFlashDrafter, choose_anchors
 
 
 def _model(seed=0, layers=2, S=4) -> DFlashDrafter:
@@ -70,8 +70,8 @@ def test_anchors_tile_the_trainable_spans():
 def test_dflash_trains_exports_and_decodes_losslessly(demo_runs, tmp_path):
     """eyas train --kind dflash on the demo target; the export (vLLM's DFlash format) reads
     back to the same logits, and evaluate decodes with it losslessly, drafting blocks."""
-    from eyas.export import load_export
-    from eyas.targets.demo_target import DEMO_TARGET
+    from eyas.demo_target.build import DEMO_TARGET
+    from eyas.stages.export import load_export
     from eyas.training.checkpoint import load_trained
 
     run = demo_runs(60)

@@ -99,7 +99,7 @@ def test_the_readme_is_a_front_page():
 def test_the_shipped_examples_prepare(name, tmp_path, targets):
     """Each example file of docs/your-data.md prepares with no failed record on a template
     that renders tools and reasoning (the tiny qwen3's)."""
-    from eyas.data.prepare import PrepareConfig, prepare
+    from eyas.stages.prepare import PrepareConfig, prepare
 
     s = prepare(PrepareConfig(model=str(targets["qwen3"]), data=(str(ROOT / "examples" / f"{name}.jsonl"),),
                               out=str(tmp_path / "ds"), progress=False))  # fmt: skip
@@ -118,10 +118,8 @@ def test_every_option_says_what_it_does():
     import dataclasses
     import inspect
 
-    from eyas.data.config import GenerateConfig, PrepareConfig
-    from eyas.evaluate import evaluate, evaluate_vllm
-    from eyas.evaluate_config import EvaluateConfig
-    from eyas.extract_config import ExtractConfig
+    from eyas.stages.config import EvaluateConfig, ExtractConfig, GenerateConfig, PrepareConfig
+    from eyas.stages.evaluate import evaluate, evaluate_vllm
     from eyas.training.config import TrainConfig
 
     group = typer.main.get_command(app)

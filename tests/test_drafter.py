@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from eyas.training.drafter import Drafter, DrafterConfig
+from eyas.drafters.eagle3.model import Drafter, DrafterConfig
 
 
 def _drafter(seed=0, **kw) -> Drafter:
@@ -130,7 +130,7 @@ def test_draft_vocab_mapping():
 def test_memory_efficient_attention_has_the_reference_gradients(attention, window):
     """Same loss, same gradients for every parameter (float64), with a block size that
     splits the sequence unevenly so block edges are exercised."""
-    from eyas.training import ttt_attention
+    from eyas.drafters.eagle3 import attention as ttt_attention
 
     if attention == "flex" and not torch.cuda.is_available():
         pytest.skip("flex attention has no backward pass on a CPU; its forward is checked against the "
@@ -171,7 +171,7 @@ def test_packed_rows_equal_padded_rows(attention):
     restarting) give, at every position the loss can score, the logits of the same samples
     padded into rows of their own, and the same gradients (float64; flex: forward only on a
     CPU, where it has no backward)."""
-    from eyas.training import ttt_attention
+    from eyas.drafters.eagle3 import attention as ttt_attention
 
     torch.manual_seed(5)
     lens, steps = [7, 5, 9], 3
@@ -221,7 +221,7 @@ def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
     mix 0.1 x the argmax's cross-entropy + 0.9 x tv, nla -log alpha, lk lambda KL + (1 -
     lambda) tv with lambda = exp(-3 x alpha's mean over the counted positions); a top-K store
     holding every id gives the same values as the full one."""
-    from eyas.training.loss import position_loss
+    from eyas.drafters.loss import position_loss
 
     torch.manual_seed(0)
     B, T, D = 2, 5, 7
@@ -258,7 +258,7 @@ def test_on_policy_loss_is_forward_kl_on_the_matched_chain_and_decayed_reverse_k
     """opd: where every draft before a position matched, the forward KL; at the k-th position
     after the first miss, 0.8^k x the reverse KL; and in a TTT loss, the chain's first miss
     is where the drafter's argmax first differs from the target's."""
-    from eyas.training.loss import on_policy
+    from eyas.drafters.loss import on_policy
 
     torch.manual_seed(1)
     logq = torch.log_softmax(torch.randn(4, 6, dtype=torch.float64), -1)
@@ -305,7 +305,7 @@ def test_muon_is_torchs_rule_with_its_iteration_in_float32():
 def test_evaluation_by_context_length_buckets():
     """Each prompt counts in the bucket of its length, empty buckets are left out, and each
     bucket's figures are its own prompts' (rounds, accepted drafts, per position)."""
-    from eyas.evaluate import EvalResult
+    from eyas.stages.evaluate import EvalResult
 
     # (length, rounds, accepted, emitted, accepted per position)
     rows = [(100, 10, 10, 20, [6, 3, 1]), (300, 10, 20, 30, [9, 7, 4]),
@@ -332,7 +332,7 @@ def test_evaluation_by_context_length_buckets():
 def test_paired_difference_resamples_prompts_alike():
     """Drafter b emits one more token per round on every prompt than a: the difference is
     exactly that however the prompts are resampled, so its interval has no width."""
-    from eyas.evaluate import EvalResult, paired_difference
+    from eyas.stages.evaluate import EvalResult, paired_difference
 
     a = EvalResult(per_prompt=[[10, 5, 10 + i] for i in range(30)], drafter={"path": "A"})
     b = EvalResult(per_prompt=[[10, 9, 20 + i] for i in range(30)], drafter={"path": "B"})

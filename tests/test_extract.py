@@ -12,14 +12,15 @@ import torch
 from conftest import eyas
 from transformers import AutoModelForCausalLM
 
-from eyas.data.prepare import PrepareConfig, PreparedDataset, prepare
-from eyas.extract import ExtractConfig, extract
+from eyas.data.dataset import PreparedDataset
 from eyas.run.journal import read_all_journals
 from eyas.run.lock import WriterLock
 from eyas.run.runmeta import read_run_meta
 from eyas.run.store import load_sample
+from eyas.stages.extract import ExtractConfig, extract
+from eyas.stages.prepare import PrepareConfig, prepare
+from eyas.stages.verify import verify
 from eyas.targets.target import default_aux_layers, plan_batches
-from eyas.verify import verify
 
 
 def _extract(model, data, out, **kw):

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import eyas, grow
 
-from eyas.extract import ExtractConfig, extract
 from eyas.run.journal import read_all_journals
 from eyas.run.store import iter_sample_files
-from eyas.verify import verify
+from eyas.stages.extract import ExtractConfig, extract
+from eyas.stages.verify import verify
 
 BATCH = "512"
 

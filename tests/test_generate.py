@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import eyas
 
-from eyas.targets.demo_data import generate_conversations
+from eyas.demo_target.data import generate_conversations
 
 SERVER = Path(__file__).parent / "fault_server.py"
 

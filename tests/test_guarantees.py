@@ -20,9 +20,9 @@ import torch
 from conftest import eyas, grow
 from safetensors.torch import load_file
 
-from eyas.extract import ExtractConfig, extract
-from eyas.targets.demo_target import DEMO_TARGET
-from eyas.training.train import TrainConfig, train
+from eyas.demo_target.build import DEMO_TARGET
+from eyas.stages.extract import ExtractConfig, extract
+from eyas.stages.train import TrainConfig, train
 
 STEPS_CUT = 10  # the interrupted run "died" after its checkpoint of this step
 
@@ -193,7 +193,7 @@ def test_one_training_per_directory(small_run, tmp_path):
 
 
 def test_export_is_atomic_and_refuses_foreign_directories(finished, tmp_path):
-    from eyas.export import MANIFEST, export, load_export
+    from eyas.stages.export import MANIFEST, export, load_export
 
     out = tmp_path / "x"
     export(finished, "vllm", out)
@@ -255,7 +255,7 @@ def test_export_is_atomic_and_refuses_foreign_directories(finished, tmp_path):
 
 def test_resume_checks_journaled_files(tmp_path, targets, llama_dataset):
     from eyas.run.store import sample_relpath
-    from eyas.verify import verify
+    from eyas.stages.verify import verify
 
     run = tmp_path / "run"
     extract(
@@ -281,9 +281,9 @@ def test_resume_checks_journaled_files(tmp_path, targets, llama_dataset):
 def test_repair_holds_the_writer_lock(tmp_path, targets, llama_dataset, monkeypatch):
     """A writer that starts while a repair runs (its moves slowed, standing in for a slow
     shared filesystem) is refused; the repair's journal is the one that stays."""
-    import eyas.verify as verify_mod
+    import eyas.stages.verify as verify_mod
     from eyas.run.store import sample_relpath
-    from eyas.verify import verify
+    from eyas.stages.verify import verify
 
     run = tmp_path / "run"
     extract(

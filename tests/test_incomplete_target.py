@@ -55,8 +55,8 @@ def test_evaluate_refuses_it_too(tmp_path, targets):
 
 def test_a_wrapper_with_layers_under_unknown_names_is_refused_before_loading(tmp_path):
     """Every decoder layer renamed away: the headers alone show it, before the model loads."""
+    from eyas.demo_target.tiny import build_tiny_target
     from eyas.targets.target import check_layers_present
-    from eyas.targets.tiny import build_tiny_target
 
     src = build_tiny_target(tmp_path / "kimi", "kimi_k25")
     f = src / "model.safetensors"
@@ -71,7 +71,7 @@ def test_a_wrapper_saved_by_transformers_loads_whole(tmp_path, monkeypatch):
     """transformers' Kimi-K2.5 class saves its decoder layers as `language_model.model.blocks.N`
     (its conversion renames the vision tower's blocks, and undoing it on save catches the
     language model's layers too): every tensor loads, and the states equal the hub layout's."""
-    import eyas.targets.tiny as tiny
+    import eyas.demo_target.tiny as tiny
 
     hub = tiny.build_tiny_target(tmp_path / "hub", "kimi_k25")
     monkeypatch.setattr(tiny, "_as_on_the_hub", lambda *a, **k: None)

@@ -13,9 +13,9 @@ import torch
 from conftest import eyas
 from transformers import AutoTokenizer
 
-from eyas.data.prepare import PreparedDataset
-from eyas.targets.demo_data import generate_conversations
-from eyas.targets.tiny import build_tiny_target
+from eyas.data.dataset import PreparedDataset
+from eyas.demo_target.data import generate_conversations
+from eyas.demo_target.tiny import build_tiny_target
 
 CALL = {"id": "functions.add:0", "type": "function",
         "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}  # fmt: skip
@@ -219,9 +219,9 @@ def test_61_layer_kimi_config_like_and_export_ids(kimi, tmp_path):
     """A real-sized Kimi-K2.5 config (no weights): sizes come from the text part, the aux ids
     are [2, 30, 58] for vLLM and [1, 29, 57] for SGLang, and `tiny-target --like` makes a twin
     of the same shape, saying that it leaves the quantization config out."""
+    from eyas.drafters.eagle3.kind import export_config
+    from eyas.drafters.eagle3.model import DrafterConfig
     from eyas.targets.target import default_aux_layers, target_facts
-    from eyas.training.drafter import DrafterConfig
-    from eyas.training.kinds.eagle3 import export_config
 
     real = tmp_path / "Kimi-K2.5"
     real.mkdir()

@@ -7,9 +7,24 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).parents[1] / "src" / "eyas"
-# Bottom to top (then the stages at eyas's top); a module may import its own layer and
-# those below it.
-LAYERS = ["errors", "stop", "resume", "run", "host", "targets", "data", "training"]
+# Bottom to top (then the CLI at eyas's top): the contract every stage needs, the run
+# directory, the host, targets, the demo target, input data, drafter kinds, the kind-agnostic
+# training layer, the stages (one module per verb) and the inspecting commands; a module may
+# import its own layer and those below it.
+LAYERS = [
+    "errors",
+    "stop",
+    "resume",
+    "run",
+    "host",
+    "targets",
+    "demo_target",
+    "data",
+    "drafters",
+    "training",
+    "stages",
+    "inspect",
+]
 
 
 def _module(path: Path, src: Path = SRC) -> str:
@@ -58,7 +73,7 @@ def test_lower_layers_never_import_higher_ones():
         mine = _layer(_module(path))
         for line, mod in _imports(path):
             if _layer(mod) > mine:
-                bad.append(f"{path.relative_to(SRC)}:{line} ({LAYERS[mine] if mine < len(LAYERS) else 'stage'}) "
+                bad.append(f"{path.relative_to(SRC)}:{line} ({LAYERS[mine] if mine < len(LAYERS) else 'top'}) "
                            f"imports {mod}")  # fmt: skip
     assert not bad, "\n".join(bad)
     assert len(_sources()) > 40  # the rule read every module, not an empty tree
@@ -79,9 +94,13 @@ def test_the_rule_sees_a_violation(tmp_path):
     assert got == [(1, "eyas.training.train"), (4, "eyas.training.train")], got
     assert all(_layer(m) > _layer(_module(bad, src)) for _, m in got)
     assert (
-        _layer("eyas.training.train") > _layer("eyas.data.prepare") > _layer("eyas.targets.target")
+        _layer("eyas.stages.prepare")
+        > _layer("eyas.training.trainer")
+        > _layer("eyas.data.dataset")
     )
-    assert _layer("eyas.extract") == len(LAYERS) and _layer("eyas") == -1
+    assert _layer("eyas.drafters.eagle3.model") > _layer("eyas.data.chat") > _layer("eyas.targets")
+    assert _layer("eyas.inspect.doctor") > _layer("eyas.stages.extract") > _layer("eyas.training")
+    assert _layer("eyas.cli") == len(LAYERS) and _layer("eyas") == -1
 
 
 def test_only_the_run_layer_names_sample_and_journal_paths():
@@ -108,14 +127,20 @@ def test_only_the_run_layer_names_sample_and_journal_paths():
 
 
 def test_kinds_and_backends_are_reached_through_their_registries():
-    """A drafter kind's module and a backend's module are imported by their registry alone
-    (`training.kinds`, `targets.backends`) and by nothing else in src: adding one is a new
-    module plus one registry line."""
+    """A drafter kind's folder and a backend's module are imported by their registry alone
+    (`drafters`, `targets.backends`) and by nothing else in src: adding one is a new folder
+    or module plus one registry line."""
+    kinds = [
+        f"eyas.drafters.{d.name}."
+        for d in (SRC / "drafters").iterdir()
+        if (d / "__init__.py").is_file()
+    ]
+    assert len(kinds) >= 2, kinds  # EAGLE-3's and DFlash's folders
     bad = []
     for path in _sources():
         me = _module(path)
         for line, mod in _imports(path):
-            for pkg in ("eyas.training.kinds.", "eyas.targets.backends."):
+            for pkg in (*kinds, "eyas.targets.backends."):
                 inside = me.startswith(pkg.rstrip(".")) or me == pkg.rstrip(".")
                 if mod.startswith(pkg) and not inside:
                     bad.append(f"{path.relative_to(SRC)}:{line} imports {mod}")

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from conftest import eyas
 
-from eyas.extract import ExtractConfig, extract, plan_run
 from eyas.run.journal import journal_path, read_journal, rewrite_journal
 from eyas.run.lock import LockHeld, WriterLock, read_lock
 from eyas.run.runmeta import read_run_meta, write_run_meta
 from eyas.run.store import sample_relpath
-from eyas.verify import verify
+from eyas.stages.extract import ExtractConfig, extract, plan_run
+from eyas.stages.verify import verify
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import eyas, mounted_tmpfs
 
-from eyas.data.prepare import PreparedDataset
-from eyas.extract import ExtractConfig, extract
+from eyas.data.dataset import PreparedDataset
 from eyas.run.journal import journal_path, read_journal, rewrite_journal
 from eyas.run.lock import WriterLock
+from eyas.stages.extract import ExtractConfig, extract
 
 CONV = [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5"}]
 

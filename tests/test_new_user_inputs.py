@@ -10,8 +10,8 @@ import os
 import pytest
 from conftest import eyas
 
-from eyas.data.prepare import PreparedDataset
-from eyas.evaluate import read_prompts
+from eyas.data.dataset import PreparedDataset
+from eyas.stages.evaluate import read_prompts
 
 QA = [{"from": "human", "value": "What is 2 plus 3?"}]
 
@@ -126,7 +126,7 @@ def test_evaluate_reads_prompts_before_any_model(tmp_path):
 )
 def test_evaluate_on_a_gpu_that_is_not_there_says_so(tmp_path):
     """--device cuda without a GPU stops before the target loads, in one line."""
-    from eyas.targets.demo_target import DEMO_TARGET
+    from eyas.demo_target.build import DEMO_TARGET
 
     src = tmp_path / "p.jsonl"
     src.write_text(json.dumps({"prompt": "Write a haiku."}) + "\n")

@@ -14,7 +14,8 @@ import pytest
 from conftest import eyas
 from transformers import AutoTokenizer
 
-from eyas.data.prepare import PrepareConfig, PreparedDataset, draft_vocab_from_counts, prepare
+from eyas.data.dataset import PreparedDataset, draft_vocab_from_counts
+from eyas.stages.prepare import PrepareConfig, prepare
 
 CONV = [
     {"role": "system", "content": "Be brief."},

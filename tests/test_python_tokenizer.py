@@ -13,8 +13,9 @@ from conftest import eyas
 from slow_tokenizer import SlowBPETokenizer
 from transformers import AutoTokenizer
 
-from eyas.data.prepare import PreparedDataset, _encode, _mask_without_offsets, tokenize_with_mask
-from eyas.targets.demo_data import corpus_text, generate_conversations
+from eyas.data.chat import _encode, _mask_without_offsets, tokenize_with_mask
+from eyas.data.dataset import PreparedDataset
+from eyas.demo_target.data import corpus_text, generate_conversations
 
 MULTI = [
     {"role": "system", "content": "Be brief."},
@@ -136,7 +137,7 @@ def test_tokenizer_code_that_does_not_import_is_named(tmp_path, targets):
 def test_pieces_that_do_not_add_up_fall_back_to_the_whole_text(tmp_path, targets, monkeypatch):
     """Cuts a tokenizer does not make (as when an added token swallows nearby spaces):
     the piece ids differ from the whole text's, and the edges are placed in the whole text."""
-    import eyas.data.prepare as prep
+    import eyas.data.chat as prep
 
     fast = AutoTokenizer.from_pretrained(targets["qwen3"])
     slow = AutoTokenizer.from_pretrained(

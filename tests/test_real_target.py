@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import eyas
 
 pytestmark = pytest.mark.slow
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # real_fixture
 
 
 @pytest.fixture(scope="module")
 def real() -> Path:
-    from eyas.real_target import RealTargetError, build
+    from real_fixture import RealTargetError, build
 
     for mod in ("gguf", "accelerate"):
         pytest.importorskip(mod, reason=f"reading the GGUF needs {mod}: pip install -e '.[real]'")
@@ -30,7 +32,7 @@ def real() -> Path:
 
 
 def test_the_build_is_whole_and_idempotent(real):
-    from eyas.real_target import build
+    from real_fixture import build
 
     assert build(real) == {
         "model": str(real / "model"),

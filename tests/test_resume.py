@@ -43,8 +43,8 @@ def test_a_whole_config_against_a_saved_one():
 @pytest.mark.parametrize(
     "stage, config",
     [
-        ("eyas.extract", "eyas.extract:ExtractConfig"),
-        ("eyas.training.train", "eyas.training.config:TrainConfig"),
+        ("eyas.stages.extract", "eyas.stages.extract:ExtractConfig"),
+        ("eyas.stages.train", "eyas.training.config:TrainConfig"),
     ],
 )
 def test_every_field_a_rule_names_is_a_field_of_its_config(stage, config):

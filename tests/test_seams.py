@@ -8,8 +8,9 @@ from pathlib import Path
 
 from conftest import eyas
 
-from eyas.data.prepare import PrepareConfig, PreparedDataset, prepare
-from eyas.evaluate import read_prompts, render_prompts
+from eyas.data.dataset import PreparedDataset
+from eyas.stages.evaluate import read_prompts, render_prompts
+from eyas.stages.prepare import PrepareConfig, prepare
 from eyas.targets.target import load_tokenizer
 
 CALL = {"id": "call_0", "type": "function",
@@ -122,7 +123,7 @@ def test_turns_and_history_a_template_drops_are_counted_and_named(tmp_path, targ
     the last user turn: both are counted in dataset.json and named with the way to keep them
     (not refused: the served target sees the conversation the same way); --per-turn-samples
     trains every turn with its reasoning, and then only the developer turn is counted."""
-    from eyas.data.prepare import PrepareConfig, prepare
+    from eyas.stages.prepare import PrepareConfig, prepare
 
     dev = {"messages": [{"role": "developer", "content": "Always answer in French."},
                         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "bonjour"}]}  # fmt: skip

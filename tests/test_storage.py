@@ -7,13 +7,13 @@ import json
 import torch
 from conftest import eyas
 
-from eyas.data.prepare import PreparedDataset
-from eyas.extract import ExtractConfig, extract
+from eyas.data.dataset import PreparedDataset
 from eyas.run.journal import committed
 from eyas.run.runmeta import read_run_meta
 from eyas.run.store import Layout, dequantize_fp8, load_sample, quantize_fp8, read_sample
+from eyas.stages.extract import ExtractConfig, extract
+from eyas.stages.verify import verify
 from eyas.targets.weights import lm_head_weight
-from eyas.verify import verify
 
 
 def test_fp8_scales_keep_an_outlier_to_its_own_token_and_layer():

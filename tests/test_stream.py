@@ -409,10 +409,10 @@ def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_pa
     each pass in its own order; retired samples are done, not missing, for verify, status and
     a resume; and the drafter's validation accuracy is that of offline training on the same
     data, within the spread of offline training over two seeds."""
-    from eyas.data.prepare import PrepareConfig, prepare
-    from eyas.extract import ExtractConfig, extract
-    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
-    from eyas.training.train import TrainConfig, train
+    from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.stages.extract import ExtractConfig, extract
+    from eyas.stages.prepare import PrepareConfig, prepare
+    from eyas.stages.train import TrainConfig, train
 
     src = tmp_path / "conv.jsonl"
     src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:200]))

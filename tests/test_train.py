@@ -16,13 +16,13 @@ import torch
 from conftest import eyas
 from safetensors.torch import load_file
 
-from eyas.data.prepare import PrepareConfig, prepare
-from eyas.export import load_export
-from eyas.extract import ExtractConfig, extract
-from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.stages.export import load_export
+from eyas.stages.extract import ExtractConfig, extract
+from eyas.stages.prepare import PrepareConfig, prepare
+from eyas.stages.train import TrainConfig, train
 from eyas.targets.weights import embed_weight
 from eyas.training.checkpoint import latest_checkpoint
-from eyas.training.train import TrainConfig, train
 
 TRAIN_ARGS = [
     "--lr",
@@ -296,7 +296,7 @@ def test_evaluate_is_lossless_and_accepts(trained, tmp_path):
     ex = tmp_path / "ex"
     assert eyas("export", trained, "--format", "vllm", "--out", ex).returncode == 0
     held_out = tmp_path / "held.jsonl"
-    from eyas.targets.demo_data import generate_conversations, write_jsonl
+    from eyas.demo_target.data import generate_conversations, write_jsonl
 
     write_jsonl(held_out, generate_conversations(12, seed=4242))
     r = eyas(
@@ -406,7 +406,7 @@ def test_evaluate_sigterm_gives_the_partial_result(trained, tmp_path):
     """SIGTERM mid-evaluation: exit 75, and the figures over the prompts done, marked partial."""
     ex = tmp_path / "ex"
     assert eyas("export", trained, "--format", "vllm", "--out", ex).returncode == 0
-    from eyas.targets.demo_data import generate_conversations, write_jsonl
+    from eyas.demo_target.data import generate_conversations, write_jsonl
 
     held_out = tmp_path / "held.jsonl"
     write_jsonl(held_out, generate_conversations(300, seed=4243))
@@ -429,8 +429,8 @@ def test_evaluate_sigterm_gives_the_partial_result(trained, tmp_path):
 
 def test_evaluate_reports_a_lossy_decoder(trained, tmp_path, monkeypatch):
     """The lossless check can fail: a decoder that alters one token is caught."""
-    import eyas.evaluate as ev
-    from eyas.export import export
+    import eyas.stages.evaluate as ev
+    from eyas.stages.export import export
 
     ex = export(trained, "vllm", tmp_path / "ex")
     real = ev.speculative
@@ -527,7 +527,7 @@ def test_packed_batches_score_what_padded_batches_score(demo_run, tmp_path):
     """The same samples as one packed row and as padded rows: the same positions scored, the
     same loss and accuracy counts (the loss masks stop at each sample's end)."""
     from eyas.run.runmeta import read_run_meta
-    from eyas.training.train import add_targets, build_drafter, ttt_loss
+    from eyas.stages.train import add_targets, build_drafter, ttt_loss
     from eyas.training.train_data import SampleReader, to_device, usable_samples
 
     meta = read_run_meta(demo_run)
@@ -554,7 +554,7 @@ def test_sigterm_mid_step_drops_the_step_at_once(demo_run, tmp_path, monkeypatch
     """A SIGTERM that lands inside an optimizer step's forward pass stops there (not at the
     step's end): the step is dropped, the checkpoint holds the last complete step, and a
     resume redoes it to the same weights as an uninterrupted run."""
-    from eyas.training.train import TrainStopped
+    from eyas.stages.train import TrainStopped
     from eyas.training.trainer import Trainer
 
     cfg = dict(
@@ -648,7 +648,7 @@ def test_a_damaged_line_inside_a_log_is_named_and_kept_on_resume(demo_run, tmp_p
 def test_left_out_lr_and_batch_come_from_the_run_and_are_kept_on_resume(demo_run, tmp_path):
     """Without --lr and --batch-tokens, train picks them from the run's size, says so, and
     records them: a resume with no options trains on with the same ones."""
-    from eyas.training.train import auto_schedule, lr_for_steps
+    from eyas.stages.train import auto_schedule, lr_for_steps
 
     small = auto_schedule(274_540, 3)  # 1,000 real conversations: the measured recipe
     assert small == (2048, 3e-3)
@@ -755,7 +755,7 @@ def test_attention_window_is_trained_exported_for_sglang_and_refused_for_vllm(de
     EAGLE-3 model runs): vLLM would ignore the window, so that export
     is refused naming the option; SGLang's export keeps it and its serving line passes it;
     the export reads back with its window and decodes losslessly."""
-    from eyas.targets.demo_data import generate_conversations, write_jsonl
+    from eyas.demo_target.data import generate_conversations, write_jsonl
 
     out = tmp_path / "tr"
     r = eyas("train", "--data", demo_run, "--out", out, "--epochs", 1, "--batch-tokens", 1024,

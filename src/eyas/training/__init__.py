@@ -1,12 +1,13 @@
-"""Training the EAGLE-3 drafter.
+"""Training a drafter of any kind: what does not depend on the kind.
 
-- `drafter`: the model; `ttt_attention`: its training-time-test attention; `loss`: the
-  TTT loss;
+- `config`: `TrainConfig`, every training option with its help and default;
 - `train_data`: the training reader and a finished run as a data source; `follow`: a run
   followed as it is extracted;
-- `trainer`: the optimizer step, evaluation and checkpoints; `checkpoint`: checkpoints and
-  the final drafter on disk;
-- `train`: the loop that ties them together (`eyas train`).
+- `trainer`: the optimizer step, evaluation and checkpoints (the kind's loss asked of the
+  kind); `muon`: the Muon optimizer; `checkpoint`: checkpoints and the final drafter on disk.
 
-May import: `eyas.run`, `eyas.host`, `eyas.targets` and `eyas.data`. Never the stages above.
+The loop that ties them together is the `train` stage (`eyas.stages.train`).
+
+May import: `eyas.run`, `eyas.host`, `eyas.targets`, `eyas.data` and `eyas.drafters`. Never
+the stages above.
 """

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eyas.drafters.blocks import load_weights
 from eyas.run.fsutil import (
     DiskFullError,
     atomic_write_json,
@@ -27,7 +28,6 @@ from eyas.run.fsutil import (
     read_json,
 )
 from eyas.run.manifest import ManifestError, check_manifest, write_manifest
-from eyas.training.drafter import Drafter
 
 
 def save_safetensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
@@ -83,7 +83,7 @@ def remove_stale_temp(out: Path) -> list[Path]:
 
 
 def save_checkpoint(
-    out: Path, drafter: Drafter, opt: torch.optim.Optimizer, state: dict, keep: int
+    out: Path, drafter: torch.nn.Module, opt: torch.optim.Optimizer, state: dict, keep: int
 ) -> Path:
     final = out / "checkpoints" / f"step-{state['step']:08d}"
     if (final / MARKER).is_file():
@@ -131,7 +131,9 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(ckpt: Path, drafter: Drafter, opt: torch.optim.Optimizer | None) -> dict:
+def load_checkpoint(
+    ckpt: Path, drafter: torch.nn.Module, opt: torch.optim.Optimizer | None
+) -> dict:
     """Check `ckpt` against its manifest, then load it; raises ManifestError naming the
     damage (a legacy marker without checksums is loaded unchecked)."""
     try:
@@ -170,7 +172,7 @@ def _legacy_marker(ckpt: Path) -> bool:
 
 
 def resume_checkpoint(
-    out: Path, drafter: Drafter, opt: torch.optim.Optimizer, log
+    out: Path, drafter: torch.nn.Module, opt: torch.optim.Optimizer, log
 ) -> tuple[dict, Path] | None:
     """Load the newest checkpoint that checks out, falling back (and saying so) past damaged
     ones; None when there is none at all; CheckpointError when every one is damaged."""
@@ -212,8 +214,8 @@ def latest_checkpoint(out: Path) -> Path | None:
 def save_final(out: Path, drafter, kind=None) -> None:
     """The trained drafter and its config (its kind's name first), then their manifest
     (written last)."""
-    from eyas.training.kinds import kind as kind_named
-    from eyas.training.kinds import with_kind
+    from eyas.drafters import kind as kind_named
+    from eyas.drafters import with_kind
 
     kind = kind or kind_named(None)
     save_safetensors(
@@ -223,29 +225,9 @@ def save_final(out: Path, drafter, kind=None) -> None:
     write_manifest(out, ["drafter.safetensors", "drafter_config.json"], FINAL_MANIFEST)
 
 
-def load_weights(model: torch.nn.Module, state: dict, where) -> None:
-    """Load `state` into `model`, or one line naming `where` and the first tensor that does not
-    fit (its two shapes), or the tensors missing or left over: a config that does not match
-    its weights is said, not a page of load_state_dict's traceback."""
-    mine = model.state_dict()
-    for name, t in mine.items():
-        if name in state and tuple(state[name].shape) != tuple(t.shape):
-            raise ValueError(
-                f"{where}: tensor {name} is {tuple(state[name].shape)} there, but the config "
-                f"makes it {tuple(t.shape)}: the config does not match the weights"
-            )
-    missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
-    if missing or unexpected:
-        raise ValueError(
-            f"{where}: the config's drafter has tensors the weights lack ({', '.join(missing[:4]) or 'none'}) "
-            f"or the weights hold tensors it has not ({', '.join(unexpected[:4]) or 'none'})"
-        )
-    model.load_state_dict(state)
-
-
 def load_trained(train_dir: Path):
     """(drafter, kind) of a training directory's final drafter, checked against its manifest."""
-    from eyas.training.kinds import kind_of
+    from eyas.drafters import kind_of
 
     state, cdict = load_final(train_dir)
     kind, cdict = kind_of(cdict)
@@ -269,7 +251,7 @@ def load_final(train_dir: Path) -> tuple[dict, dict]:
         ) from None
 
 
-EXPORT_MANIFEST = "eyas-manifest.json"  # an export's files and checksums (`eyas.export`)
+EXPORT_MANIFEST = "eyas-manifest.json"  # an export's files and checksums (`eyas.stages.export`)
 
 
 def read_export(path: Path):
@@ -277,7 +259,7 @@ def read_export(path: Path):
     format, in the architecture its config declares; ValueError names what is wrong."""
     import json
 
-    from eyas.training.kinds import kind_for_export
+    from eyas.drafters import kind_for_export
 
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -307,7 +289,7 @@ def read_export(path: Path):
 def initial_weights(path: Path, model, kind) -> None:
     """Load --init-from's drafter (a training directory or an export) into `model`, which
     must be of the same kind and shape; ValueError names what differs."""
-    from eyas.training.kinds import kind_of
+    from eyas.drafters import kind_of
 
     if (path / FINAL_MANIFEST).is_file():
         state, cdict = load_final(path)

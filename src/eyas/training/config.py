@@ -7,7 +7,11 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-ATTENTIONS = ("reference", "chunked", "flex")  # TTT attention implementations (ttt_attention)
+ATTENTIONS = (
+    "reference",
+    "chunked",
+    "flex",
+)  # TTT attention implementations (drafters.eagle3.attention)
 OPTIMIZERS = ("adamw", "muon")
 HEAD_INITS = ("random", "target", "target-frozen")
 LOSSES = ("kl", "tv", "mix", "lk", "nla", "opd")  # training.loss
@@ -145,7 +149,7 @@ class TrainConfig:
             raise ValueError(
                 f"--head-init must be one of {', '.join(HEAD_INITS)}, got {self.head_init!r}"
             )
-        from eyas.training.kinds import KINDS
+        from eyas.drafters import KINDS
 
         if self.kind not in KINDS:
             raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")

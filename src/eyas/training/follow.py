@@ -55,7 +55,7 @@ class FollowSource:
         reader: SampleReader,
         log,
     ):
-        from eyas.data.prepare import PreparedDataset
+        from eyas.data.dataset import PreparedDataset
 
         self.cfg, self.run, self.out, self.rank, self.world = cfg, Path(run), Path(out), rank, world
         self.reader, self.log = reader, log

@@ -18,12 +18,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from eyas.drafters import kind
+from eyas.drafters.loss import summarize
 from eyas.errors import UsageError
 from eyas.stop import StopSignals
 from eyas.training.checkpoint import initial_weights, resume_checkpoint, save_checkpoint
-from eyas.training.drafter import Drafter
-from eyas.training.kinds import kind
-from eyas.training.loss import summarize
 from eyas.training.muon import Muon
 from eyas.training.train_data import SampleReader, prefetch, to_device
 
@@ -31,7 +30,7 @@ from eyas.training.train_data import SampleReader, prefetch, to_device
 def build_drafter(cfg, meta: dict) -> tuple[torch.nn.Module, torch.Tensor | None]:
     """The drafter of `cfg`'s kind for the run's target (checked to be the run's, with the
     tokenizer its data was made with), and the target's lm_head where its loss needs it."""
-    from eyas.data.prepare import PreparedDataset, check_tokenizer
+    from eyas.data.dataset import PreparedDataset, check_tokenizer
     from eyas.targets.target import check_model_dir, model_fingerprint
 
     model_dir = cfg.model or meta["model_path"]
@@ -258,7 +257,7 @@ class Trainer:
         return state
 
 
-def build_optimizer(drafter: Drafter, cfg) -> torch.optim.Optimizer | Optimizers:
+def build_optimizer(drafter: torch.nn.Module, cfg) -> torch.optim.Optimizer | Optimizers:
     """AdamW over every trainable parameter, or with `--optimizer muon` Muon over the 2-D
     matrices of `fc` and the decoder layer (momentum 0.95, weight decay 0.1, its update
     scaled to the RMS of AdamW's so one learning rate serves both; `--muon-lr-scale` times

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eyas.drafters import decoder_fields
+from eyas.drafters.blocks import load_weights
+from eyas.drafters.dflash.model import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
+from eyas.drafters.loss import Chain, add_targets, divergence, on_policy
 from eyas.targets.weights import embed_weight, lm_head_weight
-from eyas.training.checkpoint import load_weights
-from eyas.training.dflash import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
-from eyas.training.kinds import decoder_fields
-from eyas.training.loss import Chain, add_targets, divergence, on_policy
 
 ARCH = "DFlashDraftModel"
 
@@ -51,7 +51,7 @@ class DFlash:
         return []  # the block is in the drafter's own config
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
-        from eyas.data.prepare import PreparedDataset
+        from eyas.data.dataset import PreparedDataset
         from eyas.targets.target import text_config
 
         if "topk" in str(meta.get("layout", "")):

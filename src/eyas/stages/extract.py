@@ -35,11 +35,10 @@ from pathlib import Path
 import torch
 
 from eyas import __version__
-from eyas.data.prepare import PreparedDataset, check_tokenizer
+from eyas.data.dataset import PreparedDataset, check_tokenizer
 from eyas.errors import UsageError
-from eyas.extract_config import ExtractConfig
 from eyas.host.gpu import gpu_preflight
-from eyas.host.ui import Reporter, console, still_working
+from eyas.host.ui import RATE_WINDOW, Reporter, console, recent_rate, still_working
 from eyas.resume import ResumeRule
 from eyas.run.fsutil import (
     DiskFullError,
@@ -75,7 +74,7 @@ from eyas.run.store import (
     foreign_run_entries,
 )
 from eyas.run.stream import Retirer
-from eyas.status import RATE_WINDOW, recent_rate
+from eyas.stages.config import ExtractConfig
 from eyas.stop import StopSignals
 from eyas.targets.backends import BackendSpec, open_backend
 from eyas.targets.layers import hf_indices
@@ -228,7 +227,7 @@ class OutDirError(ValueError):
 
 def rebuild_hint(meta: dict) -> str:
     """How to bring a run's dataset back: the exact `prepare` command, where run.json has it."""
-    from eyas.data.prepare import prepare_command
+    from eyas.data.dataset import prepare_command
 
     if not meta.get("dataset_prepare"):
         return f"Restore it at {meta['dataset_path']} (fingerprint {meta['dataset_fingerprint']})"

@@ -175,7 +175,7 @@ class TinySizes:
 
 def offline_corpus(extra: list[str] | None = None, max_chars: int = 400_000) -> list[str]:
     """Text that exists on every machine: Python standard library sources plus `extra`."""
-    from eyas.targets.demo_data import corpus_text, generate_conversations
+    from eyas.demo_target.data import corpus_text, generate_conversations
 
     texts = list(extra or []) + corpus_text(generate_conversations(400, seed=1))
     stdlib = Path(sysconfig.get_paths()["stdlib"])

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from rich.table import Table
 
+from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
 from eyas.host.ui import console
-from eyas.targets.demo_target import DEMO_CONVERSATIONS, DEMO_TARGET
 
 MARKER = ".eyas-demo"
 EVAL_SEED = 99
@@ -28,14 +28,14 @@ def run_demo(
     eval_prompts: int = 1000,
     kind: str = "eagle3",
 ) -> dict:
-    from eyas.data.prepare import PrepareConfig, prepare
-    from eyas.evaluate import evaluate
-    from eyas.export import ExportError, export
-    from eyas.extract import ExtractConfig, extract
-    from eyas.targets.demo_data import generate_conversations, write_jsonl
-    from eyas.training.kinds import kind as drafter_kind
-    from eyas.training.train import TrainConfig, train
-    from eyas.verify import verify
+    from eyas.demo_target.data import generate_conversations, write_jsonl
+    from eyas.drafters import kind as drafter_kind
+    from eyas.stages.evaluate import evaluate
+    from eyas.stages.export import ExportError, export
+    from eyas.stages.extract import ExtractConfig, extract
+    from eyas.stages.prepare import PrepareConfig, prepare
+    from eyas.stages.train import TrainConfig, train
+    from eyas.stages.verify import verify
 
     workdir = Path(workdir)
     if workdir.exists() and any(workdir.iterdir()):

@@ -17,13 +17,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eyas.host.ui import RATE_WINDOW, recent_rate
 from eyas.run.fsutil import filesystem_info
 from eyas.run.journal import ledger, pass_of, read_errors
 from eyas.run.lock import all_locks, live_locks
 from eyas.run.runmeta import load_run_meta
 from eyas.run.store import stray_temp_files
-
-RATE_WINDOW = 300.0  # seconds of commits that make the live rate
 
 
 @dataclass
@@ -194,17 +193,6 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
     )
 
 
-def recent_rate(commits: list[tuple[float, int]], now: float, window: float = RATE_WINDOW):
-    """(samples/s, tokens/s) of the commits of the last `window` seconds, measured from the
-    first of them to now; that first commit's own work was done before the window's clock
-    started, so it is not counted. (None, None) until there are two commits to measure."""
-    recent = sorted((t, n) for t, n in commits if t >= now - window)
-    if len(recent) < 2 or now - recent[0][0] <= 0:
-        return None, None
-    span = now - recent[0][0]
-    return (len(recent) - 1) / span, sum(n for _, n in recent[1:]) / span
-
-
 def ago(t: float | None) -> str:
     if t is None:
         return "never"
@@ -371,7 +359,7 @@ def kind_of(path: Path) -> str | None:
 def not_eyas(path: Path) -> str | None:
     """One line for a path that exists and is no eyas directory at all (an input file, or a
     directory eyas did not write): what it is and what to run on it. None otherwise."""
-    from eyas.data.generate import STATE_SUFFIX
+    from eyas.stages.generate import STATE_SUFFIX
 
     path = Path(path)
     if (path / "generate.json").is_file() or (

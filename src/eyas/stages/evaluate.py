@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.data.prepare import chat_text
+from eyas.data.chat import chat_text
 from eyas.data.records import (
     REASONS,
     RecordError,
@@ -26,15 +26,15 @@ from eyas.data.records import (
     read_conversation,
 )
 from eyas.errors import UsageError
-from eyas.evaluate_config import EvaluateConfig as _D  # the defaults, written once
-from eyas.export import (
+from eyas.host.ui import Reporter, still_working
+from eyas.stages.config import EvaluateConfig as _D  # the defaults, written once
+from eyas.stages.export import (
     drafts_per_round,
     export_kind,
     export_rendering,
     load_export,
     vllm_speculative_config,
 )
-from eyas.host.ui import Reporter, still_working
 from eyas.stop import StopSignals
 from eyas.targets.layers import from_hf
 from eyas.targets.target import load_tokenizer, read_chat_template, require_chat_template
@@ -388,7 +388,7 @@ def _tokenizer_for(
     template is the `chat_template` file's where given, else the one the training data was
     prepared with (`prepare --chat-template`), else the tokenizer's own; conversations for a
     target with none of them are refused here, before the model loads."""
-    from eyas.data.prepare import TokenizerMismatch, tokenizer_fingerprint
+    from eyas.data.dataset import TokenizerMismatch, tokenizer_fingerprint
 
     made = export_rendering(drafter_dir)
     template = read_chat_template(chat_template) or made.get("chat_template")

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from eyas.drafters.loss import add_targets, loss_masks, summarize, target_view, ttt_loss
 from eyas.errors import UsageError
 from eyas.host.cpu import choose_threads, configure_threads
 from eyas.host.ui import Reporter, console, still_working
@@ -47,13 +48,8 @@ from eyas.run.fsutil import (
 from eyas.run.lock import WriterLock
 from eyas.run.runmeta import read_run_meta
 from eyas.stop import StopSignals
-from eyas.training.checkpoint import (
-    latest_checkpoint,
-    remove_stale_temp,
-    save_final,
-)
+from eyas.training.checkpoint import latest_checkpoint, remove_stale_temp, save_final
 from eyas.training.config import TrainConfig
-from eyas.training.loss import add_targets, loss_masks, summarize, target_view, ttt_loss
 from eyas.training.train_data import (
     SampleReader,
     StopRequested,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from eyas.drafters import decoder_fields
+from eyas.drafters.blocks import load_weights
+from eyas.drafters.eagle3.model import Drafter, DrafterConfig
+from eyas.drafters.loss import add_targets, loss_masks, ttt_loss
 from eyas.targets.weights import embed_weight, final_norm_weight, lm_head_weight
-from eyas.training.checkpoint import load_weights
-from eyas.training.drafter import Drafter, DrafterConfig
-from eyas.training.kinds import decoder_fields
-from eyas.training.loss import add_targets, loss_masks, ttt_loss
 
 _ARCHS = {"vllm": "Eagle3Speculator", "sglang": "LlamaForCausalLMEagle3"}
 _LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.host.gpu import GpuReport, query_gpus
+from eyas.inspect.status import ago, run_status
 from eyas.run.fsutil import human_bytes
 from eyas.run.journal import read_errors
 from eyas.run.runmeta import load_run_meta
 from eyas.run.store import StoreError
-from eyas.status import ago, run_status
 
 FOREIGN_GPU_BYTES = 2 << 30  # what counts as "holding" a GPU, as in extract's preflight
 
@@ -125,13 +125,13 @@ def doctor(
 
 
 def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
-    from eyas.data.generate import STATE_SUFFIX
+    from eyas.stages.generate import STATE_SUFFIX
 
     gen = run if (run / "generate.json").is_file() else run.with_name(run.name + STATE_SUFFIX)
     if (gen / "generate.json").is_file():
         return _check_generation(gen, actions)
     rep = RunReport(str(run))
-    from eyas.status import describe_other, kind_of, not_eyas
+    from eyas.inspect.status import describe_other, kind_of, not_eyas
 
     if (what := not_eyas(run)) is not None:  # an input file, a directory eyas did not write
         rep.add("error", what)
@@ -214,7 +214,7 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
 
 def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:
     """The run's target and prepared dataset: still in place, and unchanged."""
-    from eyas.data.prepare import PreparedDataset
+    from eyas.data.dataset import PreparedDataset
     from eyas.targets.target import model_fingerprint
 
     model = Path(meta["model_path"])
@@ -243,7 +243,7 @@ def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:
                 "error",
                 f"dataset: {data} changed (fingerprint {ds.fingerprint}, run made from {meta['dataset_fingerprint']})",
             )
-            from eyas.data.prepare import prepare_command
+            from eyas.data.dataset import prepare_command
 
             actions.append(
                 Action(
@@ -257,8 +257,8 @@ def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:
                 )
             )
     except (OSError, ValueError, KeyError) as exc:
-        from eyas.data.prepare import prepare_command
-        from eyas.extract import rebuild_hint
+        from eyas.data.dataset import prepare_command
+        from eyas.stages.extract import rebuild_hint
 
         rep.add("error", f"dataset: not usable at {data} ({exc})")
         if meta.get("dataset_prepare"):
@@ -320,7 +320,7 @@ def _check_leftovers(run: Path, st, rep: RunReport) -> None:
 def _check_integrity(run: Path, st, deep: bool, rep: RunReport, actions: list[Action]) -> dict:
     """verify's findings (headers and sizes, or every checksum with `deep`), and what repairs
     them; the count of each kind of problem."""
-    from eyas.verify import verify
+    from eyas.stages.verify import verify
 
     v = verify(run, quick=not deep)
     kinds = {
@@ -376,7 +376,7 @@ def _check_integrity(run: Path, st, deep: bool, rep: RunReport, actions: list[Ac
 def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
     """A streamed run: the store against its budget, each follower, who waits on whom, and
     the command that resumes each side."""
-    from eyas.status import bottleneck, leftover_after_stream
+    from eyas.inspect.status import bottleneck, leftover_after_stream
 
     if st.budget or st.retired:
         budget = f" of its {human_bytes(st.budget)} budget" if st.budget else ""
@@ -506,8 +506,8 @@ def _verify_cost(run: Path, total_bytes: int) -> str:
 
 def _check_generation(state: Path, actions: list[Action]) -> RunReport:
     """A generation directory (`eyas generate`): progress, failures, writer, what to run."""
-    from eyas.data.generate import generation_status
     from eyas.run.lock import live_locks
+    from eyas.stages.generate import generation_status
 
     g = generation_status(state)
     rep = RunReport(str(state))

@@ -31,7 +31,7 @@ __all__ = [
 
 DEFAULT = "eagle3"
 # name -> module defining `KIND`, imported on first use.
-KINDS = {"eagle3": "eyas.training.kinds.eagle3", "dflash": "eyas.training.kinds.dflash"}
+KINDS = {"eagle3": "eyas.drafters.eagle3.kind", "dflash": "eyas.drafters.dflash.kind"}
 
 
 class Proposer(Protocol):

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.training.drafter import MLP, RMSNorm, rope, upcast
+from eyas.drafters.blocks import MLP, RMSNorm, rope, upcast
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eyas import __version__
-from eyas.data.config import GenerateConfig
 from eyas.data.records import (
     RawRecord,
     RecordError,
@@ -45,6 +44,7 @@ from eyas.host.ui import Reporter
 from eyas.resume import ResumeRule
 from eyas.run.fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
 from eyas.run.lock import WriterLock
+from eyas.stages.config import GenerateConfig
 from eyas.stop import StopSignals
 
 STATE_SUFFIX = ".eyas-gen"

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from eyas.targets.demo_data import corpus_text, generate_conversations, write_jsonl
-from eyas.targets.tiny import LLAMA3_TEMPLATE, TinySizes, build_tiny_target, train_tokenizer
+from eyas.demo_target.data import corpus_text, generate_conversations, write_jsonl
+from eyas.demo_target.tiny import LLAMA3_TEMPLATE, TinySizes, build_tiny_target, train_tokenizer
 
-ASSETS = Path(__file__).parents[1] / "assets"  # the package's data, beside the layers
+ASSETS = Path(__file__).parent / "assets"  # the package's data
 DEMO_TARGET = ASSETS / "demo-target"
 DEMO_CONVERSATIONS = ASSETS / "demo_conversations.jsonl"
 DEMO_SIZES = TinySizes(

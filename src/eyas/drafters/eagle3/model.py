@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.training import ttt_attention
+from eyas.drafters.blocks import MLP, RMSNorm, rope, upcast
+from eyas.drafters.eagle3 import attention as ttt_attention
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,38 +101,6 @@ class DrafterConfig:
         return asdict(self)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = upcast(x)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """Half precision -> float32 for norms and softmax; float32/64 stay as they are."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (Llama's half-rotation layout); x (B, h, T, d), pos (B, T)."""
-    d = x.shape[-1]
-    f = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=f) / d))
-    ang = pos.to(f)[:, None, :, None] * inv  # (B, 1, T, d/2)
-    cos, sin = (
-        torch.cat([ang, ang], -1).cos().to(x.dtype),
-        torch.cat([ang, ang], -1).sin().to(x.dtype),
-    )
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, c: DrafterConfig):
         super().__init__()
@@ -174,18 +143,6 @@ class Attention(nn.Module):
         """Heads (B, h, T, d) -> o_proj -> (B, T, H)."""
         B, h, Tq, d = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, Tq, h * d))  # (B, Tq, H)
-
-
-class MLP(nn.Module):
-    def __init__(self, c: DrafterConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-        self.act = {"silu": F.silu, "gelu": F.gelu}.get(c.hidden_act, F.silu)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -17,9 +17,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eyas.training.config import LOSSES  # noqa: F401 - the kinds position_loss computes
-from eyas.training.drafter import Drafter
-
 LK_ETA = 3.0  # lk: the blend weight of KL is exp(-LK_ETA x the mean acceptance)
 OPD_DECAY = 0.8  # opd: reverse KL at the k-th step after the chain's first miss is weighted 0.8^k
 
@@ -45,7 +42,7 @@ def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], 1)
 
 
-def add_targets(batch: dict, drafter: Drafter, lm_head: torch.Tensor | None) -> None:
+def add_targets(batch: dict, drafter: torch.nn.Module, lm_head: torch.Tensor | None) -> None:
     """Add the target's soft labels over the draft vocabulary, its full-vocabulary argmax
     and whether that argmax is in the draft vocabulary. From a stored final state the
     logits are recomputed; top-K storage brings its log-probabilities and argmax."""
@@ -115,7 +112,7 @@ def loss_masks(batch: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def ttt_loss(
-    drafter: Drafter,
+    drafter: torch.nn.Module,
     batch: dict,
     steps: int,
     decay: float,

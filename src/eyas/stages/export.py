@@ -20,16 +20,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from eyas.run.fsutil import (
-    DiskFullError,
-    atomic_write_json,
-    fsync_dir,
-    is_disk_full,
-    read_json,
-)
+from eyas.drafters import kind_for_export, kind_of
+from eyas.run.fsutil import DiskFullError, atomic_write_json, fsync_dir, is_disk_full, read_json
 from eyas.run.manifest import ManifestError, write_manifest
 from eyas.training.checkpoint import save_safetensors
-from eyas.training.kinds import kind_for_export, kind_of
 
 FORMATS = ("vllm", "sglang")
 MANIFEST = "eyas-manifest.json"  # the export's files and checksums, written last
