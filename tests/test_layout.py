@@ -145,3 +145,73 @@ def test_kinds_and_backends_are_reached_through_their_registries():
                 if mod.startswith(pkg) and not inside:
                     bad.append(f"{path.relative_to(SRC)}:{line} imports {mod}")
     assert not bad, "\n".join(bad)
+
+
+# A module that is one registered thing's own (the vLLM judge runs vLLM itself) may name its
+# engine's backend; each such lookup is listed with its reason.
+NAMED_ON_PURPOSE = {("stages/evaluate.py", "vllm"): "evaluate_vllm is vLLM's judge: it runs vLLM"}
+_LOOKUPS = {"kind", "backend_module", "open_backend", "registered"}
+_REGISTRIES = {"KINDS", "_REGISTRY", "JUDGES"}
+_ASKERS = ("kind", "backend", "engine")  # what a registered name is held in
+
+
+def _literal_lookups(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every registered name looked up or compared as a literal: a registry
+    function called with it, a registry subscripted by it, or a variable that holds a kind,
+    backend or engine compared with it."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            f = node.func
+            fname = (
+                f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            )
+            if fname in _LOOKUPS and node.args[0].value in names:
+                out.append((node.lineno, node.args[0].value))
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            v = node.value
+            if isinstance(v, ast.Name) and v.id in _REGISTRIES and node.slice.value in names:
+                out.append((node.lineno, node.slice.value))
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            held = " ".join(ast.unparse(s) for s in sides if not isinstance(s, ast.Constant))
+            for s in sides:
+                lits = [s] if isinstance(s, ast.Constant) else list(getattr(s, "elts", []))
+                for c in lits:
+                    if (
+                        isinstance(c, ast.Constant)
+                        and c.value in names
+                        and any(a in held for a in _ASKERS)
+                    ):
+                        out.append((node.lineno, c.value))
+    return out  # fmt: skip
+
+
+def test_registries_are_never_asked_by_a_literal_name():
+    """Outside a registry, no kind, backend or judge is looked up or compared by its name
+    written out: a caller asks the registry what the thing does (its traits), so a new one is
+    one registration and no caller changes."""
+    from eyas.drafters import KINDS
+    from eyas.stages.evaluate import JUDGES
+    from eyas.targets.backends import BACKENDS
+
+    names = set(KINDS) | set(BACKENDS) | set(JUDGES)
+    registries = {"drafters/__init__.py", "targets/backends/__init__.py"}
+    bad = []
+    for path in _sources():
+        rel = str(path.relative_to(SRC))
+        if rel in registries:
+            continue
+        for line, name in _literal_lookups(ast.parse(path.read_text()), names):
+            if (rel, name) not in NAMED_ON_PURPOSE:
+                bad.append(f"{rel}:{line}: {name!r}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_literal_rule_sees_each_form():
+    code = (
+        "kind('dflash')\nbackend_module('vllm')\nJUDGES['hf']\nif cfg.backend == 'hf': pass\n"
+        "if engine in ('vllm',): pass\nif fmt == 'vllm': pass\nkind(name)\n"
+    )
+    got = _literal_lookups(ast.parse(code), {"dflash", "vllm", "hf"})
+    assert got == [(1, "dflash"), (2, "vllm"), (3, "hf"), (4, "hf"), (5, "vllm")], got

@@ -774,59 +774,24 @@ def evaluate(
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check.
     Several --drafter are judged on the same prompts, with their paired differences."""
     from eyas.stages.eval_report import render_inputs, render_paired, render_result
-    from eyas.stages.evaluate import evaluate as run_hf
-    from eyas.stages.evaluate import evaluate_vllm, paired_difference
+    from eyas.stages.evaluate import judge
     from eyas.stages.export import ExportError
     from eyas.targets.target import ModelDirError
 
     _quiet_transformers()
     cfg = _config(EvaluateConfig, **opts)
     engine = cfg.engine
-    if len(drafter) > 1 and engine == "vllm":
-        raise fail(
-            "several --drafter are compared prompt by prompt, which vLLM's run totals cannot do: "
-            "give them with --engine hf, or one at a time",
-            EXIT_USAGE,
-        )
-    if len(set(map(str, drafter))) < len(drafter):
-        raise fail("the same --drafter is given twice", EXIT_USAGE)
     for dr in drafter:
         if Path(dr).exists():  # a missing one is said after the prompts and the tokenizer
             _need(dr, "export")
-    kw = dict(
-        k=cfg.draft_tokens,
-        max_new_tokens=cfg.max_new_tokens,
-        limit=cfg.limit or None,
-        trust_remote_code=cfg.trust_remote_code,
-        max_error_rate=cfg.max_error_rate,
-        chat_template_kwargs=_json_object(chat_template_kwargs),
-        chat_template=cfg.chat_template,
-    )
-    if engine == "vllm":
-        kw["tensor_parallel_size"] = cfg.tensor_parallel_size
-    else:  # several drafters: every prompt for each, so that they are judged on the same ones
-        kw.update(
-            precision=(cfg.precision or None) if len(drafter) == 1 else None,
-            device=cfg.device,
-            greedy_cache={},
-            target_cache={},
-        )
-    results = []
-    for dr in drafter:
-        try:
-            results.append(
-                (evaluate_vllm if engine == "vllm" else run_hf)(
-                    str(model), str(dr), str(data), **kw
-                )
-            )
-        except (ModelDirError, FileNotFoundError) as exc:
-            raise fail(str(exc), EXIT_USAGE) from None
-        except (ExportError, ValueError, OSError) as exc:
-            raise fail(str(exc), exit_code(exc)) from None
-        if results[-1].stopped_by:
-            break
+    try:
+        results, pairs = judge(cfg, str(model), [str(d) for d in drafter], str(data),
+                               _json_object(chat_template_kwargs))  # fmt: skip
+    except (ModelDirError, FileNotFoundError) as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
+    except (ExportError, ValueError, OSError) as exc:
+        raise fail(str(exc), exit_code(exc)) from None
     ds = [{"engine": engine, **r.to_dict()} for r in results]
-    pairs = [paired_difference(results[0], r) for r in results[1:]]
     if as_json:
         _print_json(ds[0] if len(drafter) == 1 else {"drafters": ds, "paired": pairs})
     else:

@@ -207,7 +207,7 @@ class ExtractConfig:
 
     def __post_init__(self) -> None:
         from eyas.run.store import Layout  # torch: only once a config is made
-        from eyas.targets.backends import BACKENDS
+        from eyas.targets.backends import BACKENDS, registered
         from eyas.targets.target import DTYPES
 
         if not 0 <= self.rank < self.world:
@@ -229,9 +229,11 @@ class ExtractConfig:
             raise ValueError(
                 "--tensor-parallel-size must be >= 1 and --gpu-memory-utilization in (0, 1]"
             )
-        if self.backend == "hf" and self.tensor_parallel_size > 1:
+        if self.tensor_parallel_size > 1 and not registered(self.backend).tensor_parallel:
+            shards = [n for n in BACKENDS if registered(n).tensor_parallel]
             raise ValueError(
-                "--tensor-parallel-size needs --backend vllm (the hf backend uses --device multi)"
+                f"--tensor-parallel-size needs --backend {' or '.join(shards)} (the "
+                f"{self.backend} backend uses --device multi)"
             )
         Layout(self.storage, self.target)  # raises for unknown modes
         parse_size(self.min_free, 1)

@@ -848,3 +848,57 @@ def evaluate_vllm(
 
 def _as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+# ------------------------------------------------------------------ the judges (--engine)
+
+
+@dataclass(frozen=True)
+class Judge:
+    """One way of judging drafters, named by `--engine`: the function that judges one, whether
+    it can judge several prompt by prompt (paired differences need per-prompt figures), and
+    the options of `EvaluateConfig` it takes."""
+
+    run: object  # (model, drafter, data, **options) -> EvalResult
+    paired: bool
+    options: object  # (cfg, several drafters) -> dict of keyword arguments for `run`
+
+
+def _hf_options(cfg, several: bool) -> dict:
+    # several drafters: every prompt for each, so that they are judged on the same ones
+    return {"precision": None if several else (cfg.precision or None), "device": cfg.device,
+            "greedy_cache": {}, "target_cache": {}}  # fmt: skip
+
+
+JUDGES = {
+    "hf": Judge(run=evaluate, paired=True, options=_hf_options),
+    "vllm": Judge(run=evaluate_vllm, paired=False,
+                  options=lambda cfg, _several: {"tensor_parallel_size": cfg.tensor_parallel_size}),
+}  # fmt: skip
+
+
+def judge(
+    cfg, model: str, drafters: list[str], data: str, chat_template_kwargs: dict | None = None
+) -> tuple[list[EvalResult], list[dict]]:
+    """Every drafter judged by `cfg.engine` on the same prompts (the target's greedy pass
+    shared where the judge can), in order, until one is stopped; and each one's paired
+    difference with the first. UsageError for drafters the judge cannot compare."""
+    j = JUDGES[cfg.engine]
+    if len(drafters) > 1 and not j.paired:
+        paired = ", ".join(n for n, o in JUDGES.items() if o.paired)
+        raise UsageError(
+            f"several --drafter are compared prompt by prompt, which --engine {cfg.engine}'s "
+            f"run totals cannot do: give them with --engine {paired}, or one at a time"
+        )
+    if len(set(drafters)) < len(drafters):
+        raise UsageError("the same --drafter is given twice")
+    kw = dict(k=cfg.draft_tokens, max_new_tokens=cfg.max_new_tokens, limit=cfg.limit or None,
+              trust_remote_code=cfg.trust_remote_code, max_error_rate=cfg.max_error_rate,
+              chat_template_kwargs=chat_template_kwargs, chat_template=cfg.chat_template,
+              **j.options(cfg, len(drafters) > 1))  # fmt: skip
+    results = []
+    for dr in drafters:
+        results.append(j.run(model, dr, data, **kw))
+        if results[-1].stopped_by:
+            break
+    return results, [paired_difference(results[0], r) for r in results[1:]]

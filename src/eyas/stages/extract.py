@@ -76,7 +76,7 @@ from eyas.run.store import (
 from eyas.run.stream import Retirer
 from eyas.stages.config import ExtractConfig
 from eyas.stop import StopSignals
-from eyas.targets.backends import BackendSpec, open_backend
+from eyas.targets.backends import BackendSpec, open_backend, registered
 from eyas.targets.layers import hf_indices
 from eyas.targets.target import (
     DTYPES,
@@ -305,7 +305,8 @@ def extract(
                 shutil.rmtree(run, ignore_errors=True)  # a refusal leaves nothing behind
             raise
     device = resolve_device(cfg.device)
-    if cfg.backend == "hf":
+    backend = registered(cfg.backend)
+    if backend.transformers:
         check_transformers_can_run(cfg.model, device)
     check_layers_present(cfg.model)
     try:  # before anything is written: a refusal leaves nothing behind
@@ -314,7 +315,7 @@ def extract(
             parse_size(cfg.max_foreign_gpu_mem, 1),
             cfg.ignore_busy_gpus,
             say,
-            count=cfg.tensor_parallel_size if cfg.backend == "vllm" else None,
+            count=cfg.tensor_parallel_size if backend.tensor_parallel else None,
         )
     except Exception:
         if new_dir:

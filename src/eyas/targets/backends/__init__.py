@@ -26,11 +26,32 @@ import torch
 
 from eyas.run.store import Layout, quantize_fp8
 
-# name -> (module, class): the one place a backend is named; `open_backend` and
-# `backend_module` import it on first use.
-_REGISTRY = {"hf": ("eyas.targets.backends.hf", "HFBackend"),
-             "vllm": ("eyas.targets.backends.vllm", "VLLMBackend")}  # fmt: skip
+
+@dataclass(frozen=True)
+class Registered:
+    """A backend as the registry knows it before importing it: where it is, and what a stage
+    must know of it up front."""
+
+    module: str
+    cls: str
+    transformers: bool
+    """It runs the target through transformers in this process (whose own checks apply)."""
+    tensor_parallel: bool
+    """It shards the target over --tensor-parallel-size GPUs (all counted before it starts)."""
+
+
+# The one place a backend is named; `open_backend` and `backend_module` import it on first use.
+_REGISTRY = {
+    "hf": Registered("eyas.targets.backends.hf", "HFBackend", transformers=True, tensor_parallel=False),
+    "vllm": Registered("eyas.targets.backends.vllm", "VLLMBackend", transformers=False, tensor_parallel=True),
+}  # fmt: skip
 BACKENDS = tuple(_REGISTRY)
+
+
+def registered(name: str) -> Registered:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+    return _REGISTRY[name]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,14 +98,12 @@ def backend_module(name: str):
     """The module of a registered backend (for what it offers beside the Backend itself)."""
     import importlib
 
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
-    return importlib.import_module(_REGISTRY[name][0])
+    return importlib.import_module(registered(name).module)
 
 
 def open_backend(name: str, spec: BackendSpec, log=print) -> Backend:
     """The named backend, running the target `spec` describes."""
-    cls = getattr(backend_module(name), _REGISTRY[name][1])
+    cls = getattr(backend_module(name), registered(name).cls)
     return cls(spec, log)
 
 
