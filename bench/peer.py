@@ -466,7 +466,8 @@ def judge_all(args, real: Path, run: Path, exports: dict[str, Path], trainings: 
     """Every export on the same MT-Bench prompts in one process (greedy decoding shared), and
     its validation accuracy on the run's held-out samples (and --holdout's); each result kept
     in `cache` so a rerun judges only what is new."""
-    from eyas.stages.evaluate import EvalResult, evaluate
+    from eyas.decoders.result import EvalResult
+    from eyas.stages.evaluate import evaluate
     from eyas.stages.export import load_export
 
     sys.path.insert(0, str(REPO / "bench"))

@@ -182,15 +182,10 @@ def _timed(fn, now: list[dict], name: str, longest: int | None = None):
 
 def part_decode(args, model_dir: str, drafter_dir: str) -> dict:
     """Per greedy step and per speculative round, prompts' prefills left out of both (the speedup, end to end, keeps them)."""
+    from eyas.decoders.hf import AuxTap, greedy, speculative
+    from eyas.decoders.result import EvalResult
     from eyas.host.cpu import configure_threads
-    from eyas.stages.evaluate import (
-        AuxTap,
-        EvalResult,
-        greedy,
-        read_prompts,
-        render_prompts,
-        speculative,
-    )
+    from eyas.stages.evaluate import read_prompts, render_prompts
     from eyas.stages.export import export_kind, load_export
     from eyas.targets.target import load_causal_lm, load_tokenizer
 

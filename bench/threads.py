@@ -20,8 +20,9 @@ import time
 
 import torch
 
+from eyas.decoders.hf import greedy
 from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
-from eyas.stages.evaluate import greedy, read_prompts, render_prompts
+from eyas.stages.evaluate import read_prompts, render_prompts
 
 
 def timed(model, prompts, tokens: int, eos: set[int]) -> float:

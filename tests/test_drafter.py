@@ -305,7 +305,7 @@ def test_muon_is_torchs_rule_with_its_iteration_in_float32():
 def test_evaluation_by_context_length_buckets():
     """Each prompt counts in the bucket of its length, empty buckets are left out, and each
     bucket's figures are its own prompts' (rounds, accepted drafts, per position)."""
-    from eyas.stages.evaluate import EvalResult
+    from eyas.decoders.result import EvalResult
 
     # (length, rounds, accepted, emitted, accepted per position)
     rows = [(100, 10, 10, 20, [6, 3, 1]), (300, 10, 20, 30, [9, 7, 4]),
@@ -332,7 +332,8 @@ def test_evaluation_by_context_length_buckets():
 def test_paired_difference_resamples_prompts_alike():
     """Drafter b emits one more token per round on every prompt than a: the difference is
     exactly that however the prompts are resampled, so its interval has no width."""
-    from eyas.stages.evaluate import EvalResult, paired_difference
+    from eyas.decoders.result import EvalResult
+    from eyas.stages.evaluate import paired_difference
 
     a = EvalResult(per_prompt=[[10, 5, 10 + i] for i in range(30)], drafter={"path": "A"})
     b = EvalResult(per_prompt=[[10, 9, 20 + i] for i in range(30)], drafter={"path": "B"})

@@ -9,7 +9,7 @@ from pathlib import Path
 SRC = Path(__file__).parents[1] / "src" / "eyas"
 # Bottom to top (then the CLI at eyas's top): the contract every stage needs, the run
 # directory, the host, targets, the demo target, input data, drafter kinds, the kind-agnostic
-# training layer, the stages (one module per verb) and the inspecting commands; a module may
+# training layer, evaluation's decoders, the stages (one module per verb) and the inspecting commands; a module may
 # import its own layer and those below it.
 LAYERS = [
     "errors",
@@ -22,6 +22,7 @@ LAYERS = [
     "data",
     "drafters",
     "training",
+    "decoders",
     "stages",
     "inspect",
 ]

@@ -429,17 +429,18 @@ def test_evaluate_sigterm_gives_the_partial_result(trained, tmp_path):
 
 def test_evaluate_reports_a_lossy_decoder(trained, tmp_path, monkeypatch):
     """The lossless check can fail: a decoder that alters one token is caught."""
+    import eyas.decoders.hf as decoder
     import eyas.stages.evaluate as ev
     from eyas.stages.export import export
 
     ex = export(trained, "vllm", tmp_path / "ex")
-    real = ev.speculative
+    real = decoder.speculative
 
     def lossy(*a, **kw):
         out = real(*a, **kw)
         return [out[0] + 1, *out[1:]]
 
-    monkeypatch.setattr(ev, "speculative", lossy)
+    monkeypatch.setattr(decoder, "speculative", lossy)
     held = tmp_path / "p.jsonl"
     held.write_text(DEMO_CONVERSATIONS.read_text().splitlines()[0] + "\n")
     res = ev.evaluate(str(DEMO_TARGET), str(ex), str(held), k=2, max_new_tokens=8)

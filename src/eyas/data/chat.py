@@ -13,9 +13,7 @@ import json
 import os
 import re
 
-from eyas.data.records import (
-    RecordError,
-)
+from eyas.data.records import RecordError
 
 
 def _prefix_before(render, messages: list[dict], i: int, upto: str) -> str:

@@ -28,10 +28,7 @@ from eyas.run.fsutil import (
     read_json,
     sha256_file,
 )
-from eyas.targets.target import (
-    ModelDirError,
-    load_tokenizer,
-)
+from eyas.targets.target import ModelDirError, load_tokenizer
 
 FORMAT_VERSION = 1
 

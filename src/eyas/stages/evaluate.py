@@ -1,10 +1,10 @@
-"""Stage 6, `evaluate`: real speculative decoding with the HF target and an exported drafter.
+"""Stage 6, `evaluate`: real speculative decoding of the target with an exported drafter.
 
-Greedy, chain of K drafts, as serving engines run EAGLE-3: the target's aux hidden states
-of every accepted position feed the drafter's prefix (one key/value entry per position),
-the drafter proposes K tokens, the target verifies them in one forward pass, the longest
-matching prefix plus one bonus token is kept. The output is compared token for token with
-plain greedy decoding of the target (lossless), and both are timed.
+The prompts are read and rendered as the drafter's training data was, the export and the
+tokens it drafts a round are checked, and a judge (`--engine`, `JUDGES`) decodes every
+prompt greedily and speculatively: eyas's own decoder (`eyas.decoders.hf`) or vLLM. The
+output is compared token for token with plain greedy decoding of the target (lossless), and
+both are timed; several drafters are judged on the same prompts, with paired differences.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from eyas.data.records import (
     prompt_of,
     read_conversation,
 )
+from eyas.decoders.hf import AuxTap, decode_one
+from eyas.decoders.result import EvalResult
 from eyas.errors import UsageError
 from eyas.host.ui import Reporter, still_working
 from eyas.stages.config import EvaluateConfig as _D  # the defaults, written once
@@ -36,226 +38,7 @@ from eyas.stages.export import (
     vllm_speculative_config,
 )
 from eyas.stop import StopSignals
-from eyas.targets.layers import from_hf
 from eyas.targets.target import load_tokenizer, read_chat_template, require_chat_template
-
-LENGTH_BUCKETS = (0, 512, 2048, 4096, 8192, 16384)
-"""Lower edges, in prompt tokens, of the context-length buckets every evaluation reports."""
-
-
-def _bucket_name(lo: int, hi: int | None) -> str:
-    k = lambda n: f"{n // 1024}K" if n >= 1024 else str(n)  # noqa: E731
-    return f"< {k(hi)}" if lo == 0 else (f">= {k(lo)}" if hi is None else f"{k(lo)}-{k(hi)}")
-
-
-@dataclass
-class EvalResult:
-    prompts: int = 0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    per_position: list[list[int]] = field(default_factory=list)  # [accepted, drafted] per position
-    per_prompt: list[list[int]] = field(
-        default_factory=list
-    )  # [rounds, accepted, emitted] per prompt
-    spec_tokens: int = 0
-    spec_seconds: float = 0.0
-    base_tokens: int = 0
-    base_seconds: float = 0.0
-    mismatches: list[dict] = field(default_factory=list)
-    categories: list[str | None] = field(
-        default_factory=list
-    )  # per prompt, where the data names one
-    stopped_by: str | None = None  # a signal's name: a partial result over the prompts done
-    planned: int = 0  # the prompts asked for
-    drafter: dict = field(default_factory=dict)  # what was judged: path, kind, drafts a round
-    lengths: list[int] = field(default_factory=list)  # per prompt, its length in tokens
-    positions: list[list[int]] = field(default_factory=list)  # per prompt, accepted per position
-    inputs: dict = field(default_factory=dict)  # records read, used, left out and why
-
-    def compare(self, prompt: int, spec: list[int], base: list[int], tok) -> None:
-        """Record where speculative decoding's output first differs from greedy's, if it does."""
-        if spec != base:
-            first = next(
-                (j for j, (a, b) in enumerate(zip(spec, base, strict=False)) if a != b),
-                min(len(spec), len(base)),
-            )
-            self.mismatches.append(
-                {
-                    "prompt": prompt,
-                    "first_difference_at": first,
-                    "greedy": tok.decode(base),
-                    "speculative": tok.decode(spec),
-                }
-            )
-
-    @property
-    def acceptance_length(self) -> float:
-        """Engine-style acceptance length: 1 + accepted drafts per round, counting drafts the
-        target accepted after the reply's end too (vLLM's and SGLang's counters' figure)."""
-        return 1 + self.accepted / self.rounds if self.rounds else 0.0
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """Tokens emitted per verifying target forward, cut where the reply ends (end of
-        sequence or the token limit): what speculative decoding saves. The headline."""
-        return sum(p[2] for p in self.per_prompt) / self.rounds if self.rounds else 0.0
-
-    def precise_to(self, half_width: float) -> bool:
-        ci = self.intervals(500)["tokens_per_forward"]
-        return ci is not None and (ci[1] - ci[0]) / 2 <= half_width
-
-    def intervals(self, n: int = 2000, seed: int = 0) -> dict:
-        """95% bootstrap intervals over prompts for both figures (prompts resampled whole:
-        the rounds of one prompt are not independent)."""
-        import numpy as np
-
-        a = np.array(self.per_prompt, dtype=np.float64).reshape(-1, 3)
-        a = a[a[:, 0] > 0]
-        if len(a) < 2:
-            return {"acceptance_length": None, "tokens_per_forward": None}
-        idx = np.random.default_rng(seed).integers(0, len(a), (n, len(a)))
-        rounds = a[idx, 0].sum(1)
-        acc = 1 + a[idx, 1].sum(1) / rounds
-        tpf = a[idx, 2].sum(1) / rounds
-        q = lambda x: [round(float(v), 3) for v in np.percentile(x, [2.5, 97.5])]  # noqa: E731
-        return {"acceptance_length": q(acc), "tokens_per_forward": q(tpf)}
-
-    def by_category(self) -> dict[str, dict]:
-        """Tokens per forward and acceptance length of each category's prompts, with
-        intervals: a drafter that helps code and not roleplay shows it here."""
-        groups: dict[str, list[list[int]]] = {}
-        for cat, row in zip(self.categories, self.per_prompt, strict=False):
-            if cat is not None:
-                groups.setdefault(cat, []).append(row)
-        out = {}
-        for cat, rows in sorted(groups.items()):
-            sub = EvalResult(
-                prompts=len(rows),
-                per_prompt=rows,
-                rounds=sum(r[0] for r in rows),
-                accepted=sum(r[1] for r in rows),
-            )
-            ci = sub.intervals()
-            out[cat] = {
-                "prompts": len(rows),
-                "tokens_per_forward": round(sub.tokens_per_forward, 3),
-                "tokens_per_forward_ci95": ci["tokens_per_forward"],
-                "acceptance_length": round(sub.acceptance_length, 3),
-                "acceptance_length_ci95": ci["acceptance_length"],
-            }
-        return out
-
-    def by_length(self) -> dict[str, dict]:
-        """Tokens per forward, acceptance length and per-position acceptance of the prompts
-        in each context-length bucket (LENGTH_BUCKETS; empty ones left out), with intervals:
-        a drafter that holds at short context and not at long shows it here."""
-        if not self.lengths or len(self.lengths) != len(self.per_prompt):
-            return {}
-        out = {}
-        for lo, hi in zip(LENGTH_BUCKETS, LENGTH_BUCKETS[1:] + (None,), strict=True):
-            pick = [i for i, n in enumerate(self.lengths) if n >= lo and (hi is None or n < hi)]
-            if not pick:
-                continue
-            rows = [self.per_prompt[i] for i in pick]
-            sub = EvalResult(
-                prompts=len(rows),
-                per_prompt=rows,
-                rounds=sum(r[0] for r in rows),
-                accepted=sum(r[1] for r in rows),
-            )
-            ci = sub.intervals()
-            pos = [sum(self.positions[i][j] for i in pick) for j in range(len(self.per_position))]
-            out[_bucket_name(lo, hi)] = {
-                "prompts": len(rows),
-                "mean_prompt_tokens": round(sum(self.lengths[i] for i in pick) / len(pick)),
-                "tokens_per_forward": round(sub.tokens_per_forward, 3),
-                "tokens_per_forward_ci95": ci["tokens_per_forward"],
-                "acceptance_length": round(sub.acceptance_length, 3),
-                "acceptance_length_ci95": ci["acceptance_length"],
-                "per_position_acceptance": [
-                    round(a / sub.rounds, 3) if sub.rounds else None for a in pos
-                ],
-            }
-        return out
-
-    def to_dict(self) -> dict:
-        ci = self.intervals()
-        return {
-            **({"drafter": self.drafter} if self.drafter else {}),
-            "prompts": self.prompts,
-            "rounds": self.rounds,
-            "draft_tokens": self.drafted,
-            "accepted": self.accepted,
-            "tokens_per_forward": round(self.tokens_per_forward, 3),
-            "tokens_per_forward_ci95": ci["tokens_per_forward"],
-            "acceptance_length": round(self.acceptance_length, 3),
-            "acceptance_length_ci95": ci["acceptance_length"],
-            "per_position_acceptance": [
-                round(a / d, 3) if d else None for a, d in self.per_position
-            ],
-            "spec_tokens_per_s": round(self.spec_tokens / self.spec_seconds, 1)
-            if self.spec_seconds
-            else 0.0,
-            "greedy_tokens_per_s": round(self.base_tokens / self.base_seconds, 1)
-            if self.base_seconds
-            else 0.0,
-            "speedup": round(
-                (self.spec_tokens / self.spec_seconds) / (self.base_tokens / self.base_seconds), 3
-            )
-            if self.spec_seconds and self.base_seconds and self.base_tokens
-            else None,
-            "lossless": not self.mismatches,
-            "mismatches": self.mismatches,
-            **(
-                {"partial": True, "stopped_by": self.stopped_by, "prompts_planned": self.planned}
-                if self.stopped_by
-                else {}
-            ),
-            **(
-                {"by_category": self.by_category()}
-                if any(c is not None for c in self.categories)
-                else {}
-            ),
-            **({"by_length": self.by_length()} if self.lengths else {}),
-            **(
-                {
-                    "per_prompt": [
-                        {"prompt_tokens": n, "rounds": r[0], "accepted": r[1], "emitted": r[2]}
-                        for n, r in zip(self.lengths, self.per_prompt, strict=False)
-                    ]
-                }
-                if self.lengths
-                else {}
-            ),
-            **({"inputs": self.inputs} if self.inputs else {}),
-        }
-
-
-class AuxTap:
-    """Forward hooks on the target layers a drafter reads (given as HF `hidden_states`
-    indices), their outputs concatenated: (1, n, len(layers) * H)."""
-
-    def __init__(self, model, aux_hf: list[int]):
-        layers = model.get_decoder().layers
-        self.count = len(aux_hf)
-        self.out: dict[int, torch.Tensor] = {}
-        self.handles = [
-            layers[i].register_forward_hook(self._keep(j)) for j, i in enumerate(from_hf(aux_hf))
-        ]
-
-    def _keep(self, j):
-        def hook(_m, _i, o):
-            self.out[j] = o[0] if isinstance(o, tuple) else o
-
-        return hook
-
-    def aux(self) -> torch.Tensor:
-        return torch.cat([self.out[j] for j in range(self.count)], -1)  # (1, n, len * H)
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 @dataclass(frozen=True)
@@ -456,98 +239,6 @@ def render_prompts(
     return out
 
 
-def _cache_kw(model, cache) -> dict:
-    """transformers 5 names the argument `cache`; earlier releases `past_key_values`."""
-    import inspect
-
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
-
-
-def _crop(cache, keep: int) -> None:
-    drop = cache.get_seq_length() - keep
-    if drop > 0:
-        cache.crop(-drop)  # a negative length drops that many tokens, in every release
-
-
-@torch.no_grad()
-def greedy(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    kw = _cache_kw(model, cache)
-    dev = model.device
-    out = model(torch.tensor([prompt], device=dev), **kw)
-    tok = int(out.logits[0, -1].argmax())
-    gen = [tok]
-    while len(gen) < max_new and tok not in eos:
-        out = model(torch.tensor([[tok]], device=dev), **kw)
-        tok = int(out.logits[0, -1].argmax())
-        gen.append(tok)
-    return gen
-
-
-@torch.no_grad()
-def speculative(
-    model,
-    tap: AuxTap,
-    proposer,
-    prompt: list[int],
-    max_new: int,
-    k: int,
-    eos: set[int],
-    res: EvalResult,
-) -> list[int]:
-    """Greedy speculative decoding of one prompt: each round the drafter's `proposer`
-    drafts `k` tokens, the target verifies them in one forward, the longest matching prefix
-    plus the target's own next token is kept, and the proposer is told what was kept with
-    the target's states at the positions that produced it."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    kw = _cache_kw(model, cache)
-    mine = [0, 0, 0]  # this prompt's rounds, accepted drafts, tokens emitted by those rounds
-    res.per_prompt.append(mine)
-    at = [0] * k  # this prompt's drafts accepted at each position
-    res.positions.append(at)
-    res.lengths.append(len(prompt))
-    dev = model.device
-    out = model(torch.tensor([prompt], device=dev), **kw)
-    x_next = int(out.logits[0, -1].argmax())
-    gen = [x_next]
-    n_ctx = len(prompt)  # positions with target KV and states
-    proposer.start(prompt, tap.aux(), x_next)
-    while len(gen) < max_new and x_next not in eos:
-        drafts = proposer.propose(x_next, k)
-        out = model(torch.tensor([[x_next, *drafts]], device=dev), **kw)
-        preds = out.logits[0].argmax(-1).tolist()  # (k+1,)
-        new_aux = tap.aux()  # (1, k+1, len * H)
-        n = 0
-        while n < k and drafts[n] == preds[n]:
-            n += 1
-        res.rounds += 1
-        res.drafted += k
-        res.accepted += n
-        mine[0] += 1
-        mine[1] += n
-        for j in range(k):
-            res.per_position[j][1] += 1
-            res.per_position[j][0] += int(j < n)
-            at[j] += int(j < n)
-        _crop(cache, n_ctx + 1 + n)
-        new = drafts[:n] + [preds[n]]
-        proposer.accept(new, new_aux[:, : n + 1])
-        n_ctx += n + 1
-        x_next = new[-1]
-        for t in new:
-            gen.append(t)
-            mine[2] += 1  # emitted: what follows the reply's end is never shown or saved
-            if t in eos or len(gen) >= max_new:
-                x_next = t
-                break
-    return gen[:max_new]
-
-
 def evaluate(
     model_dir: str,
     drafter_dir: str,
@@ -648,7 +339,7 @@ def evaluate(
                 before = copy.deepcopy(res)  # what a signal mid-prompt goes back to
                 try:
                     with stop.abandoning(_Stopped):
-                        _decode_one(
+                        decode_one(
                             model,
                             tap,
                             proposer,
@@ -703,29 +394,6 @@ def paired_difference(a: EvalResult, b: EvalResult, n: int = 2000, seed: int = 0
 
 class _Stopped(Exception):
     """A signal came while a prompt decoded: that prompt is dropped, its partial counts too."""
-
-
-def _decode_one(
-    model, tap, proposer, p, i, k, max_new_tokens, eos, res, tok, greedy_cache, model_key
-):
-    """One prompt, greedily and speculatively; both timed, and compared, into `res`."""
-    key = (model_key, tuple(p), max_new_tokens)
-    if greedy_cache is not None and key in greedy_cache:
-        base, dt = greedy_cache[key]
-    else:
-        t0 = time.perf_counter()
-        base = greedy(model, p, max_new_tokens, eos)
-        dt = time.perf_counter() - t0
-        if greedy_cache is not None:
-            greedy_cache[key] = (base, dt)
-    t1 = time.perf_counter()
-    spec = speculative(model, tap, proposer, p, max_new_tokens, k, eos, res)
-    t2 = time.perf_counter()
-    res.base_seconds += dt
-    res.spec_seconds += t2 - t1
-    res.base_tokens += len(base)
-    res.spec_tokens += len(spec)
-    res.compare(i, spec, base, tok)
 
 
 def evaluate_vllm(

@@ -33,11 +33,7 @@ from eyas.data.records import (
 from eyas.errors import UsageError
 from eyas.host.ui import Reporter
 from eyas.stages.config import PrepareConfig
-from eyas.targets.target import (
-    load_tokenizer,
-    read_chat_template,
-    require_chat_template,
-)
+from eyas.targets.target import load_tokenizer, read_chat_template, require_chat_template
 
 
 @dataclass
