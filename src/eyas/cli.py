@@ -7,6 +7,7 @@ extraction stopped early for lack of disk space or by signal, resumable.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -23,7 +24,13 @@ from eyas.host.ui import console
 from eyas.options import OPTS, config_options, given
 from eyas.run.fsutil import human_duration
 from eyas.run.lock import LockHeld as LockHeldError
-from eyas.stages.config import EvaluateConfig, ExtractConfig, GenerateConfig, PrepareConfig
+from eyas.stages.config import (
+    EvaluateConfig,
+    ExportConfig,
+    ExtractConfig,
+    GenerateConfig,
+    PrepareConfig,
+)
 from eyas.training.config import TrainConfig
 
 pin_runtime_env()  # before torch loads
@@ -679,6 +686,7 @@ def _saved_options(opts: dict, out: Path, ctx: typer.Context) -> dict:
 
 
 @app.command()
+@config_options(ExportConfig)
 def export(
     train_dir: Path = typer.Argument(..., help="Training directory (from eyas train)."),
     fmt: str = typer.Option(
@@ -689,20 +697,7 @@ def export(
     out: Path = typer.Option(
         ..., "--out", help="Directory to write config.json and model.safetensors to."
     ),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
-    speculative_tokens: int | None = typer.Option(
-        None,
-        "--speculative-tokens",
-        help="Tokens a chain (EAGLE-3) drafts a round when served (default 3); a DFlash block drafts its block.",
-    ),
-    verifier: str | None = typer.Option(
-        None,
-        "--verifier",
-        help="The target's name or path on the serving machine (default: its local path).",
-    ),
-    force: bool = typer.Option(
-        False, "--force", help="Replace --out even if it holds files that are not an export."
-    ),
+    opts: dict = OPTS,
 ) -> None:
     """Write the trained drafter in a format vLLM or SGLang loads (atomically: --out is
     always a whole export, the old one or the new one)."""
@@ -710,16 +705,10 @@ def export(
     from eyas.stages.export import export as run_export
 
     _need(train_dir, "training")
+    cfg = _config(ExportConfig, **opts)
+    speculative_tokens = cfg.speculative_tokens
     try:
-        path = run_export(
-            train_dir,
-            fmt,
-            out,
-            dtype=dtype,
-            speculative_tokens=speculative_tokens,
-            verifier=verifier,
-            force=force,
-        )
+        path = run_export(train_dir, fmt, out, **dataclasses.asdict(cfg))
     except ExportError as exc:
         raise fail(
             str(exc), EXIT_USAGE if isinstance(exc, ExportUsage) else EXIT_PROBLEMS

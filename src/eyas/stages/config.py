@@ -296,3 +296,22 @@ class EvaluateConfig:
             raise ValueError("--limit must be >= 0, --max-new-tokens >= 1 and --precision >= 0")
         if self.draft_tokens is not None and self.draft_tokens < 1:
             raise ValueError(f"--draft-tokens must be at least 1, got {self.draft_tokens}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    dtype: str = "float32"
+    """The weights' dtype in the export: float32, bfloat16 or float16."""
+    speculative_tokens: int | None = None
+    """Tokens a chain (EAGLE-3) drafts a round when served (default 3); a DFlash block drafts
+    its block."""
+    verifier: str | None = None
+    """The target's name or path on the serving machine (default: its local path)."""
+    force: bool = False
+    """Replace --out even if it holds files that are not an export."""
+
+    def __post_init__(self) -> None:
+        if self.speculative_tokens is not None and self.speculative_tokens < 1:
+            raise ValueError(
+                f"--speculative-tokens must be at least 1, got {self.speculative_tokens}"
+            )

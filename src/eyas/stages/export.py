@@ -23,11 +23,13 @@ from safetensors.torch import load_file
 from eyas.drafters import kind_for_export, kind_of
 from eyas.run.fsutil import DiskFullError, atomic_write_json, fsync_dir, is_disk_full, read_json
 from eyas.run.manifest import ManifestError, write_manifest
+from eyas.stages.config import ExportConfig as _D  # the defaults, written once
 from eyas.training.checkpoint import save_safetensors
 
 FORMATS = ("vllm", "sglang")
 MANIFEST = "eyas-manifest.json"  # the export's files and checksums, written last
 DEFAULT_TOKENS = 3  # a chain's draft length where nothing else says
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -74,10 +76,10 @@ def export(
     fmt: str,
     out: str | Path,
     *,
-    dtype: str = "float32",
-    speculative_tokens: int | None = None,
-    verifier: str | None = None,
-    force: bool = False,
+    dtype: str = _D.dtype,
+    speculative_tokens: int | None = _D.speculative_tokens,
+    verifier: str | None = _D.verifier,
+    force: bool = _D.force,
 ) -> Path:
     """Write `train_dir`'s drafter to `out`; `verifier` is the target's name or path as the
     serving machine knows it (default: the local path it was trained against).
