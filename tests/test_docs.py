@@ -119,6 +119,7 @@ def test_every_option_says_what_it_does():
     import inspect
 
     from eyas.stages.config import (
+        DemoConfig,
         EvaluateConfig,
         ExportConfig,
         ExtractConfig,
@@ -134,7 +135,8 @@ def test_every_option_says_what_it_does():
               if p.param_type_name == "option" and not (p.help or "").strip()]  # fmt: skip
     assert not silent, silent
     configs = {"train": TrainConfig, "prepare": PrepareConfig, "extract": ExtractConfig,
-               "generate": GenerateConfig, "evaluate": EvaluateConfig, "export": ExportConfig}  # fmt: skip
+               "generate": GenerateConfig, "evaluate": EvaluateConfig, "export": ExportConfig,
+               "demo": DemoConfig}  # fmt: skip
     for name, cls in configs.items():
         params = {p.name: p for p in group.commands[name].params}
         checked = 0

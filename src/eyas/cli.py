@@ -25,6 +25,7 @@ from eyas.options import OPTS, config_options, given
 from eyas.run.fsutil import human_duration
 from eyas.run.lock import LockHeld as LockHeldError
 from eyas.stages.config import (
+    DemoConfig,
     EvaluateConfig,
     ExportConfig,
     ExtractConfig,
@@ -803,23 +804,17 @@ def evaluate(
 
 
 @app.command()
+@config_options(DemoConfig)
 def demo(
-    workdir: Path = typer.Option(
-        Path("eyas-demo"), "--workdir", help="Where the demo writes everything (rebuilt each time)."
-    ),
-    epochs: int = typer.Option(10, "--epochs", help="Training epochs of the demo's drafter."),
-    kind: str = typer.Option("eagle3", "--kind", help="The drafter kind: eagle3 or dflash."),
-    eval_prompts: int = typer.Option(
-        1000, "--eval-prompts", help="Held-out conversations the drafter is evaluated on."
-    ),
     as_json: bool = typer.Option(False, "--json", help="Also print the summary as JSON."),
+    opts: dict = OPTS,
 ) -> None:
     """Run the whole pipeline on the built-in demo target and conversations."""
     from eyas.inspect.demo import run_demo
 
     _quiet_transformers()
     try:
-        summary = run_demo(workdir, epochs=epochs, kind=kind, eval_prompts=eval_prompts)
+        summary = run_demo(_config(DemoConfig, **opts))
     except ValueError as exc:
         raise fail(str(exc), EXIT_USAGE) from None
     if as_json:

@@ -15,19 +15,14 @@ from rich.table import Table
 
 from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
 from eyas.host.ui import console
+from eyas.stages.config import DemoConfig
 
 MARKER = ".eyas-demo"
 EVAL_SEED = 99
 
 
-def run_demo(
-    workdir: Path,
-    *,
-    epochs: int = 10,
-    ttt_steps: int = 5,
-    eval_prompts: int = 1000,
-    kind: str = "eagle3",
-) -> dict:
+def run_demo(cfg: DemoConfig) -> dict:
+    """The pipeline on the demo target as `cfg` says; its summary (figures, paths, times)."""
     from eyas.demo_target.data import generate_conversations, write_jsonl
     from eyas.drafters import kind as drafter_kind
     from eyas.stages.evaluate import evaluate
@@ -37,7 +32,13 @@ def run_demo(
     from eyas.stages.train import TrainConfig, train
     from eyas.stages.verify import verify
 
-    workdir = Path(workdir)
+    workdir, epochs, ttt_steps, eval_prompts, kind = (
+        Path(cfg.workdir),
+        cfg.epochs,
+        cfg.ttt_steps,
+        cfg.eval_prompts,
+        cfg.kind,
+    )
     if workdir.exists() and any(workdir.iterdir()):
         if not (workdir / MARKER).exists():
             raise ValueError(

@@ -315,3 +315,23 @@ class ExportConfig:
             raise ValueError(
                 f"--speculative-tokens must be at least 1, got {self.speculative_tokens}"
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """`eyas demo`: the whole pipeline on the built-in target (`eyas.inspect.demo`)."""
+
+    workdir: str = "eyas-demo"
+    """Where the demo writes everything (rebuilt each time)."""
+    epochs: int = 10
+    """Training epochs of the demo's drafter."""
+    ttt_steps: int = 5
+    """TTT steps of the demo's EAGLE-3 drafter."""
+    kind: str = "eagle3"
+    """The drafter kind (eagle3 or dflash)."""
+    eval_prompts: int = 1000
+    """Held-out conversations the drafter is evaluated on."""
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.ttt_steps < 1 or self.eval_prompts < 1:
+            raise ValueError("--epochs, --ttt-steps and --eval-prompts must be at least 1")
