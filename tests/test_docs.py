@@ -120,6 +120,7 @@ def test_every_option_says_what_it_does():
 
     from eyas.stages.config import (
         DemoConfig,
+        EstimateConfig,
         EvaluateConfig,
         ExportConfig,
         ExtractConfig,
@@ -136,7 +137,7 @@ def test_every_option_says_what_it_does():
     assert not silent, silent
     configs = {"train": TrainConfig, "prepare": PrepareConfig, "extract": ExtractConfig,
                "generate": GenerateConfig, "evaluate": EvaluateConfig, "export": ExportConfig,
-               "demo": DemoConfig}  # fmt: skip
+               "demo": DemoConfig, "estimate": EstimateConfig}  # fmt: skip
     for name, cls in configs.items():
         params = {p.name: p for p in group.commands[name].params}
         checked = 0

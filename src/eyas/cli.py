@@ -26,6 +26,7 @@ from eyas.run.fsutil import human_duration
 from eyas.run.lock import LockHeld as LockHeldError
 from eyas.stages.config import (
     DemoConfig,
+    EstimateConfig,
     EvaluateConfig,
     ExportConfig,
     ExtractConfig,
@@ -430,76 +431,23 @@ def extract(
 
 
 @app.command()
+@config_options(EstimateConfig)
 def estimate(
     samples: int = typer.Option(..., "--samples", help="Number of samples."),
     tokens_per_sample: float = typer.Option(
         ..., "--tokens-per-sample", help="Mean tokens per sample."
     ),
-    hidden_size: int | None = typer.Option(None, "--hidden-size", help="Target hidden size H."),
-    model: Path | None = typer.Option(None, "--model", help="Target model directory (for H)."),
-    store_dtype: str = typer.Option(
-        "auto",
-        "--store-dtype",
-        help="float32, bfloat16 or float16; auto: what extract stores on --device (its compute dtype).",
-    ),
-    device: str = typer.Option(
-        "auto",
-        "--device",
-        help="Where the extraction will run: cuda (bfloat16 by default), cpu (float32) or auto (this machine).",
-    ),
-    storage: str = typer.Option("dense", "--storage", help="dense or fp8."),
-    target: str = typer.Option("last", "--target", help="last or topk:K."),
-    draft_vocab_size: int = typer.Option(
-        32000, "--draft-vocab-size", help="Draft vocabulary size D (sizes --target topk:K's ids)."
-    ),
+    opts: dict = OPTS,
 ) -> None:
     """Disk an extraction run will take, before there is a dataset or a GPU."""
-    from eyas.run.fsutil import human_bytes
-    from eyas.run.store import Layout, overhead_per_sample, projected_bytes
-    from eyas.targets.target import DTYPES, ModelDirError, target_facts
+    from eyas.inspect.estimate import estimate as run_estimate
+    from eyas.targets.target import ModelDirError
 
+    cfg = _config(EstimateConfig, samples=samples, tokens_per_sample=tokens_per_sample, **opts)
     try:
-        H = hidden_size or (target_facts(model).hidden_size if model else None)
-        layout = Layout(storage, target)
+        report.print(run_estimate(cfg).render(), markup=False, highlight=False)
     except (ModelDirError, ValueError) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
-    if device not in ("auto", "cpu", "cuda"):
-        raise fail(f"--device must be auto, cpu or cuda, got {device!r}", EXIT_USAGE)
-    how = ""
-    if store_dtype == "auto":  # as extract decides: its compute dtype on that device
-        from eyas.targets.target import resolve_device, resolve_dtype
-
-        where = resolve_device(device)
-        store_dtype = str(resolve_dtype("auto", where)).removeprefix("torch.")
-        how = f" (what extract stores on {'a GPU' if where == 'cuda' else 'a CPU'} unless --store-dtype)"
-    if H is None:
-        raise fail(
-            "need the target's hidden size: --model MODEL_DIR or --hidden-size H", EXIT_USAGE
-        )
-    if store_dtype not in DTYPES:
-        raise fail(
-            f"--store-dtype must be auto, float32, bfloat16 or float16, got {store_dtype!r}",
-            EXIT_USAGE,
-        )
-    if samples < 1 or tokens_per_sample <= 0:
-        raise fail(
-            f"--samples and --tokens-per-sample must be positive, got {samples} and "
-            f"{tokens_per_sample}",
-            EXIT_USAGE,
-        )
-    dt = DTYPES[store_dtype]
-    per_token = layout.bytes_per_token(H, dt, draft_vocab_size)
-    per_sample = overhead_per_sample(layout, H, dt, int(tokens_per_sample))
-    total = projected_bytes(layout, H, dt, samples, tokens_per_sample, draft_vocab_size)
-    peers = 8 * H + 16  # bf16 final + 3 aux states, int64 ids: the pickle layouts of other tools
-    report.print(
-        f"{samples:,} samples x {tokens_per_sample:,.0f} tokens, H={H}, {layout.name()}, {store_dtype}{how}:\n"
-        f"  {per_token:,} bytes per token + {per_sample:,} bytes per sample (header, journal line)\n"
-        f"  {human_bytes(total)} in all ({_decimal(total)}); {per_token / peers:.0%} of the 8H+16 = {peers:,} "
-        f"bytes per token other tools store (in bfloat16{'; --store-dtype bfloat16 halves this' if dt == DTYPES['float32'] else ''})",
-        markup=False,
-        highlight=False,
-    )
 
 
 @app.command()
@@ -821,14 +769,6 @@ def demo(
         _print_json(summary)
     if not summary["lossless"]:
         raise fail("speculative decoding differed from greedy decoding")
-
-
-def _decimal(n: float) -> str:
-    """Bytes in decimal units (what disks are sold in), beside human_bytes' binary ones."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n / 1e3:.2f} kB"
 
 
 def _print_json(obj) -> None:

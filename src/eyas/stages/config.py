@@ -335,3 +335,43 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.ttt_steps < 1 or self.eval_prompts < 1:
             raise ValueError("--epochs, --ttt-steps and --eval-prompts must be at least 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EstimateConfig:
+    """`eyas estimate`: the disk an extraction run will take (`eyas.inspect.estimate`)."""
+
+    samples: int
+    """Number of samples."""
+    tokens_per_sample: float
+    """Mean tokens per sample."""
+    hidden_size: int | None = None
+    """Target hidden size H."""
+    model: str | None = None
+    """Target model directory (for H)."""
+    store_dtype: str = "auto"
+    """float32, bfloat16 or float16; auto: what extract stores on --device (its compute dtype)."""
+    device: str = "auto"
+    """Where the extraction will run: cuda (bfloat16 by default), cpu (float32) or auto (this
+    machine)."""
+    storage: str = "dense"
+    """dense or fp8."""
+    target: str = "last"
+    """last or topk:K."""
+    draft_vocab_size: int = 32000
+    """Draft vocabulary size D (sizes --target topk:K's ids)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.store_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"--store-dtype must be auto, float32, bfloat16 or float16, got {self.store_dtype!r}"
+            )
+        if self.samples < 1 or self.tokens_per_sample <= 0:
+            raise ValueError(
+                f"--samples and --tokens-per-sample must be positive, got {self.samples} and "
+                f"{self.tokens_per_sample}"
+            )
+        if self.hidden_size is None and self.model is None:
+            raise ValueError("need the target's hidden size: --model MODEL_DIR or --hidden-size H")
