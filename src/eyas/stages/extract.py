@@ -401,7 +401,8 @@ def _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device) -> Ex
                 backend = open_backend(cfg.backend, _spec(cfg, meta, ds, device, lengths), say)
             lock.set_phase("extracting")
             try:
-                summary = _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock)
+                loop = _Extraction(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock)
+                summary = loop.run()
             finally:
                 backend.close()
             if retirer is not None:
@@ -519,122 +520,126 @@ def _plan_passes(cfg, run, batches, mine, led: Ledger) -> list[tuple[int, list[i
     return plan
 
 
-def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) -> ExtractSummary:
-    lengths = ds.lengths().tolist()
-    todo = _plan_passes(cfg, run, plan_batches(lengths, mine, cfg.batch_tokens), mine, led)
-    total = len(mine) * cfg.passes
-    done_before = sum(i in led.pass_commits(p) for p in range(cfg.passes) for i in mine)
-    waiting: list[str | None] = [None]
-    shown: list[Reporter] = []
+class _Extraction:
+    """One extraction loop: the main thread runs the target batch after batch, a writer
+    thread commits each batch's states while the next one runs. Its steps: `write_batch`
+    (check, encode, write, journal), `_writer` (the thread), `run` (the loop and its stops),
+    and `outcome` (the summary, or the stop or failure it ended with)."""
 
-    def show_wait(msg: str | None) -> None:
-        if msg is not None and waiting[0] is None:
-            lock.set_phase("waiting for followers")
-        elif msg is None and waiting[0] is not None:
-            lock.set_phase("extracting")
-        waiting[0] = msg
-        for rep in shown:
+    def __init__(self, cfg, run, meta, ds, backend, mine, led, journal, retirer, lock):
+        self.cfg, self.run_dir, self.meta, self.ds, self.backend = cfg, run, meta, ds, backend
+        self.mine, self.led, self.journal, self.retirer, self.lock = (
+            mine,
+            led,
+            journal,
+            retirer,
+            lock,
+        )
+        self.lengths = ds.lengths().tolist()
+        batches = plan_batches(self.lengths, mine, cfg.batch_tokens)
+        self.todo = _plan_passes(cfg, run, batches, mine, led)
+        self.total = len(mine) * cfg.passes
+        passes = range(cfg.passes)
+        self.done_before = sum(i in led.pass_commits(p) for p in passes for i in mine)
+        self.tokens_left = sum(
+            self.lengths[i] for p in passes for i in mine if i not in led.pass_commits(p)
+        )
+        self.waiting: str | None = None
+        self.shown: list[Reporter] = []
+        self.stop = threading.Event()
+        self.stop_reason: list[str] = []
+        self.queue: queue.Queue = queue.Queue(maxsize=cfg.queue_depth)
+        self.stats = {"committed": 0, "files": 0, "failed": 0, "bytes": 0, "tokens": 0}
+        self.writer_error: list[BaseException] = []
+        self.floor = parse_size(cfg.min_free, filesystem_info(run).total_bytes)
+        self.commits: list[tuple[float, int]] = []  # (time, tokens) per commit, as `status`
+        self.t0 = time.monotonic()
+
+    def show_wait(self, msg: str | None) -> None:
+        if msg is not None and self.waiting is None:
+            self.lock.set_phase("waiting for followers")
+        elif msg is None and self.waiting is not None:
+            self.lock.set_phase("extracting")
+        self.waiting = msg
+        for rep in self.shown:
             rep.note(msg)
 
-    stop = threading.Event()
-    stop_reason: list[str] = []
-    q: queue.Queue = queue.Queue(maxsize=cfg.queue_depth)
-    stats = {"committed": 0, "files": 0, "failed": 0, "bytes": 0, "tokens": 0}
-    writer_error: list[BaseException] = []
-    floor = parse_size(cfg.min_free, filesystem_info(run).total_bytes)
+    def _failed(self, p: int, i: int, reason: str) -> None:
+        rec = self.ds.records[i]
+        where = {"index": i, "id": rec["id"], "file": rec["file"], "line": rec["line"]}
+        append_error(
+            self.run_dir, self.cfg.rank, {**where, "reason": reason, **({"pass": p} if p else {})}
+        )
+        self.stats["failed"] += 1
 
-    def write_batch(p: int, batch: list[int], pending) -> None:
+    def write_batch(self, p: int, batch: list[int], pending) -> None:
         results = pending.result()
-        samples = []
-        done = led.pass_commits(p)
+        done = self.led.pass_commits(p)
+        retirer = self.retirer
         if retirer is not None and not retirer.make_room(
-            [i for i in batch if i not in done], stop, show_wait
+            [i for i in batch if i not in done], self.stop, self.show_wait
         ):
             pending.release()
             return  # stopped while waiting for room: the batch is extracted again on resume
+        samples = []
         for i, res in zip(batch, results, strict=True):
             if i in done:
                 continue
-            rec = ds.records[i]
             if isinstance(res, str):
-                append_error(
-                    run,
-                    cfg.rank,
-                    {
-                        "index": i,
-                        "id": rec["id"],
-                        "file": rec["file"],
-                        "line": rec["line"],
-                        "reason": res,
-                        **({"pass": p} if p else {}),
-                    },
-                )
-                stats["failed"] += 1
+                self._failed(p, i, res)
                 continue
-            x, m = ds.sample(i)
+            rec = self.ds.records[i]
+            x, m = self.ds.sample(i)
             tensors = {
                 "input_ids": torch.from_numpy(x.astype("int32")),
                 "loss_mask": torch.from_numpy(m.copy()),
                 **res,
             }
             samples.append(Sample(i, rec["id"], f"{rec['file']}:{rec['line']}", tensors))
-        journal.reserve(len(samples))  # the lines must fit before their files are written
-        entries = commit_samples(run, samples, meta)
+        self.journal.reserve(len(samples))  # the lines must fit before their files are written
+        entries = commit_samples(self.run_dir, samples, self.meta)
         pending.release()
-        stats["files"] += len(entries)
+        self.stats["files"] += len(entries)
         for entry in entries:
             if p:
                 entry["pass"] = p
-            journal.append(entry)
-            led.add(entry)
+            self.journal.append(entry)
+            self.led.add(entry)
             if retirer is not None:
                 retirer.committed(entry)
-        journal.flush()
+        self.journal.flush()
         for entry in entries:
-            stats["committed"] += 1
-            stats["bytes"] += entry["size"]
-            stats["tokens"] += entry["tokens"]
-            commits.append((entry.get("t", time.time()), entry["tokens"]))
+            self.stats["committed"] += 1
+            self.stats["bytes"] += entry["size"]
+            self.stats["tokens"] += entry["tokens"]
+            self.commits.append((entry.get("t", time.time()), entry["tokens"]))
 
-    def writer() -> None:
+    def _writer(self) -> None:
         last_sync = time.monotonic()
-        while True:
-            item = q.get()
-            if item is None:
-                break
-            if writer_error:
+        while (item := self.queue.get()) is not None:
+            if self.writer_error:
                 continue  # drain without committing after a failure
             try:
-                write_batch(*item)
+                self.write_batch(*item)
                 if time.monotonic() - last_sync > 1.0:
-                    journal.sync()
+                    self.journal.sync()
                     last_sync = time.monotonic()
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                writer_error.append(exc)
-                stop.set()
-        if not writer_error:
+                self.writer_error.append(exc)
+                self.stop.set()
+        if not self.writer_error:
             try:
-                journal.sync()
+                self.journal.sync()
             except BaseException as exc:  # noqa: BLE001
-                writer_error.append(exc)
+                self.writer_error.append(exc)
 
-    signals = StopSignals(
-        event=stop, on_first=lambda name: stop_reason.append(f"stopped by {name}")
-    )
-    wt = threading.Thread(target=writer, name="eyas-writer", daemon=True)
-    wt.start()
-    t0 = time.monotonic()
+    def _rate(self) -> float | None:
+        return recent_rate(self.commits, time.time())[1]
 
-    commits: list[tuple[float, int]] = []  # (time, tokens) per commit: the rate `status` shows
-
-    tokens_left = sum(
-        lengths[i] for p in range(cfg.passes) for i in mine if i not in led.pass_commits(p)
-    )
-
-    def extra() -> str:
-        if waiting[0] is not None:
-            return waiting[0]
-        rate = recent_rate(commits, time.time())[1]
+    def extra(self) -> str:
+        if self.waiting is not None:
+            return self.waiting
+        retirer, cfg = self.retirer, self.cfg
         store = (
             f", store {human_bytes(retirer.bytes)}/{human_bytes(retirer.budget)}"
             if retirer is not None
@@ -642,70 +647,88 @@ def _run_loop(cfg, run, meta, ds, backend, mine, led, journal, retirer, lock) ->
         )
         who = f"rank {cfg.rank}'s " if cfg.world > 1 else ""
         return (
-            f"{rate or 0:,.0f} tok/s ({who}last {human_duration(RATE_WINDOW)}, as status), "
-            f"{human_bytes(free_bytes(run))} free{store}"
+            f"{self._rate() or 0:,.0f} tok/s ({who}last {human_duration(RATE_WINDOW)}, as status), "
+            f"{human_bytes(free_bytes(self.run_dir))} free{store}"
         )
 
-    def eta() -> float | None:  # in tokens, as `status` computes it
-        rate = recent_rate(commits, time.time())[1]
-        return max(tokens_left - stats["tokens"], 0) / rate if rate else None
+    def eta(self) -> float | None:  # in tokens, as `status` computes it
+        rate = self._rate()
+        return max(self.tokens_left - self.stats["tokens"], 0) / rate if rate else None
 
-    with signals:
-        try:
-            with Reporter(
-                "extract",
-                total,
-                enabled=cfg.progress,
-                extra=extra,
-                eta=eta,
-                rate=lambda: recent_rate(commits, time.time())[0],
-            ) as rep:
-                rep.skip(done_before)
-                shown.append(rep)
-                seen = 0
-                for p, batch in todo:
-                    if stop.is_set():
-                        break
-                    if free_bytes(run) < floor:
-                        stop_reason.append(
-                            f"free space on {run} fell below the --min-free floor of "
-                            f"{human_bytes(floor)} (lower it with --min-free)"
-                        )
-                        break
-                    q.put((p, batch, backend.run([ds.sample(i)[0] for i in batch])))
-                    rep.advance(stats["committed"] + stats["failed"] - seen)
-                    seen = stats["committed"] + stats["failed"]
-                q.put(None)
-                wt.join()
-                rep.advance(stats["committed"] + stats["failed"] - seen)
-        finally:
-            if wt.is_alive():
-                q.put(None)
-                wt.join()
-    if writer_error:
-        exc = writer_error[0]
-        if isinstance(exc, DiskFullError) or is_disk_full(exc):
-            raise ExtractStopped(
-                f"disk full while writing ({exc})",
-                done_before + stats["files"],
-                total,
-                run,
-                stats["files"] - stats["committed"],
-            )
-        raise exc
-    if stop_reason:
-        raise ExtractStopped(stop_reason[0], done_before + stats["committed"], total, run)
-    return ExtractSummary(
-        str(run),
-        total,
-        done_before,
-        stats["committed"],
-        stats["failed"],
-        stats["tokens"],
-        time.monotonic() - t0,
-        stats["bytes"],
-        retirer.waited if retirer else 0.0,
-    )
+    def _handled(self) -> int:
+        return self.stats["committed"] + self.stats["failed"]
+
+    def _feed(self, rep: Reporter) -> None:
+        """Run the target over every batch still to do, handing each to the writer."""
+        seen = 0
+        for p, batch in self.todo:
+            if self.stop.is_set():
+                break
+            if free_bytes(self.run_dir) < self.floor:
+                self.stop_reason.append(
+                    f"free space on {self.run_dir} fell below the --min-free floor of "
+                    f"{human_bytes(self.floor)} (lower it with --min-free)"
+                )
+                break
+            self.queue.put((p, batch, self.backend.run([self.ds.sample(i)[0] for i in batch])))
+            rep.advance(self._handled() - seen)
+            seen = self._handled()
+        self.queue.put(None)
+        self.writer.join()
+        rep.advance(self._handled() - seen)
+
+    def run(self) -> ExtractSummary:
+        signals = StopSignals(
+            event=self.stop, on_first=lambda name: self.stop_reason.append(f"stopped by {name}")
+        )
+        self.writer = threading.Thread(target=self._writer, name="eyas-writer", daemon=True)
+        self.writer.start()
+        with signals:
+            try:
+                with Reporter(
+                    "extract",
+                    self.total,
+                    enabled=self.cfg.progress,
+                    extra=self.extra,
+                    eta=self.eta,
+                    rate=lambda: recent_rate(self.commits, time.time())[0],
+                ) as rep:
+                    rep.skip(self.done_before)
+                    self.shown.append(rep)
+                    self._feed(rep)
+            finally:
+                if self.writer.is_alive():
+                    self.queue.put(None)
+                    self.writer.join()
+        return self.outcome()
+
+    def outcome(self) -> ExtractSummary:
+        stats, run = self.stats, self.run_dir
+        if self.writer_error:
+            exc = self.writer_error[0]
+            if isinstance(exc, DiskFullError) or is_disk_full(exc):
+                raise ExtractStopped(
+                    f"disk full while writing ({exc})",
+                    self.done_before + stats["files"],
+                    self.total,
+                    run,
+                    stats["files"] - stats["committed"],
+                )
+            raise exc
+        if self.stop_reason:
+            done = self.done_before + stats["committed"]
+            raise ExtractStopped(self.stop_reason[0], done, self.total, run)
+        return ExtractSummary(
+            str(run),
+            self.total,
+            self.done_before,
+            stats["committed"],
+            stats["failed"],
+            stats["tokens"],
+            time.monotonic() - self.t0,
+            stats["bytes"],
+            self.retirer.waited if self.retirer else 0.0,
+        )
 
 
 __all__ = ["ExtractConfig", "ExtractStopped", "ExtractSummary", "extract", "LockHeld", "StoreError"]
