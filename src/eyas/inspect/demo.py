@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.table import Table
@@ -23,22 +24,36 @@ EVAL_SEED = 99
 
 def run_demo(cfg: DemoConfig) -> dict:
     """The pipeline on the demo target as `cfg` says; its summary (figures, paths, times)."""
-    from eyas.demo_target.data import generate_conversations, write_jsonl
-    from eyas.drafters import kind as drafter_kind
-    from eyas.stages.evaluate import evaluate
-    from eyas.stages.export import ExportError, export
-    from eyas.stages.extract import ExtractConfig, extract
-    from eyas.stages.prepare import PrepareConfig, prepare
-    from eyas.stages.train import TrainConfig, train
-    from eyas.stages.verify import verify
+    workdir = Path(cfg.workdir)
+    _fresh_workdir(workdir)
+    clock = _StageClock()
+    p, x = _prepare_and_extract(workdir, clock)
+    tdir, t = _train(cfg, workdir, clock)
+    exports = _export(cfg.kind, tdir, workdir, clock)
+    e = _evaluate(cfg, exports["vllm"], workdir, clock)
+    summary = _summary(cfg.kind, p, x, t, e.to_dict(), tdir, exports, clock)
+    _print_table(summary)
+    return summary
 
-    workdir, epochs, ttt_steps, eval_prompts, kind = (
-        Path(cfg.workdir),
-        cfg.epochs,
-        cfg.ttt_steps,
-        cfg.eval_prompts,
-        cfg.kind,
-    )
+
+class _StageClock:
+    """A rule printed as each stage starts, and the seconds each took."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        console.rule(f"[bold]{name}")
+        start = time.monotonic()
+        yield
+        self.seconds[name] = time.monotonic() - start
+
+
+def _fresh_workdir(workdir: Path) -> None:
+    """An empty work directory marked as the demo's; an earlier demo's is replaced, any other
+    directory with files in it refused."""
     if workdir.exists() and any(workdir.iterdir()):
         if not (workdir / MARKER).exists():
             raise ValueError(
@@ -47,93 +62,106 @@ def run_demo(cfg: DemoConfig) -> dict:
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / MARKER).write_text("made by eyas demo; deleted and rebuilt by the next eyas demo\n")
-    t_all = time.monotonic()
-    timings = {}
 
-    def stage(name: str):
-        console.rule(f"[bold]{name}")
-        timings[name] = time.monotonic()
 
-    def done(name: str):
-        timings[name] = time.monotonic() - timings[name]
+def _prepare_and_extract(workdir: Path, clock: _StageClock):
+    from eyas.stages.extract import ExtractConfig, extract
+    from eyas.stages.prepare import PrepareConfig, prepare
+    from eyas.stages.verify import verify
 
-    stage("prepare")
-    ds = workdir / "dataset"
-    p = prepare(
-        PrepareConfig(
-            model=str(DEMO_TARGET),
-            data=(str(DEMO_CONVERSATIONS),),
-            out=str(ds),
-            draft_vocab_size=512,
+    ds, run = workdir / "dataset", workdir / "run"
+    with clock("prepare"):
+        p = prepare(
+            PrepareConfig(
+                model=str(DEMO_TARGET),
+                data=(str(DEMO_CONVERSATIONS),),
+                out=str(ds),
+                draft_vocab_size=512,
+            )
         )
-    )
-    done("prepare")
-
-    stage("extract")
-    run = workdir / "run"
-    x = extract(
-        ExtractConfig(
+    with clock("extract"):
+        cfg = ExtractConfig(
             model=str(DEMO_TARGET), data=str(ds), out=str(run), batch_tokens=4096, min_free="64M"
         )
-    )
-    done("extract")
-
-    stage("verify")
-    v = verify(run)
-    if not v.clean:
-        raise RuntimeError(
-            f"verify found problems in {run}: {[pr.detail for pr in v.problems[:3]]}"
+        x = extract(cfg)
+    with clock("verify"):
+        v = verify(run)
+        if not v.clean:
+            raise RuntimeError(
+                f"verify found problems in {run}: {[pr.detail for pr in v.problems[:3]]}"
+            )
+        console.print(
+            f"verify: {v.ok}/{v.checked} samples intact, {v.mb_per_s:.0f} MB/s",
+            markup=False,
+            highlight=False,
         )
-    console.print(
-        f"verify: {v.ok}/{v.checked} samples intact, {v.mb_per_s:.0f} MB/s",
-        markup=False,
-        highlight=False,
-    )
-    done("verify")
+    return p, x
 
-    stage("train")
+
+def _train(cfg: DemoConfig, workdir: Path, clock: _StageClock):
+    from eyas.stages.train import TrainConfig, train
+
     tdir = workdir / "train"
-    t = train(
-        TrainConfig(
-            data=str(run),
-            out=str(tdir),
-            epochs=epochs,
-            ttt_steps=ttt_steps,
-            lr=3e-3,
-            warmup_steps=10,
-            batch_tokens=2048,
-            val_fraction=0.1,
-            save_every=50,
-            head_init="target",
-            kind=kind,
+    with clock("train"):
+        t = train(
+            TrainConfig(
+                data=str(workdir / "run"),
+                out=str(tdir),
+                epochs=cfg.epochs,
+                ttt_steps=cfg.ttt_steps,
+                lr=3e-3,
+                warmup_steps=10,
+                batch_tokens=2048,
+                val_fraction=0.1,
+                save_every=50,
+                head_init="target",
+                kind=cfg.kind,
+            )
         )
-    )
-    done("train")
+    return tdir, t
 
-    stage("export")
+
+def _export(kind: str, tdir: Path, workdir: Path, clock: _StageClock) -> dict[str, Path]:
+    """Every format the drafter runs in; a format that would run another network is said,
+    not written."""
+    from eyas.drafters import kind as drafter_kind
+    from eyas.stages.export import ExportError, export
+
     exports = {}
-    for fmt in drafter_kind(kind).export_formats:
-        try:
-            exports[fmt] = export(tdir, fmt, workdir / f"drafter-{fmt}")
-        except ExportError as exc:  # a format that would run another network: said, not written
-            console.print(f"not exported for {fmt}: {exc}", markup=False, highlight=False)
-    ex_vllm = exports["vllm"]
-    console.print(
-        f"exported {', '.join(map(str, exports.values()))}", markup=False, highlight=False
-    )
-    done("export")
+    with clock("export"):
+        for fmt in drafter_kind(kind).export_formats:
+            try:
+                exports[fmt] = export(tdir, fmt, workdir / f"drafter-{fmt}")
+            except ExportError as exc:
+                console.print(f"not exported for {fmt}: {exc}", markup=False, highlight=False)
+        console.print(
+            f"exported {', '.join(map(str, exports.values()))}", markup=False, highlight=False
+        )
+    return exports
 
-    stage("evaluate")
-    held_out = workdir / "eval_conversations.jsonl"
-    write_jsonl(held_out, generate_conversations(eval_prompts, seed=EVAL_SEED))
-    e = evaluate(
-        str(DEMO_TARGET), str(ex_vllm), str(held_out), k=3, max_new_tokens=48, limit=eval_prompts
-    )
-    done("evaluate")
 
-    ed = e.to_dict()
+def _evaluate(cfg: DemoConfig, drafter: Path, workdir: Path, clock: _StageClock):
+    from eyas.demo_target.data import generate_conversations, write_jsonl
+    from eyas.stages.evaluate import evaluate
+
+    with clock("evaluate"):
+        held_out = workdir / "eval_conversations.jsonl"
+        write_jsonl(held_out, generate_conversations(cfg.eval_prompts, seed=EVAL_SEED))
+        return evaluate(
+            str(DEMO_TARGET),
+            str(drafter),
+            str(held_out),
+            k=3,
+            max_new_tokens=48,
+            limit=cfg.eval_prompts,
+        )
+
+
+def _summary(kind, p, x, t, ed: dict, tdir: Path, exports: dict, clock: _StageClock) -> dict:
+    from eyas.drafters import kind as drafter_kind
+
     val = t["val"]
-    summary = {
+    return {
         "kind": kind,
         "position_name": drafter_kind(kind).position_name,
         "samples": x.done_before + x.committed,
@@ -156,12 +184,10 @@ def run_demo(cfg: DemoConfig) -> dict:
         "greedy_tokens_per_s": ed["greedy_tokens_per_s"],
         "lossless": ed["lossless"],
         "plots": [str(tdir / "loss.png"), str(tdir / "accuracy.png")],
-        "drafters": [str(p) for p in exports.values()],
-        "seconds": round(time.monotonic() - t_all, 1),
-        "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
+        "drafters": [str(path) for path in exports.values()],
+        "seconds": round(time.monotonic() - clock.t0, 1),
+        "stage_seconds": {k: round(v, 1) for k, v in clock.seconds.items()},
     }
-    _print_table(summary)
-    return summary
 
 
 def _ci(ci: list[float] | None) -> str:
