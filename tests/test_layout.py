@@ -150,7 +150,7 @@ def test_kinds_and_backends_are_reached_through_their_registries():
 
 # A module that is one registered thing's own (the vLLM judge runs vLLM itself) may name its
 # engine's backend; each such lookup is listed with its reason.
-NAMED_ON_PURPOSE = {("stages/evaluate.py", "vllm"): "evaluate_vllm is vLLM's judge: it runs vLLM"}
+NAMED_ON_PURPOSE = {("decoders/vllm.py", "vllm"): "vLLM's judge runs vLLM itself"}
 _LOOKUPS = {"kind", "backend_module", "open_backend", "registered"}
 _REGISTRIES = {"KINDS", "_REGISTRY", "JUDGES"}
 _ASKERS = ("kind", "backend", "engine")  # what a registered name is held in

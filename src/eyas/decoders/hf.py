@@ -7,11 +7,14 @@ prefix plus one bonus token is kept.
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
 
 from eyas.decoders.result import EvalResult
+from eyas.host.ui import Reporter
+from eyas.stop import StopSignals
 from eyas.targets.layers import from_hf
 
 
@@ -154,3 +157,71 @@ def decode_one(
     res.base_tokens += len(base)
     res.spec_tokens += len(spec)
     res.compare(i, spec, base, tok)
+
+
+class _Stopped(Exception):
+    """A signal came while a prompt decoded: that prompt is dropped, its partial counts too."""
+
+
+def decode_all(
+    model,
+    tap,
+    proposer,
+    prompts: list[list[int]],
+    res: EvalResult,
+    *,
+    k: int,
+    max_new_tokens: int,
+    eos: set[int],
+    tok,
+    greedy_cache: dict | None,
+    model_key: str,
+    precision: float | None,
+    progress: bool,
+) -> EvalResult:
+    """Every prompt decoded into `res` (`decode_one`), with progress, until a signal (the
+    prompt it came in is dropped, `res.stopped_by` says which) or until the 95% interval of
+    tokens per forward is within +-`precision` (checked every 25 prompts from 50 on)."""
+
+    def extra() -> str:
+        if not res.rounds:
+            return ""
+        speed = res.spec_tokens / res.spec_seconds if res.spec_seconds else 0.0
+        return (
+            f"tokens/forward {res.tokens_per_forward:.2f}, acceptance {res.acceptance_length:.2f}, "
+            f"{speed:.0f} tok/s speculative"
+        )
+
+    res.planned = len(prompts)
+    with (
+        StopSignals() as stop,
+        Reporter("evaluate", len(prompts), unit="prompts", enabled=progress, extra=extra) as rep,
+    ):
+        for i, p in enumerate(prompts):
+            before = copy.deepcopy(res)  # what a signal mid-prompt goes back to
+            try:
+                with stop.abandoning(_Stopped):
+                    decode_one(
+                        model,
+                        tap,
+                        proposer,
+                        p,
+                        i,
+                        k,
+                        max_new_tokens,
+                        eos,
+                        res,
+                        tok,
+                        greedy_cache,
+                        model_key,
+                    )
+            except _Stopped:
+                res = before
+            if stop.requested:  # prompt i counts if it was decoded to its end
+                res.prompts, res.stopped_by = i + (res is not before), stop.name
+                break
+            rep.advance()
+            if precision and i + 1 >= 50 and (i + 1) % 25 == 0 and res.precise_to(precision):
+                res.prompts = i + 1  # narrow enough: the rest would not change the figure
+                break
+    return res

@@ -9,8 +9,6 @@ both are timed; several drafters are judged on the same prompts, with paired dif
 
 from __future__ import annotations
 
-import copy
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,10 +23,10 @@ from eyas.data.records import (
     prompt_of,
     read_conversation,
 )
-from eyas.decoders.hf import AuxTap, decode_one
+from eyas.decoders.hf import AuxTap, decode_all
 from eyas.decoders.result import EvalResult
 from eyas.errors import UsageError
-from eyas.host.ui import Reporter, still_working
+from eyas.host.ui import still_working
 from eyas.stages.config import EvaluateConfig as _D  # the defaults, written once
 from eyas.stages.export import (
     drafts_per_round,
@@ -37,7 +35,6 @@ from eyas.stages.export import (
     load_export,
     vllm_speculative_config,
 )
-from eyas.stop import StopSignals
 from eyas.targets.target import load_tokenizer, read_chat_template, require_chat_template
 
 
@@ -239,6 +236,100 @@ def render_prompts(
     return out
 
 
+@dataclass
+class _Inputs:
+    """What a judge decodes, checked before any model loads: the prompts as read, the
+    target's tokenizer, the prompts rendered and tokenized, the tokens drafted a round and
+    what is judged (for the report)."""
+
+    asked: PromptSet
+    tok: object
+    prompts: list[list[int]]
+    k: int
+    judged: dict
+
+    def result(self, **extra) -> EvalResult:
+        return EvalResult(
+            prompts=len(self.prompts),
+            per_position=[[0, 0] for _ in range(self.k)],
+            inputs=self.asked.to_dict(),
+            drafter=self.judged,
+            **extra,
+        )
+
+
+def _inputs(
+    model_dir: str,
+    drafter_dir: str,
+    data: str,
+    k: int | None,
+    limit: int | None,
+    max_error_rate: float,
+    trust_remote_code: bool,
+    chat_template_kwargs: dict | None,
+    chat_template: str | None,
+) -> _Inputs:
+    from eyas.targets.target import check_model_dir
+
+    check_model_dir(model_dir, tokenizer=True, weights=True)
+    asked = read_prompts(Path(data), limit, max_error_rate)  # before minutes of loading the model
+    tok, template_kwargs = _tokenizer_for(
+        model_dir, drafter_dir, trust_remote_code, chat_template_kwargs, chat_template, asked, data
+    )
+    if not Path(drafter_dir).is_dir():
+        raise FileNotFoundError(f"{drafter_dir}: no such exported drafter directory")
+    k, judged = draft_length(drafter_dir, k)
+    return _Inputs(asked, tok, render_prompts(tok, asked.prompts, template_kwargs), k, judged)
+
+
+def _device(device: str) -> torch.device:
+    from eyas.targets.target import resolve_device
+
+    try:
+        dev = torch.device(resolve_device(device))
+    except RuntimeError:
+        raise ValueError(
+            f"--device {device}: not a device; give auto, cpu, cuda or cuda:K"
+        ) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: evaluate runs on cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no GPU that torch can use")
+    return dev
+
+
+def _target(model_dir: str, dev, trust_remote_code: bool, cache: dict | None, progress: bool):
+    """The target in float32 on `dev`, from `cache` where it was loaded before."""
+    from eyas.targets.target import load_causal_lm
+
+    key = (str(model_dir), str(dev))
+    model = cache.get(key) if cache is not None else None
+    if model is None:
+        with still_working("loading the target", enabled=progress):
+            model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval().to(dev)
+        if cache is not None:
+            cache[key] = model
+    if dev.type == "cpu":
+        from eyas.host.cpu import configure_threads
+
+        configure_threads(model.config.hidden_size)
+    return model
+
+
+def _drafter(drafter_dir: str, model, model_dir: str, dev):
+    """The export's drafter on `dev` and the target layers it reads; refused where it was
+    made for a target of another width or vocabulary."""
+    drafter, aux_hf = load_export(drafter_dir)
+    drafter.to(dev)
+    d, t = drafter.config, model.config
+    if d.hidden_size != t.hidden_size or d.vocab_size != t.vocab_size:
+        raise ValueError(
+            f"{drafter_dir}: drafter (H={d.hidden_size}, V={d.vocab_size}) does not "
+            f"fit target {model_dir} (H={t.hidden_size}, V={t.vocab_size})"
+        )
+    return drafter, aux_hf
+
+
 def evaluate(
     model_dir: str,
     drafter_dir: str,
@@ -267,104 +358,41 @@ def evaluate(
     and drafter both run there, in float32. Prompts are rendered as the drafter's training
     data was (its template variables unless `chat_template_kwargs` is given), and a target
     whose tokenizer is not the one that data was made with is refused."""
-    from eyas.targets.target import check_model_dir, load_causal_lm, resolve_device
-
-    check_model_dir(model_dir, tokenizer=True, weights=True)
-    asked = read_prompts(Path(data), limit, max_error_rate)  # before minutes of loading the model
-    tok, template_kwargs = _tokenizer_for(
-        model_dir, drafter_dir, trust_remote_code, chat_template_kwargs, chat_template, asked, data
+    dev = _device(device)  # a usage error, before anything is read
+    got = _inputs(
+        model_dir,
+        drafter_dir,
+        data,
+        k,
+        limit,
+        max_error_rate,
+        trust_remote_code,
+        chat_template_kwargs,
+        chat_template,
     )
-    try:
-        dev = torch.device(resolve_device(device))
-    except RuntimeError:
-        raise ValueError(
-            f"--device {device}: not a device; give auto, cpu, cuda or cuda:K"
-        ) from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device}: evaluate runs on cpu or cuda")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this machine has no GPU that torch can use")
-    if not Path(drafter_dir).is_dir():  # before minutes of loading the model
-        raise FileNotFoundError(f"{drafter_dir}: no such exported drafter directory")
-    k, judged = draft_length(drafter_dir, k)
-    key = (str(model_dir), str(dev))
-    if target_cache is not None and key in target_cache:
-        model = target_cache[key]
-    else:
-        with still_working("loading the target", enabled=progress):
-            model = load_causal_lm(model_dir, torch.float32, trust_remote_code).eval().to(dev)
-        if target_cache is not None:
-            target_cache[key] = model
-    if dev.type == "cpu":
-        from eyas.host.cpu import configure_threads
-
-        configure_threads(model.config.hidden_size)
-    drafter, aux_hf = load_export(drafter_dir)
-    drafter.to(dev)
-    if (
-        drafter.config.hidden_size != model.config.hidden_size
-        or drafter.config.vocab_size != model.config.vocab_size
-    ):
-        raise ValueError(
-            f"{drafter_dir}: drafter (H={drafter.config.hidden_size}, V={drafter.config.vocab_size}) does not "
-            f"fit target {model_dir} (H={model.config.hidden_size}, V={model.config.vocab_size})"
-        )
-    eos = {tok.eos_token_id} | set(_as_list(model.config.eos_token_id))
+    model = _target(model_dir, dev, trust_remote_code, target_cache, progress)
+    drafter, aux_hf = _drafter(drafter_dir, model, model_dir, dev)
+    eos = {got.tok.eos_token_id} | set(_as_list(model.config.eos_token_id))
     eos.discard(None)
-    prompts = render_prompts(tok, asked.prompts, template_kwargs)
-    res = EvalResult(
-        prompts=len(prompts),
-        per_position=[[0, 0] for _ in range(k)],
-        categories=[p.category for p in asked.prompts],
-        inputs=asked.to_dict(),
-        drafter=judged,
-    )
     tap = AuxTap(model, aux_hf)
-    proposer = export_kind(drafter_dir).proposer(drafter, aux_hf)
-
-    def extra() -> str:
-        if not res.rounds:
-            return ""
-        speed = res.spec_tokens / res.spec_seconds if res.spec_seconds else 0.0
-        return (
-            f"tokens/forward {res.tokens_per_forward:.2f}, acceptance {res.acceptance_length:.2f}, "
-            f"{speed:.0f} tok/s speculative"
-        )
-
-    rep = Reporter("evaluate", len(prompts), unit="prompts", enabled=progress, extra=extra)
-    res.planned = len(prompts)
     try:
-        with StopSignals() as stop, rep:
-            for i, p in enumerate(prompts):
-                before = copy.deepcopy(res)  # what a signal mid-prompt goes back to
-                try:
-                    with stop.abandoning(_Stopped):
-                        decode_one(
-                            model,
-                            tap,
-                            proposer,
-                            p,
-                            i,
-                            k,
-                            max_new_tokens,
-                            eos,
-                            res,
-                            tok,
-                            greedy_cache,
-                            str(model_dir),
-                        )
-                except _Stopped:
-                    res = before
-                if stop.requested:  # prompt i counts if it was decoded to its end
-                    res.prompts, res.stopped_by = i + (res is not before), stop.name
-                    break
-                rep.advance()
-                if precision and i + 1 >= 50 and (i + 1) % 25 == 0 and res.precise_to(precision):
-                    res.prompts = i + 1  # narrow enough: the rest would not change the figure
-                    break
+        return decode_all(
+            model,
+            tap,
+            export_kind(drafter_dir).proposer(drafter, aux_hf),
+            got.prompts,
+            got.result(categories=[p.category for p in got.asked.prompts]),
+            k=got.k,
+            max_new_tokens=max_new_tokens,
+            eos=eos,
+            tok=got.tok,
+            greedy_cache=greedy_cache,
+            model_key=str(model_dir),
+            precision=precision,
+            progress=progress,
+        )
     finally:
         tap.remove()
-    return res
 
 
 def paired_difference(a: EvalResult, b: EvalResult, n: int = 2000, seed: int = 0) -> dict:
@@ -392,10 +420,6 @@ def paired_difference(a: EvalResult, b: EvalResult, n: int = 2000, seed: int = 0
     return out
 
 
-class _Stopped(Exception):
-    """A signal came while a prompt decoded: that prompt is dropped, its partial counts too."""
-
-
 def evaluate_vllm(
     model_dir: str,
     drafter_dir: str,
@@ -411,107 +435,35 @@ def evaluate_vllm(
     chat_template: str | None = None,
     max_error_rate: float = _D.max_error_rate,
 ) -> EvalResult:
-    """The same measurement with vLLM as the judge: greedy generation without and with the
-    exported drafter (EAGLE-3, chain of `k`), vLLM's own speculative-decoding counters for
+    """The same measurement with vLLM as the judge (`eyas.decoders.vllm`): greedy generation
+    without and with the exported drafter, vLLM's own speculative-decoding counters for
     acceptance, and a token-for-token comparison of the two outputs."""
-    import gc
+    from eyas.decoders.vllm import judge_with_vllm
 
-    import torch
-
-    from eyas.host.ui import console
-    from eyas.run.store import Layout
-    from eyas.targets.backends import BackendSpec, backend_module
-
-    engine_kwargs, import_vllm = (
-        backend_module("vllm").engine_kwargs,
-        backend_module("vllm").import_vllm,
+    got = _inputs(
+        model_dir,
+        drafter_dir,
+        data,
+        k,
+        limit,
+        max_error_rate,
+        trust_remote_code,
+        chat_template_kwargs,
+        chat_template,
     )
-    from eyas.targets.target import check_model_dir, resolve_dtype
-
-    check_model_dir(model_dir, tokenizer=True, weights=True)
-    asked = read_prompts(Path(data), limit, max_error_rate)
-    if not Path(drafter_dir).is_dir():
-        raise FileNotFoundError(f"{drafter_dir}: no such exported drafter directory")
     load_export(drafter_dir)  # a clear error for a directory that is not an export
-    k, judged = draft_length(drafter_dir, k)
-    tok, template_kwargs = _tokenizer_for(
-        model_dir, drafter_dir, trust_remote_code, chat_template_kwargs, chat_template, asked, data
-    )
-    import_vllm()
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    prompts = render_prompts(tok, asked.prompts, template_kwargs)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = resolve_dtype("auto", device)
-    spec = BackendSpec(
-        model=model_dir,
-        aux_layers=(),
-        device=device,
-        dtype=dtype,
-        store_dtype=dtype,
-        layout=Layout(),
+    return judge_with_vllm(
+        model_dir,
+        got.prompts,
+        vllm_speculative_config(drafter_dir, got.k),
+        got.result(),
+        got.tok,
+        k=got.k,
+        max_new_tokens=max_new_tokens,
         tensor_parallel_size=tensor_parallel_size,
         trust_remote_code=trust_remote_code,
-        max_model_len=max(len(p) for p in prompts) + max_new_tokens + k + 8,
+        progress=progress,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    res = EvalResult(
-        prompts=len(prompts),
-        per_position=[[0, 0] for _ in range(k)],
-        inputs=asked.to_dict(),
-        drafter=judged,
-    )
-
-    def run(speculative: dict | None) -> tuple[list[list[int]], float, object]:
-        if progress:
-            console.print(
-                f"evaluate (vllm): {'with' if speculative else 'without'} the drafter, "
-                f"{len(prompts)} prompts",
-                markup=False,
-                highlight=False,
-            )
-        try:
-            llm = LLM(
-                **{**engine_kwargs(spec), "disable_log_stats": speculative is None},
-                **({"speculative_config": speculative} if speculative else {}),
-            )
-        except RuntimeError as exc:  # vLLM's own cause is in its log, above on stderr
-            what = "the target with the drafter" if speculative else "the target"
-            raise ValueError(
-                f"vLLM could not start {what} (its log above says why): {exc}"
-            ) from None
-        t0 = time.perf_counter()
-        outs = llm.generate(inputs, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        metrics = llm.get_metrics() if speculative else []
-        del llm
-        gc.collect()  # shuts the engine down before the next one starts
-        return [list(o.outputs[0].token_ids) for o in outs], seconds, metrics
-
-    base, res.base_seconds, _ = run(None)
-    spec_out, res.spec_seconds, metrics = run(vllm_speculative_config(drafter_dir, k))
-    for m in metrics:
-        if m.name == "vllm:spec_decode_num_drafts":
-            res.rounds += m.value
-        elif m.name == "vllm:spec_decode_num_draft_tokens":
-            res.drafted += m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            res.accepted += m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            for j, v in enumerate(m.values[:k]):
-                res.per_position[j][0] += v
-    for j in range(k):
-        res.per_position[j][1] = res.rounds
-    res.base_tokens = sum(len(x) for x in base)
-    res.spec_tokens = sum(len(x) for x in spec_out)
-    # vLLM's counters are totals over the run, not per prompt: one row, so no interval. What
-    # it emitted after each prompt's first token is its output, already cut at the reply's end.
-    res.per_prompt = [[res.rounds, res.accepted, sum(max(len(x) - 1, 0) for x in spec_out)]]
-    for i, (a, b) in enumerate(zip(spec_out, base, strict=True)):
-        res.compare(i, a, b, tok)
-    return res
 
 
 def _as_list(x) -> list:
