@@ -125,20 +125,38 @@ def verify(
 
 def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> VerifyReport:
     rep = VerifyReport(str(run), quick=quick)
-    mr = load_run_meta(run)  # raises StoreError when neither copy is usable
-    meta = mr.meta
+    meta = _check_meta(run, rep)
+    H, layout, total = meta["hidden_size"], Layout.parse(meta.get("layout")), meta["samples"]
+    scans = scan_journals(run)
+    led = ledger(run, scans)
+    rep.retired = sum(len(r) for r in led.retired)
+    refs = _journal_refs(rep, scans, total)
+    # The samples whose files should exist: each with its pass's journal lines.
+    by_index = {i: refs[(pass_of(e), i)] for i, e in led.present.items() if i < total}
+    retired_files = {i for r in led.retired for i in r} - set(led.present)
+    bad = _check_samples(run, rep, by_index, H, layout, quick, workers)
+    _check_strays(run, rep, by_index, retired_files, H, layout, total, quick)
+    if repair and rep.problems:
+        _repair(run, rep, scans, led, bad, total)
+        rep.repaired = True
+    return rep
+
+
+def _check_meta(run: Path, rep: VerifyReport) -> dict:
+    """The run's meta (raises StoreError when neither copy is usable); damage to a copy is a problem."""
+    mr = load_run_meta(run)
     for damage in (
         mr.damage,
         mr.backup_damage and f"{run / 'run.backup.json'} is {mr.backup_damage}",
     ):
         if damage:
             rep.problems.append(Problem("meta", str(run / "run.json"), damage))
-    H, layout, total = meta["hidden_size"], Layout.parse(meta.get("layout")), meta["samples"]
+    return mr.meta
 
-    scans = scan_journals(run)
-    led = ledger(run, scans)
-    rep.retired = sum(len(r) for r in led.retired)
-    refs: dict[tuple[int, int], list[tuple[int, dict]]] = defaultdict(list)  # (pass, index)
+
+def _journal_refs(rep: VerifyReport, scans, total: int) -> dict[tuple[int, int], list]:
+    """Each live journal line by (pass, index), with its rank; damaged and out-of-range lines are problems."""
+    refs: dict[tuple[int, int], list[tuple[int, dict]]] = defaultdict(list)
     for rank, scan in scans.items():
         for n, why in scan.damaged:
             rep.problems.append(
@@ -160,10 +178,11 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
                 continue
             if not e.get("retired"):
                 refs[(pass_of(e), e["index"])].append((rank, e))
-    # The samples whose files should exist: each with its pass's journal lines.
-    by_index = {i: refs[(pass_of(e), i)] for i, e in led.present.items() if i < total}
-    retired_files = {i for r in led.retired for i in r} - set(led.present)
+    return refs
 
+
+def _check_samples(run: Path, rep, by_index, H: int, layout, quick: bool, workers) -> set[int]:
+    """Read every journaled sample (in threads); returns the indices found missing or corrupt."""
     t0 = time.monotonic()
 
     def check(item):
@@ -199,7 +218,11 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
                     )
                 )
     rep.seconds = time.monotonic() - t0
+    return bad
 
+
+def _check_strays(run: Path, rep, by_index, retired_files, H, layout, total, quick) -> None:
+    """Files the journals do not account for: retired leftovers, unjournaled samples, orphans, temps."""
     if (sd := samples_dir(run)).is_symlink():
         rep.problems.append(
             Problem(
@@ -242,11 +265,6 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
             )
     for p in stray_temp_files(run):
         rep.problems.append(Problem("temp", str(p), f"{p}: temp file left by an interrupted write"))
-
-    if repair and rep.problems:
-        _repair(run, rep, scans, led, bad, total)
-        rep.repaired = True
-    return rep
 
 
 def _repair(run: Path, rep: VerifyReport, scans, led, bad: set[int], total: int) -> None:
