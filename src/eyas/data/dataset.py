@@ -140,7 +140,6 @@ def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg, t
         out / files["errors"],
         lambda f: f.write("".join(json.dumps(e) + "\n" for e in errors).encode()),
     )
-    n = max(len(samples), 1)
     meta = {
         "format_version": FORMAT_VERSION,
         "eyas_version": __version__,
@@ -161,16 +160,7 @@ def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg, t
             "dropped_fields": dict(summary.dropped),
             "records_with_dropped_fields": summary.dropped_records,
         },
-        "tokens": {
-            "total": int(offsets[-1]),
-            "trainable": int(mask.sum()),
-            "mean": float(lengths.mean()) if len(samples) else 0.0,
-            "max": int(lengths.max()) if len(samples) else 0,
-            "min": int(lengths.min()) if len(samples) else 0,
-            "p50": float(np.percentile(lengths, 50)) if len(samples) else 0.0,
-            "p95": float(np.percentile(lengths, 95)) if len(samples) else 0.0,
-            "mean_trainable": float(mask.sum() / n),
-        },
+        "tokens": _token_stats(lengths, mask),
         "error_reasons": summary.reasons,
         "config": {
             **{
@@ -183,7 +173,28 @@ def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg, t
     }
     atomic_write_json(out / "dataset.json", meta)
     # The new dataset is committed; files of earlier versions are no longer referenced.
-    keep = set(files.values()) | {"dataset.json"}
+    _remove_older(out, set(files.values()) | {"dataset.json"})
+    _link_errors(out, files["errors"])
+    return fp
+
+
+def _token_stats(lengths: np.ndarray, mask: np.ndarray) -> dict:
+    """The dataset's token counts and length distribution, as dataset.json records them."""
+    some = len(lengths) > 0
+    return {
+        "total": int(lengths.sum()),
+        "trainable": int(mask.sum()),
+        "mean": float(lengths.mean()) if some else 0.0,
+        "max": int(lengths.max()) if some else 0,
+        "min": int(lengths.min()) if some else 0,
+        "p50": float(np.percentile(lengths, 50)) if some else 0.0,
+        "p95": float(np.percentile(lengths, 95)) if some else 0.0,
+        "mean_trainable": float(mask.sum() / max(len(lengths), 1)),
+    }
+
+
+def _remove_older(out: Path, keep: set[str]) -> None:
+    """Delete the files of earlier versions of the dataset, which dataset.json no longer names."""
     for p in out.iterdir():
         if (
             p.is_file()
@@ -191,8 +202,6 @@ def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg, t
             and p.name.split("-")[0] in ("tokens", "records", "vocab_freq", "errors")
         ):
             p.unlink()
-    _link_errors(out, files["errors"])
-    return fp
 
 
 def _link_errors(out: Path, name: str) -> None:

@@ -178,6 +178,28 @@ def _error_line(raw, rid: str, reason: str, code: str, kind: str) -> dict:
 def prepare(cfg: PrepareConfig) -> PrepareSummary:
     """Run the prepare stage; returns counts. Raises only for problems with the whole run."""
     out = Path(cfg.out)
+    _check_paths(cfg, out)
+    template = read_chat_template(cfg.chat_template)
+    tok = load_tokenizer(cfg.model, cfg.trust_remote_code, template)
+    global _TOK
+    _TOK = tok
+    raws: list[RawRecord] = []
+    for f in cfg.data:
+        raws.extend(iter_records(Path(f)))
+    if not tok.chat_template:
+        require_chat_template(tok, cfg.model, _conversations(raws), len(raws), "--data")
+    if not raws:
+        raise ValueError(f"no records in {', '.join(cfg.data)}: the input is empty")
+
+    summary = PrepareSummary(out=str(out), records=len(raws))
+    samples, errors = _tally(raws, _render_all(raws, cfg, template), summary)
+    _refuse_if_lost(cfg, out, samples, errors, summary)
+    summary.fingerprint = write_dataset(out, samples, errors, cfg, tok, summary)
+    return summary
+
+
+def _check_paths(cfg: PrepareConfig, out: Path) -> None:
+    """--out must be new, empty or prepare's own (with --force); every --data a file."""
     if out.exists() and not out.is_dir():
         raise FileNotFoundError(f"--out {out} is a file; give a directory for the dataset")
     if foreign := foreign_entries(out):
@@ -195,20 +217,10 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
             raise FileNotFoundError(f"--data {f} is a directory; give JSONL or JSON files")
         if not Path(f).is_file():
             raise FileNotFoundError(f"input file not found: {f}")
-    template = read_chat_template(cfg.chat_template)
-    tok = load_tokenizer(cfg.model, cfg.trust_remote_code, template)
-    global _TOK
-    _TOK = tok
-    raws: list[RawRecord] = []
-    for f in cfg.data:
-        p = Path(f)
-        if not p.is_file():
-            raise FileNotFoundError(f"input file not found: {p}")
-        raws.extend(iter_records(p))
-    if not tok.chat_template:
-        require_chat_template(tok, cfg.model, _conversations(raws), len(raws), "--data")
 
-    summary = PrepareSummary(out=str(out), records=len(raws))
+
+def _render_all(raws: list[RawRecord], cfg: PrepareConfig, template) -> list:
+    """Each record through the template, in chunks (in worker processes with --num-workers)."""
     chunks = [(raws[i : i + 256], cfg) for i in range(0, len(raws), 256)]
     results: list = []
     with Reporter("prepare", len(raws), unit="records", enabled=cfg.progress) as rep:
@@ -226,7 +238,11 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
                 res = _prepare_chunk(ch)
                 results.extend(res)
                 rep.advance(len(res))
+    return results
 
+
+def _tally(raws: list[RawRecord], results: list, summary: PrepareSummary):
+    """The samples and error lines, with every skip, failure and dropped field counted."""
     samples: list[Prepared] = []
     errors: list[dict] = []
     seen: dict[str, str] = {}  # id -> where it was first seen (good records and bad ones)
@@ -266,16 +282,19 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     summary.dropped_records = len({(smp.file, smp.line) for smp in samples if smp.dropped})
     for f in summary.dropped:
         summary.dropped_in[f] = len({(s.file, s.line) for s in samples if f in s.dropped})
+    summary.truncated = sum(s.truncated for s in samples)
+    summary.tokens = sum(len(s.input_ids) for s in samples)
+    summary.trainable_tokens = sum(sum(s.loss_mask) for s in samples)
+    return samples, errors
+
+
+def _refuse_if_lost(cfg, out: Path, samples, errors, summary: PrepareSummary) -> None:
+    """Refuse the dataset when too many records failed or lost what training needs."""
     # Trained turns that lose their tool calls or reasoning train on something the target never
     # wrote: refused above --max-error-rate. The rest (history a template rewrites, turns it
     # leaves out) is as the served target sees it: counted and named, not refused.
     refused = {f: n for f, n in summary.dropped.items() if f in ("tool_calls", "reasoning")}
     refused_records = len({(s.file, s.line) for s in samples if set(s.dropped) & refused.keys()})
-    summary.truncated = sum(s.truncated for s in samples)
-    summary.tokens = sum(len(s.input_ids) for s in samples)
-    summary.trainable_tokens = sum(sum(s.loss_mask) for s in samples)
-    if not raws:
-        raise ValueError(f"no records in {', '.join(cfg.data)}: the input is empty")
     lost = refused_records / summary.records if summary.records else 0.0
     if samples and lost > cfg.max_error_rate and not cfg.allow_dropped_fields:
         what = " and ".join(
@@ -297,8 +316,6 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
         raise PrepareFailed(
             f"{why}; no dataset was written (errors in {write_errors_only(out, errors)})", summary
         )
-    summary.fingerprint = write_dataset(out, samples, errors, cfg, tok, summary)
-    return summary
 
 
 def _conversations(raws: list[RawRecord]) -> int:
