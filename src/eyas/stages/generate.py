@@ -457,9 +457,8 @@ def generate(cfg: GenerateConfig, command: str = "eyas generate ...") -> Generat
         lock.release()
 
 
-def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
-    s = GenerateSummary(out=str(out), records=len(recs), done_before=len(done))
-    errors: dict[int, dict] = {}
+def _todo(recs, done, errors: dict[int, dict]) -> list[tuple]:
+    """The records still to regenerate; one that cannot be read goes to `errors` instead."""
     todo = []
     for pos, rec in enumerate(recs):
         if pos in done:
@@ -473,6 +472,24 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
             todo.append((pos, rec, rid, conv.messages, conv.tools))
         except RecordError as exc:
             errors[pos] = {"file": rec.file, "line": rec.line, "reason": str(exc), "code": exc.code}
+    return todo
+
+
+def _commit(s: GenerateSummary, log, done, pos, rec, rid, tools, result: dict) -> None:
+    """One regenerated record: durable in the log first, then counted."""
+    requests = result.pop("requests")  # attempts: this session's statistics, not provenance
+    record = {"id": rid, **result, **({"tools": tools} if tools else {})}
+    log.append({"pos": pos, "file": rec.file, "line": rec.line, "record": record})
+    done[pos] = {"record": record}
+    s.generated += 1
+    s.requests += requests
+    s.completion_tokens += result["generation"]["usage"]["completion_tokens"]
+
+
+def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
+    s = GenerateSummary(out=str(out), records=len(recs), done_before=len(done))
+    errors: dict[int, dict] = {}
+    todo = _todo(recs, done, errors)
     stop = threading.Event()
     reason: list[str] = []
 
@@ -538,30 +555,15 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
                     if not isinstance(exc, RequestFailed):  # a record this code cannot handle
                         exc = RequestFailed(f"{type(exc).__name__}: {exc}")
                     if not stop.is_set():
-                        errors[pos] = {
-                            "file": rec.file,
-                            "line": rec.line,
-                            "id": rid,
-                            "reason": str(exc),
-                            "code": "request",
-                        }
+                        errors[pos] = {"file": rec.file, "line": rec.line, "id": rid}
+                        errors[pos] |= {"reason": str(exc), "code": "request"}
                         rep.retotal(rep.total - 1)
                         rep.advance(0)  # none more done: the line shows the failure
                         if (why := alike.failed(str(exc))) is not None:
                             reason.append(why)
                             stop.set()
                     continue
-                requests = result.pop(
-                    "requests"
-                )  # attempts: this session's statistics, not provenance
-                record = {"id": rid, **result, **({"tools": tools} if tools else {})}
-                log.append(
-                    {"pos": pos, "file": rec.file, "line": rec.line, "record": record}
-                )  # durable first
-                done[pos] = {"record": record}
-                s.generated += 1
-                s.requests += requests
-                s.completion_tokens += result["generation"]["usage"]["completion_tokens"]
+                _commit(s, log, done, pos, rec, rid, tools, result)
                 alike.succeeded()
                 rep.advance()
         finally:
