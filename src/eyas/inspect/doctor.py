@@ -144,30 +144,8 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
         if kind_of(run) == "training":
             _plan_training(run, actions)
         return rep
-    try:
-        mr = load_run_meta(run)
-    except (StoreError, OSError, ValueError) as exc:
-        rep.add("error", f"config: {exc}")
-        actions.append(
-            Action(f"{run} is not a usable run directory; check the path or start a new run")
-        )
+    if (meta := _check_meta(run, rep, actions)) is None:
         return rep
-    meta = mr.meta
-    if mr.damage or mr.backup_damage:
-        rep.add("error", f"config: {mr.damage or 'run.backup.json is ' + mr.backup_damage}")
-        actions.append(
-            Action(
-                f"restore the run's description of {run} from its good copy",
-                f"eyas verify --repair {run}",
-            )
-        )
-    else:
-        rep.add(
-            "ok",
-            f"config: run.json intact (eyas {meta.get('eyas_version')}, created {meta.get('created')}, "
-            f"backend {meta.get('backend', 'hf')})",
-        )
-
     _check_inputs(meta, rep, actions)
     st = run_status(run)
     rep.facts = {
@@ -210,6 +188,34 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
             )
         )
     return rep
+
+
+def _check_meta(run: Path, rep: RunReport, actions: list[Action]) -> dict | None:
+    """The run's description, or None when neither copy can be read; a damaged copy is planned."""
+    try:
+        mr = load_run_meta(run)
+    except (StoreError, OSError, ValueError) as exc:
+        rep.add("error", f"config: {exc}")
+        actions.append(
+            Action(f"{run} is not a usable run directory; check the path or start a new run")
+        )
+        return None
+    meta = mr.meta
+    if mr.damage or mr.backup_damage:
+        rep.add("error", f"config: {mr.damage or 'run.backup.json is ' + mr.backup_damage}")
+        actions.append(
+            Action(
+                f"restore the run's description of {run} from its good copy",
+                f"eyas verify --repair {run}",
+            )
+        )
+    else:
+        rep.add(
+            "ok",
+            f"config: run.json intact (eyas {meta.get('eyas_version')}, created {meta.get('created')}, "
+            f"backend {meta.get('backend', 'hf')})",
+        )
+    return meta
 
 
 def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:

@@ -75,12 +75,54 @@ class RunStatus:
         return {**asdict(self), "live_writer": self.live_writer, "blocked": self.blocked}
 
 
+def _locks(run: Path) -> list[dict]:
+    """Every lock in the run, live or stale, as status reports it."""
+    return [
+        {
+            "path": str(lk.path),
+            "pid": lk.pid,
+            "host": lk.host,
+            "live": lk.live,
+            "phase": lk.phase,
+            "describe": lk.describe(),
+        }
+        for lk in all_locks(run)
+    ]
+
+
+def _followers(run: Path, led) -> list[dict]:
+    """The trainings that follow the run, each with the samples its pass lacks."""
+    from eyas.run.stream import read_followers
+
+    followers = []
+    for f in read_followers(run):
+        # Deleted in its pass but not consumed by it: it resumed from an older checkpoint than
+        # it had published, or registered after others had passed them. Its pass lacks them.
+        lost = 0 if f.finished or f.problem else len(led.pass_retired(f.pass_) - f.consumed)
+        followers.append(
+            {
+                "describe": f.describe(),
+                "out": f.out,
+                "pass": f.pass_,
+                "finished": f.finished,
+                "waiting": f.waiting,
+                "rate": f.rate(),
+                "updated": f.updated,
+                "command": f.command,
+                "live": bool(f.out) and bool(live_locks(Path(f.out))),
+                "problem": f.problem,
+                "path": str(f.path),
+                "lost": lost,
+            }
+        )
+    return followers
+
+
 def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None = None) -> RunStatus:
     run = Path(run)
     mr = load_run_meta(run)
     meta = mr.meta
     from eyas.run.journal import scan_journals
-    from eyas.run.stream import read_followers
 
     scans = scan_journals(run)
     n = meta["samples"]
@@ -105,17 +147,7 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
     per_token = bytes_done / tokens_done if tokens_done else meta["bytes_per_token"]
     projected = int(per_token * tokens_total)
     fs = filesystem_info(run)
-    locks = [
-        {
-            "path": str(lk.path),
-            "pid": lk.pid,
-            "host": lk.host,
-            "live": lk.live,
-            "phase": lk.phase,
-            "describe": lk.describe(),
-        }
-        for lk in all_locks(run)
-    ]
+    locks = _locks(run)
     live = [lk for lk in locks if lk["live"]]
 
     commits = [
@@ -130,27 +162,7 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
     loaded = bool(entries or failed) or any(
         p in ("extracting", "waiting for followers") for p in phases
     )
-    followers = []
-    for f in read_followers(run):
-        # Deleted in its pass but not consumed by it: it resumed from an older checkpoint than
-        # it had published, or registered after others had passed them. Its pass lacks them.
-        lost = 0 if f.finished or f.problem else len(led.pass_retired(f.pass_) - f.consumed)
-        followers.append(
-            {
-                "describe": f.describe(),
-                "out": f.out,
-                "pass": f.pass_,
-                "finished": f.finished,
-                "waiting": f.waiting,
-                "rate": f.rate(),
-                "updated": f.updated,
-                "command": f.command,
-                "live": bool(f.out) and bool(live_locks(Path(f.out))),
-                "problem": f.problem,
-                "path": str(f.path),
-                "lost": lost,
-            }
-        )
+    followers = _followers(run, led)
     from eyas.run.fsutil import parse_size
 
     budget = parse_size(conf["max_store"], 1) if conf.get("max_store") else None
