@@ -486,6 +486,26 @@ def _commit(s: GenerateSummary, log, done, pos, rec, rid, tools, result: dict) -
     s.completion_tokens += result["generation"]["usage"]["completion_tokens"]
 
 
+def _start_workers(cfg, stop: threading.Event) -> tuple[queue.Queue, queue.Queue]:
+    """cfg.concurrency request threads: records in on `work` (None ends one), outcomes on `results`.
+
+    Daemon threads: a stop abandons requests still in flight after a grace period instead of
+    waiting out their timeouts (their records are simply done again on resume)."""
+    work: queue.Queue = queue.Queue()
+    results: queue.Queue = queue.Queue()
+
+    def worker() -> None:
+        while (item := work.get()) is not None:
+            try:
+                results.put((item, regenerate(cfg, item[3], stop, item[4]), None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                results.put((item, None, exc))
+
+    for _ in range(cfg.concurrency):
+        threading.Thread(target=worker, name="eyas-gen", daemon=True).start()
+    return work, results
+
+
 def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
     s = GenerateSummary(out=str(out), records=len(recs), done_before=len(done))
     errors: dict[int, dict] = {}
@@ -513,20 +533,7 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
     rep.__enter__()
     rep.skip(len(done))
     alike = _SameFailure(max(8, 2 * cfg.concurrency))
-    # Daemon workers: a stop abandons requests still in flight after a grace period instead
-    # of waiting out their timeouts (their records are simply done again on resume).
-    work: queue.Queue = queue.Queue()
-    results: queue.Queue = queue.Queue()
-
-    def worker() -> None:
-        while (item := work.get()) is not None:
-            try:
-                results.put((item, regenerate(cfg, item[3], stop, item[4]), None))
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                results.put((item, None, exc))
-
-    for _ in range(cfg.concurrency):
-        threading.Thread(target=worker, name="eyas-gen", daemon=True).start()
+    work, results = _start_workers(cfg, stop)
     items, in_flight, stopped_at = iter(todo), 0, None
     with signals:
         try:
