@@ -392,49 +392,7 @@ def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
             "(consumed by training and deleted: done, not missing)",
         )
     for f in st.followers:
-        if f.get("lost"):
-            rep.add(
-                "warn",
-                f"follower: {f['lost']} sample(s) of pass {f['pass'] + 1} were deleted before {f['out']} "
-                "consumed them (it resumed from an older checkpoint than it had published, or came late): "
-                "that pass trains without them",
-            )
-        if f["problem"]:
-            rep.add("error", f"follower: {f['describe']}")
-            actions.append(
-                Action(
-                    f"resume the trainer that follows {run} (it rewrites its file), or remove "
-                    "the file if that training was abandoned",
-                    f["command"] or None,
-                )
-            )
-        elif f["finished"] or f["live"]:
-            rep.add(
-                "ok", f"follower: {f['describe']} ({'finished' if f['finished'] else 'running'})"
-            )
-        else:
-            blocked = st.blocked is not None  # then the run cannot move until it runs again
-            rep.add(
-                "error" if blocked else "warn",
-                f"follower: {f['describe']} (not running: the extractor deletes nothing it has not "
-                "consumed, and waits for it when the store is full"
-                + ("; it waits now: the run is blocked)" if blocked else ")"),
-            )
-            actions.append(
-                Action(
-                    "resume the trainer that follows the run (it continues from its newest "
-                    "checkpoint: every sample once per pass)",
-                    f["command"],
-                    blocking=blocked,
-                )
-            )
-            actions.append(
-                Action(
-                    f"or, if the training in {f['out']} was abandoned, stop the run waiting for it",
-                    f"rm {f['path']}",
-                    blocking=False,
-                )
-            )
+        _check_follower(run, f, st.blocked is not None, rep, actions)
     if st.budget and not st.followers and st.remaining > 0:
         rep.add(
             "warn",
@@ -460,6 +418,50 @@ def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
             Action(
                 "delete the samples the finished trainer consumed",
                 f"eyas extract --resume {run}",
+                blocking=False,
+            )
+        )
+
+
+def _check_follower(run: Path, f: dict, blocked: bool, rep: RunReport, actions) -> None:
+    """One trainer that follows the run; `blocked`: the run cannot move until it runs again."""
+    if f.get("lost"):
+        rep.add(
+            "warn",
+            f"follower: {f['lost']} sample(s) of pass {f['pass'] + 1} were deleted before {f['out']} "
+            "consumed them (it resumed from an older checkpoint than it had published, or came late): "
+            "that pass trains without them",
+        )
+    if f["problem"]:
+        rep.add("error", f"follower: {f['describe']}")
+        actions.append(
+            Action(
+                f"resume the trainer that follows {run} (it rewrites its file), or remove "
+                "the file if that training was abandoned",
+                f["command"] or None,
+            )
+        )
+    elif f["finished"] or f["live"]:
+        rep.add("ok", f"follower: {f['describe']} ({'finished' if f['finished'] else 'running'})")
+    else:
+        rep.add(
+            "error" if blocked else "warn",
+            f"follower: {f['describe']} (not running: the extractor deletes nothing it has not "
+            "consumed, and waits for it when the store is full"
+            + ("; it waits now: the run is blocked)" if blocked else ")"),
+        )
+        actions.append(
+            Action(
+                "resume the trainer that follows the run (it continues from its newest "
+                "checkpoint: every sample once per pass)",
+                f["command"],
+                blocking=blocked,
+            )
+        )
+        actions.append(
+            Action(
+                f"or, if the training in {f['out']} was abandoned, stop the run waiting for it",
+                f"rm {f['path']}",
                 blocking=False,
             )
         )
