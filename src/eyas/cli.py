@@ -7,6 +7,7 @@ extraction stopped early for lack of disk space or by signal, resumable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -18,12 +19,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from eyas.errors import EXIT_PROBLEMS, EXIT_STOPPED, EXIT_USAGE, exit_code
+from eyas.errors import EXIT_PROBLEMS, EXIT_STOPPED, EXIT_USAGE, EyasError, exit_code
 from eyas.host.cpu import pin_runtime_env
 from eyas.host.ui import console
 from eyas.options import OPTS, config_options, given
 from eyas.run.fsutil import human_duration
-from eyas.run.lock import LockHeld as LockHeldError
 from eyas.stages.config import (
     DemoConfig,
     EstimateConfig,
@@ -116,6 +116,25 @@ def _disk_full(exc: BaseException, then: str) -> None:
             f"Nothing half-written is kept; free space, then: {then}",
             EXIT_STOPPED,
         ) from None
+
+
+def _this_command(verb: str, otherwise: str) -> str:
+    """This command line as typed, which is what continues it; `otherwise` where eyas runs
+    the stage from code (the demo, a test's runner)."""
+    return shlex.join(["eyas", *sys.argv[1:]]) if sys.argv[1:2] == [verb] else otherwise
+
+
+@contextlib.contextmanager
+def _exits(then: str | None = None):
+    """A stage's error as one line and its exit code, by the one rule of `eyas.errors`: a
+    clean stop 75, a usage error or missing file 2, anything the stage found 1. With `then`,
+    the command that continues, a full disk is a clean stop that names it."""
+    try:
+        yield
+    except (EyasError, ValueError, OSError, KeyError) as exc:
+        if then is not None:
+            _disk_full(exc, then)
+        raise fail(str(exc), exit_code(exc)) from None
 
 
 def _json_object(text: str | None) -> dict | None:
@@ -225,23 +244,13 @@ def prepare(
         **opts,
     )
     from eyas.stages.prepare import PrepareFailed
-    from eyas.targets.target import ModelDirError
 
-    try:
-        s = run(cfg)
-    except (ModelDirError, FileNotFoundError) as exc:
-        raise fail(str(exc), EXIT_USAGE) from None
-    except PrepareFailed as exc:
-        _prepare_report(exc.summary, written=False)
-        raise fail(str(exc), exit_code(exc)) from None
-    except (ValueError, OSError) as exc:
-        _disk_full(
-            exc,
-            shlex.join(["eyas", *sys.argv[1:]])
-            if sys.argv[1:2] == ["prepare"]
-            else "prepare again",
-        )
-        raise fail(str(exc), exit_code(exc)) from None
+    with _exits(then=_this_command("prepare", "prepare again")):
+        try:
+            s = run(cfg)
+        except PrepareFailed as exc:
+            _prepare_report(exc.summary, written=False)
+            raise
     _prepare_report(s, written=True)
 
 
@@ -308,7 +317,6 @@ def generate(
     opts: dict = OPTS,
 ) -> None:
     """Replace assistant turns with the target's own answers, through a serving endpoint, exactly once."""
-    from eyas.stages.generate import EndpointUnreachable, GenerateStopped
     from eyas.stages.generate import generate as run_generate
 
     cfg = _config(
@@ -319,22 +327,9 @@ def generate(
         out=str(out),
         **opts,
     )
-    command = (
-        shlex.join(["eyas", *sys.argv[1:]])
-        if sys.argv[1:2] == ["generate"]
-        else "eyas generate ..."
-    )
-    try:
+    command = _this_command("generate", "eyas generate ...")
+    with _exits(then=command):
         s = run_generate(cfg, command)
-    except GenerateStopped as exc:
-        raise fail(str(exc), EXIT_STOPPED) from None
-    except EndpointUnreachable as exc:
-        raise fail(str(exc), EXIT_USAGE) from None
-    except FileNotFoundError as exc:
-        raise fail(str(exc), EXIT_USAGE) from None
-    except (LockHeldError, ValueError, OSError) as exc:
-        _disk_full(exc, command)
-        raise fail(str(exc), exit_code(exc)) from None
     console.print(
         f"generated {s.generated} records ({s.done_before} done before, {s.failed} failed, {s.truncated} cut by "
         f"--max-tokens) with {s.requests} requests, {s.completion_tokens:,} completion tokens in {s.seconds:.1f}s "
@@ -368,12 +363,7 @@ def extract(
     opts: dict = OPTS,
 ) -> None:
     """Run the target over a prepared dataset; store aux and final hidden states, crash-safe."""
-    from eyas.host.gpu import GpuBusy
-    from eyas.run.lock import LockHeld
-    from eyas.run.store import StoreError
-    from eyas.stages.extract import ExtractStopped, OutDirError
     from eyas.stages.extract import extract as run_extract
-    from eyas.targets.target import ModelDirError
 
     _quiet_transformers()
     if aux_layers:
@@ -387,7 +377,7 @@ def extract(
             ) from None
     _need(resume, "run")
     _need(data, "dataset")
-    try:
+    with _exits():
         if resume is not None:
             if model or data or out:
                 raise fail(
@@ -404,20 +394,6 @@ def extract(
                 raise fail("need --model, --data and --out (or --resume RUN_DIR)", EXIT_USAGE)
             cfg = _config(ExtractConfig, model=str(model), data=str(data), out=str(out), **opts)
             s = run_extract(cfg)
-    except ExtractStopped as exc:
-        raise fail(str(exc), EXIT_STOPPED) from None
-    except (ModelDirError, OutDirError) as exc:
-        raise fail(str(exc), EXIT_USAGE) from None
-    except (LockHeld, GpuBusy, StoreError, ValueError, OSError) as exc:
-        raise fail(str(exc), exit_code(exc)) from None
-    except RuntimeError as exc:
-        if "out of memory" not in str(exc).lower():
-            raise
-        where = resume or out
-        raise fail(
-            f"{exc}\nThe target ran out of memory; committed samples are kept. Lower --batch-tokens "
-            f"and resume: eyas extract --resume {where} --batch-tokens N"
-        ) from None
     console.print(
         f"extracted {s.committed} sample{'s' if s.committed != 1 else ''} ({s.tokens} tokens, "
         f"{s.bytes_written / max(s.tokens, 1):.0f} B/token) in {human_duration(s.seconds)}; "
@@ -462,15 +438,12 @@ def verify(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check every committed sample; report missing, corrupt, orphan and duplicate samples."""
-    from eyas.run.store import StoreError
     from eyas.stages.verify import render as render_verify
     from eyas.stages.verify import verify as run_verify
 
     _need(run, "run", eyas_only=True)
-    try:
+    with _exits():
         rep = run_verify(run, quick=quick, repair=repair)
-    except (StoreError, OSError) as exc:
-        raise fail(str(exc), exit_code(exc)) from None
     if as_json:
         _print_json(rep.to_dict())
     else:
@@ -489,7 +462,6 @@ def status(
 ) -> None:
     """Done/remaining/failed samples, bytes, free space, throughput, ETA and the lock holder."""
     from eyas.inspect.status import describe_other, format_status, not_eyas, run_status
-    from eyas.run.store import StoreError
     from eyas.stages.generate import STATE_SUFFIX, format_generation, generation_status
 
     if not run.exists() and not run.with_name(run.name + STATE_SUFFIX).exists():
@@ -511,10 +483,8 @@ def status(
             else:
                 report.print(other, markup=False, highlight=False)
             return
-    try:
+    with _exits():
         st = run_status(run)
-    except (StoreError, OSError) as exc:
-        raise fail(str(exc), exit_code(exc)) from None
     if as_json:
         _print_json(st.to_dict())
         return
@@ -561,10 +531,7 @@ def train(
     opts: dict = OPTS,
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
-    from eyas.run.store import StoreError
-    from eyas.stages.train import TrainStopped
     from eyas.stages.train import train as run_train
-    from eyas.targets.target import ModelDirError
 
     _quiet_transformers()
     opts = {"data": str(data) if data else None, "model": str(model) if model else None, **opts}
@@ -576,17 +543,8 @@ def train(
     if not follow:  # a follower may start before its run exists, and waits for it
         _need(data, "run")
     cfg = _config(TrainConfig, out=str(out), **opts)
-    try:
+    with _exits(then=f"eyas train --resume --out {out}"):
         res = run_train(cfg, resume=resume)
-    except TrainStopped as exc:
-        raise fail(str(exc), EXIT_STOPPED) from None
-    except ModelDirError as exc:
-        raise fail(str(exc), EXIT_USAGE) from None
-    except LockHeldError as exc:
-        raise fail(str(exc), exit_code(exc)) from None
-    except (StoreError, ValueError, OSError, KeyError) as exc:
-        _disk_full(exc, f"eyas train --resume --out {out}")
-        raise fail(str(exc), exit_code(exc)) from None
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():  # ranks leave together, the group closed
@@ -650,24 +608,13 @@ def export(
 ) -> None:
     """Write the trained drafter in a format vLLM or SGLang loads (atomically: --out is
     always a whole export, the old one or the new one)."""
-    from eyas.stages.export import ExportError, ExportUsage
     from eyas.stages.export import export as run_export
 
     _need(train_dir, "training")
     cfg = _config(ExportConfig, **opts)
     speculative_tokens = cfg.speculative_tokens
-    try:
+    with _exits(then=_this_command("export", "export again")):
         path = run_export(train_dir, fmt, out, **dataclasses.asdict(cfg))
-    except ExportError as exc:
-        raise fail(
-            str(exc), EXIT_USAGE if isinstance(exc, ExportUsage) else EXIT_PROBLEMS
-        ) from None
-    except OSError as exc:
-        _disk_full(
-            exc,
-            shlex.join(["eyas", *sys.argv[1:]]) if sys.argv[1:2] == ["export"] else "export again",
-        )
-        raise fail(str(exc), exit_code(exc)) from None
     from eyas.stages.export import drafts_per_round, serve_command
 
     served = drafts_per_round(path)
@@ -713,8 +660,6 @@ def evaluate(
     Several --drafter are judged on the same prompts, with their paired differences."""
     from eyas.stages.eval_report import render_inputs, render_paired, render_result
     from eyas.stages.evaluate import judge
-    from eyas.stages.export import ExportError
-    from eyas.targets.target import ModelDirError
 
     _quiet_transformers()
     cfg = _config(EvaluateConfig, **opts)
@@ -722,13 +667,9 @@ def evaluate(
     for dr in drafter:
         if Path(dr).exists():  # a missing one is said after the prompts and the tokenizer
             _need(dr, "export")
-    try:
+    with _exits():
         results, pairs = judge(cfg, str(model), [str(d) for d in drafter], str(data),
                                _json_object(chat_template_kwargs))  # fmt: skip
-    except (ModelDirError, FileNotFoundError) as exc:
-        raise fail(str(exc), EXIT_USAGE) from None
-    except (ExportError, ValueError, OSError) as exc:
-        raise fail(str(exc), exit_code(exc)) from None
     ds = [{"engine": engine, **r.to_dict()} for r in results]
     if as_json:
         _print_json(ds[0] if len(drafter) == 1 else {"drafters": ds, "paired": pairs})

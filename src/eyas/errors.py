@@ -4,8 +4,9 @@
     2   usage or input: a wrong path or option, data made for another target or config
     75  stopped early and cleanly (a signal, a full disk): the same command resumes
 
-A stage raises `UsageError` where the user must change what they asked for; the command line
-maps any exception to its code with `exit_code`. Below every other module: imports nothing.
+A stage raises `UsageError` where the user must change what they asked for and `Stopped` when
+it ends early but cleanly (its message names the command that resumes); the command line maps
+any exception to its code with `exit_code`. Below every other module: imports nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ class UsageError(EyasError, ValueError):
     code = EXIT_USAGE
 
 
+class Stopped(EyasError):
+    """The stage stopped early and cleanly, everything committed kept (exit 75); the message
+    ends with the command that resumes."""
+
+    code = EXIT_STOPPED
+
+
 def exit_code(exc: BaseException, default: int = EXIT_PROBLEMS) -> int:
-    """The exit code of an exception: its class's where it is an EyasError, else `default`."""
-    return exc.code if isinstance(exc, EyasError) else default
+    """The exit code of an exception: its class's where it is an EyasError; a missing file
+    is a wrong path (2); else `default`."""
+    if isinstance(exc, EyasError):
+        return exc.code
+    return EXIT_USAGE if isinstance(exc, FileNotFoundError) else default

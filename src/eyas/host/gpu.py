@@ -14,6 +14,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eyas.errors import EyasError
+
 MIB = 1 << 20
 
 
@@ -238,7 +240,7 @@ def query_gpus(proc_root: Path | None = None) -> GpuReport:
     return GpuReport(gpus, source)
 
 
-class GpuBusy(RuntimeError):
+class GpuBusy(EyasError, RuntimeError):
     """Another process holds memory on a GPU this run needs."""
 
 

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyas.errors import EyasError
+
 RUN_LOCK = "run.lock"
 
 
@@ -36,7 +38,7 @@ def _proc_start(pid: int) -> str | None:
         return None
 
 
-class LockHeld(Exception):
+class LockHeld(EyasError):
     """Another writer holds the lock; the message names it."""
 
 

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from eyas.drafters import kind_for_export, kind_of
+from eyas.errors import UsageError
 from eyas.run.fsutil import DiskFullError, atomic_write_json, fsync_dir, is_disk_full, read_json
 from eyas.run.manifest import ManifestError, write_manifest
 from eyas.stages.config import ExportConfig as _D  # the defaults, written once
@@ -37,7 +38,7 @@ class ExportError(ValueError):
     pass
 
 
-class ExportUsage(ExportError):
+class ExportUsage(ExportError, UsageError):
     """A flag that cannot work as given (exit 2); other ExportErrors are problems found (exit 1)."""
 
 

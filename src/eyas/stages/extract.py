@@ -36,7 +36,7 @@ import torch
 
 from eyas import __version__
 from eyas.data.dataset import PreparedDataset, check_tokenizer
-from eyas.errors import UsageError
+from eyas.errors import EyasError, Stopped, UsageError
 from eyas.host.gpu import gpu_preflight
 from eyas.host.ui import RATE_WINDOW, Reporter, console, recent_rate, still_working
 from eyas.resume import ResumeRule
@@ -106,7 +106,7 @@ RESUME_RULE = ResumeRule(
 )  # fmt: skip
 
 
-class ExtractStopped(Exception):
+class ExtractStopped(Stopped):
     """The run stopped early but cleanly; `extract --resume` continues it."""
 
     def __init__(self, reason: str, done: int, total: int, run: Path, pending_adoption: int = 0):
@@ -221,7 +221,11 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
     return cfg, run, meta, ds
 
 
-class OutDirError(ValueError):
+class TargetOutOfMemory(EyasError):
+    """The target ran out of device memory mid-run (exit 1): the message says how to go on."""
+
+
+class OutDirError(UsageError):
     """--out is a directory that holds something else: a usage error (exit 2)."""
 
 
@@ -338,6 +342,13 @@ def extract(
             if new_dir:
                 shutil.rmtree(run, ignore_errors=True)
         raise
+    except RuntimeError as exc:
+        if "out of memory" not in str(exc).lower():
+            raise
+        raise TargetOutOfMemory(
+            f"{exc}\nThe target ran out of memory; committed samples are kept. Lower --batch-tokens "
+            f"and resume: eyas extract --resume {run} --batch-tokens N"
+        ) from None
 
 
 def _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device) -> ExtractSummary:

@@ -39,7 +39,7 @@ from eyas.data.records import (
     read_conversation,
     record_id,
 )
-from eyas.errors import UsageError
+from eyas.errors import Stopped, UsageError
 from eyas.host.ui import Reporter
 from eyas.resume import ResumeRule
 from eyas.run.fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
@@ -73,7 +73,7 @@ class _SameFailure:
         return None
 
 
-class GenerateStopped(Exception):
+class GenerateStopped(Stopped):
     def __init__(self, reason: str, done: int, total: int, cmd: str):
         super().__init__(
             f"{reason}. {done}/{total} records are done. Resume with the same command: {cmd}"
@@ -391,7 +391,7 @@ def _job(cfg: GenerateConfig) -> dict:
     }
 
 
-class EndpointUnreachable(ValueError):
+class EndpointUnreachable(UsageError):
     """Nothing answers at --endpoint: no record could succeed (a usage error, exit 2)."""
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from eyas.drafters.loss import add_targets, loss_masks, summarize, target_view, ttt_loss
-from eyas.errors import UsageError
+from eyas.errors import Stopped, UsageError
 from eyas.host.cpu import choose_threads, configure_threads
 from eyas.host.ui import Reporter, console, still_working
 from eyas.resume import ResumeRule
@@ -81,8 +81,8 @@ RESUME_RULE = ResumeRule(
 )  # fmt: skip
 
 
-class TrainStopped(Exception):
-    pass
+class TrainStopped(Stopped):
+    """Training stopped by a signal at a checkpoint; `train --resume` continues it."""
 
 
 __all__ = [

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
+from eyas.errors import UsageError
 from eyas.run.fsutil import read_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelDirError(ValueError):
+class ModelDirError(UsageError):
     """A model path that is not a usable model directory (a usage error, exit 2)."""
 
 
