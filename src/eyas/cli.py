@@ -23,7 +23,6 @@ from eyas.errors import EXIT_PROBLEMS, EXIT_STOPPED, EXIT_USAGE, EyasError, exit
 from eyas.host.cpu import pin_runtime_env
 from eyas.host.ui import console
 from eyas.options import OPTS, config_options, given
-from eyas.run.fsutil import human_duration
 from eyas.stages.config import (
     DemoConfig,
     EstimateConfig,
@@ -249,56 +248,9 @@ def prepare(
         try:
             s = run(cfg)
         except PrepareFailed as exc:
-            _prepare_report(exc.summary, written=False)
+            _say(exc.summary.render(written=False))
             raise
-    _prepare_report(s, written=True)
-
-
-def _prepare_report(s, written: bool) -> None:
-    from eyas.data.records import REASONS
-
-    def say(msg: str) -> None:
-        console.print(msg, markup=False, highlight=False)
-
-    say(
-        f"prepared {s.prepared}/{s.records} records"
-        + (f" into {s.samples} samples (one per assistant turn)" if s.samples != s.prepared else "")
-        + f", {s.tokens} tokens ({s.trainable_tokens} trainable), {s.truncated} truncated, "
-        f"{s.skipped_overlong} skipped as overlong, {len(s.emptied)} emptied by truncation, "
-        f"{s.failed} failed" + (f" -> {s.out}" if written else "")
-    )
-    for f, n in sorted(s.dropped.items()):
-        where = f"(in {s.dropped_in.get(f, s.dropped_records)} records)"
-        if f in ("tool_calls", "reasoning"):
-            say(
-                f"  {n:6d}  assistant turns whose {f.replace('_', ' ')} the chat template does not render "
-                f"{where}: not trained on"
-            )
-        elif f == "reasoning_in_history":
-            say(
-                f"  {n:6d}  earlier assistant turns whose reasoning the chat template drops from the history "
-                f"{where}: not trained on; --per-turn-samples trains each turn with its reasoning"
-            )
-        else:
-            say(
-                f"  {n:6d}  {f} turns the chat template does not render {where}: the drafter learns the "
-                f"answers without them, as the served target sees them; a template that renders {f} "
-                "turns (--chat-template FILE) keeps them"
-            )
-    for code, n in s.reasons.items():
-        extra = ""
-        if code == "unknown-role" and s.unknown_roles:
-            extra = ": " + ", ".join(f"{r} ({k})" for r, k in sorted(s.unknown_roles.items()))
-        say(f"  {n:6d}  {REASONS.get(code, code)}{extra}")
-    if s.emptied:
-        say(
-            f"  {len(s.emptied)} record(s) begin their first answer past --max-length; "
-            f"--max-length {s.max_length_keeping()} would keep 90% of them"
-        )
-    for note in s.notes:
-        say(f"note: {note}")
-    if written and (s.failed or s.emptied or s.skipped_overlong):
-        say(f"  details: {Path(s.out) / 'errors.jsonl'}")
+    _say(s.render())
 
 
 @app.command()
@@ -330,19 +282,9 @@ def generate(
     command = _this_command("generate", "eyas generate ...")
     with _exits(then=command):
         s = run_generate(cfg, command)
-    console.print(
-        f"generated {s.generated} records ({s.done_before} done before, {s.failed} failed, {s.truncated} cut by "
-        f"--max-tokens) with {s.requests} requests, {s.completion_tokens:,} completion tokens in {s.seconds:.1f}s "
-        f"({s.requests / max(s.seconds, 1e-9):.2f} req/s, {s.completion_tokens / max(s.seconds, 1e-9):,.0f} tok/s) -> {s.out}",
-        markup=False,
-        highlight=False,
-    )
-    if s.failed:
-        from eyas.stages.generate import state_dir
-
-        raise fail(
-            f"{s.failed} records failed; see {state_dir(out) / 'errors.jsonl'}; rerun the same command to retry them"
-        )
+    _say(s.render())
+    if (problems := s.problems()) is not None:
+        raise fail(problems)
 
 
 @app.command()
@@ -394,16 +336,9 @@ def extract(
                 raise fail("need --model, --data and --out (or --resume RUN_DIR)", EXIT_USAGE)
             cfg = _config(ExtractConfig, model=str(model), data=str(data), out=str(out), **opts)
             s = run_extract(cfg)
-    console.print(
-        f"extracted {s.committed} sample{'s' if s.committed != 1 else ''} ({s.tokens} tokens, "
-        f"{s.bytes_written / max(s.tokens, 1):.0f} B/token) in {human_duration(s.seconds)}; "
-        f"{s.done_before + s.committed}/{s.total} done, {s.failed} failed -> {s.run}"
-        + (f"; waited {human_duration(s.waited_s)} for the trainer" if s.waited_s else ""),
-        markup=False,
-        highlight=False,
-    )
-    if s.failed:
-        raise fail(f"{s.failed} samples failed their checks; see {s.run}/errors/")
+    _say(s.render())
+    if (problems := s.problems()) is not None:
+        raise fail(problems)
 
 
 @app.command()
@@ -531,6 +466,7 @@ def train(
     opts: dict = OPTS,
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
+    from eyas.stages.train import render_result
     from eyas.stages.train import train as run_train
 
     _quiet_transformers()
@@ -545,33 +481,7 @@ def train(
     cfg = _config(TrainConfig, out=str(out), **opts)
     with _exits(then=f"eyas train --resume --out {out}"):
         res = run_train(cfg, resume=resume)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():  # ranks leave together, the group closed
-        dist.barrier()
-        dist.destroy_process_group()
-    if resume and res.get("steps_now") == 0:
-        console.print(
-            f"already trained: {res['steps']} steps, nothing left to do; the drafter is in {out} "
-            f"(eyas export {out} --format vllm --out DRAFTER_DIR)",
-            markup=False,
-            highlight=False,
-        )
-        return
-    v = res["val"]
-    tail = (
-        f"; val acc/step {[round(a, 3) for a in v['acc']]}, est. acceptance {v['accept_len'][-1]:.2f}"
-        if v
-        else ""
-    )
-    console.print(
-        f"trained {res['steps']} steps at {res['tokens_per_s']:.0f} tokens/s{tail} -> {out}"
-        + (
-            f"; waited {human_duration(res['waited_s'])} for samples" if res.get("waited_s") else ""
-        ),
-        markup=False,
-        highlight=False,
-    )
+    _say(render_result(res, out, resume))
 
 
 def _saved_options(opts: dict, out: Path, ctx: typer.Context) -> dict:
@@ -609,28 +519,13 @@ def export(
     """Write the trained drafter in a format vLLM or SGLang loads (atomically: --out is
     always a whole export, the old one or the new one)."""
     from eyas.stages.export import export as run_export
+    from eyas.stages.export import render_export
 
     _need(train_dir, "training")
     cfg = _config(ExportConfig, **opts)
-    speculative_tokens = cfg.speculative_tokens
     with _exits(then=_this_command("export", "export again")):
         path = run_export(train_dir, fmt, out, **dataclasses.asdict(cfg))
-    from eyas.stages.export import drafts_per_round, serve_command
-
-    served = drafts_per_round(path)
-    if speculative_tokens is not None and served != speculative_tokens:
-        console.print(
-            f"note: --speculative-tokens {speculative_tokens} does not apply to this drafter: its "
-            f"block drafts {served} tokens a round (set by train --block-size)",
-            markup=False,
-            highlight=False,
-        )
-    console.print(
-        f"exported {fmt} drafter to {path}, drafting {served} tokens a round\n"
-        f"  serve with: {serve_command(path, fmt)}",
-        markup=False,
-        highlight=False,
-    )
+    _say(render_export(path, fmt, cfg.speculative_tokens))
 
 
 @app.command()
@@ -710,6 +605,11 @@ def demo(
         _print_json(summary)
     if not summary["lossless"]:
         raise fail("speculative decoding differed from greedy decoding")
+
+
+def _say(text: str) -> None:
+    """A stage's summary, as the stage wrote it (no markup read into it)."""
+    console.print(text, markup=False, highlight=False)
 
 
 def _print_json(obj) -> None:

@@ -271,6 +271,22 @@ def serve_command(path: str | Path, fmt: str, tokens: int | None = None) -> str:
     )
 
 
+def render_export(path: str | Path, fmt: str, asked_tokens: int | None = None) -> str:
+    """What was written and the command that serves it; a note first where
+    --speculative-tokens (`asked_tokens`) does not apply to the drafter's kind."""
+    served = drafts_per_round(path)
+    note = ""
+    if asked_tokens is not None and served != asked_tokens:
+        note = (
+            f"note: --speculative-tokens {asked_tokens} does not apply to this drafter: its "
+            f"block drafts {served} tokens a round (set by train --block-size)\n"
+        )
+    return (
+        f"{note}exported {fmt} drafter to {path}, drafting {served} tokens a round\n"
+        f"  serve with: {serve_command(path, fmt)}"
+    )
+
+
 def load_export(path: str | Path) -> tuple[torch.nn.Module, list[int]]:
     """A drafter from an export directory of any kind and format, in the architecture its
     config declares, and the target layers it reads (HF `hidden_states` indices)."""

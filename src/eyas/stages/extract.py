@@ -137,6 +137,20 @@ class ExtractSummary:
     bytes_written: int
     waited_s: float = 0.0  # time spent waiting for a following trainer (--max-store)
 
+    def render(self) -> str:
+        return (
+            f"extracted {self.committed} sample{'s' if self.committed != 1 else ''} ({self.tokens} tokens, "
+            f"{self.bytes_written / max(self.tokens, 1):.0f} B/token) in {human_duration(self.seconds)}; "
+            f"{self.done_before + self.committed}/{self.total} done, {self.failed} failed -> {self.run}"
+            + (f"; waited {human_duration(self.waited_s)} for the trainer" if self.waited_s else "")
+        )
+
+    def problems(self) -> str | None:
+        """What the run found wrong (exit 1), or None."""
+        if self.failed:
+            return f"{self.failed} samples failed their checks; see {self.run}/errors/"
+        return None
+
 
 def stored_config(cfg: ExtractConfig) -> dict:
     d = RESUME_RULE.stored(asdict(cfg))

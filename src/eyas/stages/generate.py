@@ -93,6 +93,24 @@ class GenerateSummary:
     seconds: float = 0.0
     errors: list[dict] = field(default_factory=list)
 
+    def render(self) -> str:
+        per_s = max(self.seconds, 1e-9)
+        return (
+            f"generated {self.generated} records ({self.done_before} done before, {self.failed} failed, "
+            f"{self.truncated} cut by --max-tokens) with {self.requests} requests, "
+            f"{self.completion_tokens:,} completion tokens in {self.seconds:.1f}s "
+            f"({self.requests / per_s:.2f} req/s, {self.completion_tokens / per_s:,.0f} tok/s) -> {self.out}"
+        )
+
+    def problems(self) -> str | None:
+        """What failed (exit 1), and how to retry it, or None."""
+        if self.failed:
+            return (
+                f"{self.failed} records failed; see {state_dir(self.out) / 'errors.jsonl'}; "
+                "rerun the same command to retry them"
+            )
+        return None
+
 
 def state_dir(out: str | Path) -> Path:
     out = Path(out)

@@ -23,6 +23,7 @@ from pathlib import Path
 from eyas.data.chat import assistant_spans, tokenize_with_mask
 from eyas.data.dataset import Prepared, foreign_entries, write_dataset, write_errors_only
 from eyas.data.records import (
+    REASONS,
     RawRecord,
     RecordError,
     iter_records,
@@ -72,6 +73,60 @@ class PrepareSummary:
     @property
     def error_rate(self) -> float:
         return self.failed / self.records if self.records else 0.0
+
+    def render(self, written: bool = True) -> str:
+        """The summary line, then one line per kind of turn or record left out and why."""
+        lines = [
+            f"prepared {self.prepared}/{self.records} records"
+            + (
+                f" into {self.samples} samples (one per assistant turn)"
+                if self.samples != self.prepared
+                else ""
+            )
+            + f", {self.tokens} tokens ({self.trainable_tokens} trainable), {self.truncated} truncated, "
+            f"{self.skipped_overlong} skipped as overlong, {len(self.emptied)} emptied by truncation, "
+            f"{self.failed} failed" + (f" -> {self.out}" if written else "")
+        ]
+        for f, n in sorted(self.dropped.items()):
+            lines.append(
+                f"  {n:6d}  {_dropped_turns(f, self.dropped_in.get(f, self.dropped_records))}"
+            )
+        for code, n in self.reasons.items():
+            extra = ""
+            if code == "unknown-role" and self.unknown_roles:
+                extra = ": " + ", ".join(
+                    f"{r} ({k})" for r, k in sorted(self.unknown_roles.items())
+                )
+            lines.append(f"  {n:6d}  {REASONS.get(code, code)}{extra}")
+        if self.emptied:
+            lines.append(
+                f"  {len(self.emptied)} record(s) begin their first answer past --max-length; "
+                f"--max-length {self.max_length_keeping()} would keep 90% of them"
+            )
+        lines += [f"note: {note}" for note in self.notes]
+        if written and (self.failed or self.emptied or self.skipped_overlong):
+            lines.append(f"  details: {Path(self.out) / 'errors.jsonl'}")
+        return "\n".join(lines)
+
+
+def _dropped_turns(what: str, records: int) -> str:
+    """Why turns whose `what` (tool_calls, reasoning, a role) the template drops are not trained on."""
+    where = f"(in {records} records)"
+    if what in ("tool_calls", "reasoning"):
+        return (
+            f"assistant turns whose {what.replace('_', ' ')} the chat template does not render "
+            f"{where}: not trained on"
+        )
+    if what == "reasoning_in_history":
+        return (
+            f"earlier assistant turns whose reasoning the chat template drops from the history "
+            f"{where}: not trained on; --per-turn-samples trains each turn with its reasoning"
+        )
+    return (
+        f"{what} turns the chat template does not render {where}: the drafter learns the "
+        f"answers without them, as the served target sees them; a template that renders {what} "
+        "turns (--chat-template FILE) keeps them"
+    )
 
 
 # ---------------------------------------------------------------------------- loss mask

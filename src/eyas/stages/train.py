@@ -42,6 +42,7 @@ from eyas.run.fsutil import (
     DiskFullError,
     atomic_write_bytes,
     atomic_write_json,
+    human_duration,
     is_disk_full,
     read_json,
 )
@@ -166,7 +167,37 @@ def _resolve_schedule(cfg: TrainConfig, meta: dict, rank: int) -> TrainConfig:
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
     """Train (or resume) a drafter; returns the last validation summary. Rank 0 holds the
-    training directory's writer lock throughout: one training per directory."""
+    training directory's writer lock throughout: one training per directory. Under torchrun
+    the ranks leave together and the process group is closed once training is done."""
+    res = _train_rank(cfg, resume)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return res
+
+
+def render_result(res: dict, out: str | Path, resume: bool) -> str:
+    """train's result in one line: steps, speed, the last validation, where the drafter is."""
+    if resume and res.get("steps_now") == 0:
+        return (
+            f"already trained: {res['steps']} steps, nothing left to do; the drafter is in {out} "
+            f"(eyas export {out} --format vllm --out DRAFTER_DIR)"
+        )
+    v = res["val"]
+    tail = (
+        f"; val acc/step {[round(a, 3) for a in v['acc']]}, est. acceptance {v['accept_len'][-1]:.2f}"
+        if v
+        else ""
+    )
+    waited = (
+        f"; waited {human_duration(res['waited_s'])} for samples" if res.get("waited_s") else ""
+    )
+    return (
+        f"trained {res['steps']} steps at {res['tokens_per_s']:.0f} tokens/s{tail} -> {out}{waited}"
+    )
+
+
+def _train_rank(cfg: TrainConfig, resume: bool) -> dict:
     rank, world = _dist()
     out, run = Path(cfg.out), Path(cfg.data)
     if cfg.follow:
