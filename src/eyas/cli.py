@@ -396,34 +396,14 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """Done/remaining/failed samples, bytes, free space, throughput, ETA and the lock holder."""
-    from eyas.inspect.status import describe_other, format_status, not_eyas, run_status
-    from eyas.stages.generate import STATE_SUFFIX, format_generation, generation_status
+    from eyas.inspect.status import status_of
 
-    if not run.exists() and not run.with_name(run.name + STATE_SUFFIX).exists():
-        raise fail(f"{run}: no such run, training, dataset, drafter or generation", EXIT_USAGE)
-    if (msg := not_eyas(run)) is not None:
-        raise fail(msg, EXIT_USAGE)
-    gen = run if (run / "generate.json").is_file() else run.with_name(run.name + STATE_SUFFIX)
-    if (gen / "generate.json").is_file():
-        g = generation_status(gen)
-        if as_json:
-            _print_json(g)
-        else:
-            report.print(format_generation(g), markup=False, highlight=False)
-        return
-    if not (run / "run.json").exists() and not (run / "run.backup.json").exists():
-        if (other := describe_other(run)) is not None:
-            if as_json:
-                _print_json({"kind": other.split()[0], "describe": other})
-            else:
-                report.print(other, markup=False, highlight=False)
-            return
     with _exits():
-        st = run_status(run)
+        as_dict, text = status_of(run)
     if as_json:
-        _print_json(st.to_dict())
-        return
-    report.print(format_status(st), markup=False, highlight=False)
+        _print_json(as_dict)
+    else:
+        report.print(text, markup=False, highlight=False)
 
 
 @app.command()

@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eyas.errors import UsageError
 from eyas.host.ui import RATE_WINDOW, recent_rate
 from eyas.run.fsutil import filesystem_info
 from eyas.run.journal import ledger, pass_of, read_errors
@@ -481,3 +482,24 @@ def _last_val(metrics: Path) -> str | None:
         return None
     accs = " ".join(f"{a:.2f}" for a in last.get("acc", []))
     return f"step {last.get('step')}: loss0 {last['loss'][0]:.3f}, acc/step [{accs}]"
+
+
+def status_of(path: Path) -> tuple[dict, str]:
+    """`eyas status` of any eyas directory: its JSON form and its text. An extraction run
+    (run.json, or only its backup) reads its journals; generate's output its state; a
+    dataset, training or export is described. UsageError for a path that is none of them."""
+    from eyas.stages.generate import STATE_SUFFIX, format_generation, generation_status
+
+    gen = path if (path / "generate.json").is_file() else path.with_name(path.name + STATE_SUFFIX)
+    if not path.exists() and not gen.exists():
+        raise UsageError(f"{path}: no such run, training, dataset, drafter or generation")
+    if (msg := not_eyas(path)) is not None:
+        raise UsageError(msg)
+    if (gen / "generate.json").is_file():
+        g = generation_status(gen)
+        return g, format_generation(g)
+    if not (path / "run.json").exists() and not (path / "run.backup.json").exists():
+        if (other := describe_other(path)) is not None:
+            return {"kind": other.split()[0], "describe": other}, other
+    st = run_status(path)
+    return st.to_dict(), format_status(st)
