@@ -446,13 +446,14 @@ def train(
     opts: dict = OPTS,
 ) -> None:
     """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
-    from eyas.stages.train import render_result
+    from eyas.stages.train import render_result, resume_options
     from eyas.stages.train import train as run_train
 
     _quiet_transformers()
     opts = {"data": str(data) if data else None, "model": str(model) if model else None, **opts}
     if resume:
-        opts = _saved_options(opts, out, ctx)
+        with _exits():
+            opts = resume_options(out, opts, given(ctx, opts))
     if not opts["data"]:
         raise fail("need --data RUN (or --resume with an --out that holds a training)", EXIT_USAGE)
     data, follow = Path(opts["data"]), opts["follow"]
@@ -462,24 +463,6 @@ def train(
     with _exits(then=f"eyas train --resume --out {out}"):
         res = run_train(cfg, resume=resume)
     _say(render_result(res, out, resume))
-
-
-def _saved_options(opts: dict, out: Path, ctx: typer.Context) -> dict:
-    """A resume takes the options its training was started with, from train.json; only
-    options given on this command line replace them (a change that training cannot take is
-    refused when the config is checked, naming both values)."""
-    saved = out / "train.json"
-    if not saved.is_file():
-        return opts
-    try:
-        prev = json.loads(saved.read_text())["config"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise fail(f"{saved}: unreadable ({exc}); give every option again", EXIT_PROBLEMS) from None
-    from eyas.stages.train import RESUME_RULE
-
-    saved = RESUME_RULE.saved(prev)  # an option newer than the training: what it was trained with
-    given = {k for k in opts if getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE"}
-    return {k: saved[k] if k in saved and k not in given else v for k, v in opts.items()}
 
 
 @app.command()

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from eyas.drafters.loss import add_targets, loss_masks, summarize, target_view, ttt_loss
-from eyas.errors import Stopped, UsageError
+from eyas.errors import EyasError, Stopped, UsageError
 from eyas.host.cpu import choose_threads, configure_threads
 from eyas.host.ui import Reporter, console, still_working
 from eyas.resume import ResumeRule
@@ -195,6 +195,21 @@ def render_result(res: dict, out: str | Path, resume: bool) -> str:
     return (
         f"trained {res['steps']} steps at {res['tokens_per_s']:.0f} tokens/s{tail} -> {out}{waited}"
     )
+
+
+def resume_options(out: str | Path, opts: dict, given: dict) -> dict:
+    """The options a `train --resume` runs with: those its training was started with (its
+    train.json, read by the resume rule), replaced only where this invocation `given`
+    another. A change the training cannot take is refused when the config is checked,
+    naming both values."""
+    saved = Path(out) / "train.json"
+    if not saved.is_file():
+        return opts
+    try:
+        prev = RESUME_RULE.saved(read_json(saved)["config"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise EyasError(f"{saved}: unreadable ({exc}); give every option again") from None
+    return {k: prev[k] if k in prev and k not in given else v for k, v in opts.items()}
 
 
 def _train_rank(cfg: TrainConfig, resume: bool) -> dict:
