@@ -11,11 +11,11 @@ from conftest import eyas
 from eyas.drafters.dflash.model import DFlashConfig, DFlashDrafter, choose_anchors
 
 
-def _model(seed=0, layers=2, S=4) -> DFlashDrafter:
+def _model(seed=0, layers=2, S=4, window=None) -> DFlashDrafter:
     torch.manual_seed(seed)
     c = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=8, vocab_size=50, draft_vocab_size=20, target_layers=3,
-                     block_size=S, mask_token_id=49)  # fmt: skip
+                     block_size=S, mask_token_id=49, attention_window=window)  # fmt: skip
     m = DFlashDrafter(c)
     for p in m.parameters():  # norms away from 1, so a wrong wiring shows
         p.data.normal_(0, 0.3) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
@@ -57,6 +57,50 @@ def test_drafting_at_inference_is_the_trained_block():
         logits = m.forward_blocks(ids, states, torch.tensor([[a]]))[0, 0, 1:]  # (S-1, D)
         kv = m.context_kv(m.context(states[:, :a]), torch.arange(a)[None])
     assert m.draft_block(kv, a, int(ids[0, a])) == m.draft_ids[logits.argmax(-1)].tolist()
+
+
+def test_a_window_hides_the_context_behind_each_block_position():
+    """With a window W, block position j (at a+j) sees the context above a+j-W and nothing
+    before it: states there change no logit; one layer, so nothing leaks through the
+    block's own keys."""
+    m = _model(layers=1, window=5)
+    torch.manual_seed(3)
+    ids, states = torch.randint(0, 49, (1, 16)), torch.randn(1, 16, 96, dtype=torch.float64)
+    a = 12
+    with torch.no_grad():
+        base = m.forward_blocks(ids, states, torch.tensor([[a]]))[0, 0]  # (S, D)
+
+        def changed(at: int) -> list[bool]:
+            other = states.clone()
+            other[0, at] += 1.0
+            got = m.forward_blocks(ids, other, torch.tensor([[a]]))[0, 0]
+            return [not torch.allclose(got[j], base[j]) for j in range(4)]
+
+        assert changed(7) == [False] * 4  # a - W: behind every position's window
+        assert changed(8) == [True, False, False, False]  # inside position 0's window only
+        assert changed(10) == [True, True, True, False]
+        assert changed(11) == [True] * 4
+        full = _model(layers=1).forward_blocks(ids, states, torch.tensor([[a]]))[0, 0]
+    assert not torch.allclose(full, base)  # the window is what changed them
+    try:
+        _model(window=3)
+    except ValueError as exc:
+        assert "shorter than the block (4)" in str(exc)
+    else:
+        raise AssertionError("a window shorter than the block was accepted")
+
+
+def test_drafting_with_a_window_is_the_trained_block():
+    """At inference the block sees the context through the same window as in training, both
+    before the context fills the window and long after."""
+    m = _model(layers=2, window=5)
+    torch.manual_seed(4)
+    ids, states = torch.randint(0, 49, (1, 20)), torch.randn(1, 20, 96, dtype=torch.float64)
+    for a in (3, 6, 15):
+        with torch.no_grad():
+            logits = m.forward_blocks(ids, states, torch.tensor([[a]]))[0, 0, 1:]  # (S-1, D)
+            kv = m.context_kv(m.context(states[:, :a]), torch.arange(a)[None])
+        assert m.draft_block(kv, a, int(ids[0, a])) == m.draft_ids[logits.argmax(-1)].tolist(), a
 
 
 def test_anchors_tile_the_trainable_spans():
@@ -127,6 +171,37 @@ def test_dflash_trains_exports_and_decodes_losslessly(demo_runs, tmp_path):
     assert both["paired"] == [{"a": str((tmp_path / "ex").resolve()), "b": str((tmp_path / "ex2").resolve()),
                                "prompts": 6, "tokens_per_forward": [a["tokens_per_forward"]] * 2,
                                "difference": 0.0, "difference_ci95": [0.0, 0.0]}]  # fmt: skip
+
+
+def test_a_windowed_dflash_drafter_is_exported_for_vllm_and_refused_for_sglang(demo_runs, tmp_path):
+    """--attention-window on a DFlash drafter: trained with it, written as vLLM's sliding
+    window (use_swa, non-causal), read back with it to the same logits and decoded
+    losslessly; SGLang, whose window layers are causal, is refused naming the option."""
+    from eyas.demo_target.build import DEMO_TARGET
+    from eyas.stages.export import load_export
+    from eyas.training.checkpoint import load_trained
+
+    run = demo_runs(60)
+    r = eyas("train", "--data", run, "--out", tmp_path / "tr", "--kind", "dflash", "--block-size", "4",
+             "--attention-window", "8", "--epochs", "1", "--batch-tokens", "1024", check=True)  # fmt: skip
+    assert "DFlash, blocks of 4, 2 layer(s), attention window 8" in r.stderr, r.stderr
+    eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex", check=True)
+    d = json.loads((tmp_path / "ex" / "config.json").read_text())["dflash_config"]
+    assert (d["use_swa"], d["swa_window_size"], d["causal"]) == (True, 8, False)
+    trained, _ = load_trained(tmp_path / "tr")
+    back, _ = load_export(tmp_path / "ex")
+    assert back.config.attention_window == 8
+    torch.manual_seed(0)
+    ids, states = torch.randint(0, 1000, (1, 30)), torch.randn(1, 30, 3 * 128)
+    with torch.no_grad():
+        torch.testing.assert_close(trained.eval().forward_blocks(ids, states, torch.tensor([[20]])),
+                                   back.forward_blocks(ids, states, torch.tensor([[20]])))  # fmt: skip
+    r = eyas("export", tmp_path / "tr", "--format", "sglang", "--out", tmp_path / "sg")
+    assert r.returncode == 1 and "--attention-window 8" in r.stderr and "causally" in r.stderr
+    assert not (tmp_path / "sg").exists()
+    r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--data",
+             run.parent / "conv.jsonl", "--limit", "4", "--json")  # fmt: skip
+    assert r.returncode == 0 and json.loads(r.stdout)["lossless"], r.stderr[-2000:]
 
 
 def test_five_target_layers_extract_train_export_and_decode(

@@ -113,10 +113,12 @@ class TrainConfig:
     intermediate_size: int | None = None
     """The drafter's MLP width; default: the target's."""
     attention_window: int | None = None
-    """eagle3: a sliding window for the drafter's attention: each position attends to the W
-    latest positions (itself included) and its own chain, in training and when drafting;
+    """A sliding window for the drafter's attention, in training and when drafting: an
+    eagle3 position attends to the W latest positions (itself included) and its own chain, a
+    dflash block position to the context above its position - W and its whole block;
     default: all of them. For targets served at far longer contexts than the training data's
-    (docs/recipe.md); SGLang serves it (--speculative-draft-window-size), vLLM does not."""
+    (docs/recipe.md). eagle3: SGLang serves it (--speculative-draft-window-size), vLLM does
+    not; dflash: vLLM serves it (dflash_config.use_swa), SGLang does not."""
     attention: str = "auto"
     """TTT attention: reference (full score matrices), chunked (blockwise, O(T) memory, any
     device), flex (fused kernel, GPU); auto: flex on a GPU, chunked on a CPU."""

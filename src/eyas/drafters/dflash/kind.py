@@ -58,10 +58,6 @@ class DFlash:
             raise ValueError(
                 "a DFlash drafter trains on the target's final states: extract with --target last"
             )
-        if cfg.attention_window:
-            raise ValueError(
-                "--attention-window is an eagle3 option; a DFlash drafter has no window yet"
-            )
         t = text_config(model_dir)
         H, heads = t.hidden_size, t.num_attention_heads
         kv = getattr(t, "num_key_value_heads", None) or heads
@@ -77,6 +73,7 @@ class DFlash:
             draft_vocab_size=len(draft_ids),
             target_layers=len(meta["aux_layers"]),
             block_size=cfg.block_size,
+            attention_window=cfg.attention_window,
             mask_token_id=choose_mask_token(
                 model_dir, ds.vocab_counts(), bool(meta.get("trust_remote_code_required"))
             ),
@@ -104,7 +101,8 @@ class DFlash:
         return DFlashDrafter(DFlashConfig(**cdict))
 
     def describe(self, cfg) -> str:
-        return f"DFlash, blocks of {cfg.block_size}, {cfg.drafter_layers} layer(s)"
+        window = f", attention window {cfg.attention_window}" if cfg.attention_window else ""
+        return f"DFlash, blocks of {cfg.block_size}, {cfg.drafter_layers} layer(s){window}"
 
     def positions(self, cfg) -> int:
         return cfg.block_size - 1
@@ -160,6 +158,13 @@ class DFlash:
         from eyas import __version__
 
         c = DFlashConfig(**cdict)
+        if fmt == "sglang" and c.attention_window:
+            raise ValueError(
+                f"the drafter was trained with --attention-window {c.attention_window}, which SGLang's "
+                "DFlash model runs causally inside the block (its sliding layers are decoder layers): "
+                "it would run another network than the one trained. Export --format vllm (its "
+                "dflash_config.use_swa), or train without --attention-window"
+            )
         tensors = {}
         for name, t in state.items():
             if name in ("d2t", "t2d") and c.draft_vocab_size == c.vocab_size:
@@ -179,6 +184,12 @@ class DFlash:
                 "target_layer_ids": list(info["aux_layers"]),
                 "block_size": c.block_size,
                 "mask_token_id": c.mask_token_id,
+                # vLLM: every layer a sliding window of W, still non-causal inside the block.
+                **(
+                    {"use_swa": True, "swa_window_size": c.attention_window, "causal": False}
+                    if c.attention_window
+                    else {}
+                ),
             },
             "torch_dtype": str(dtype).removeprefix("torch."),
             "eyas_version": __version__,
@@ -192,11 +203,14 @@ class DFlash:
         from eyas.targets.layers import hf_indices
 
         d = cfg.get("dflash_config") or {}
-        for key in ("causal", "use_swa"):
-            if d.get(key):
-                raise ValueError(
-                    f"{cfg_file}: dflash_config.{key} is an attention eyas's DFlash drafter does not have"
-                )
+        windowed = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+        if d.get("causal") or windowed or (d.get("use_swa") and not d.get("swa_window_size")):
+            said = {k: d[k] for k in ("causal", "use_swa", "swa_window_size") if k in d}
+            raise ValueError(
+                f"{cfg_file}: dflash_config {said}, layer_types {cfg.get('layer_types')}: an "
+                "attention eyas's DFlash drafter does not have (a block that sees itself whole, "
+                "one window or none on every layer)"
+            )
         ids = d["target_layer_ids"]
         c = DFlashConfig(
             hidden_size=cfg["hidden_size"],
@@ -210,6 +224,7 @@ class DFlash:
             target_layers=len(ids),
             block_size=d["block_size"],
             mask_token_id=d["mask_token_id"],
+            attention_window=d["swa_window_size"] if d.get("use_swa") else None,
             rms_norm_eps=cfg["rms_norm_eps"],
             rope_theta=cfg["rope_theta"],
             max_position_embeddings=cfg["max_position_embeddings"],

@@ -9,7 +9,8 @@ S block size, D draft vocabulary, V target vocabulary.
         embedded with the target's own table -> h (B, N*S, H)
     each layer: x = input_layernorm(h); queries and keys per head q_norm / k_norm'd, RoPE;
         the block's queries attend to the context's keys at positions < a (k_proj/v_proj of
-        c, the same projections) and, both ways, to the block's own keys; h += o_proj(...);
+        c, the same projections; with a window W, those above the query's position - W) and,
+        both ways, to the block's own keys; h += o_proj(...);
         h += mlp(post_attention_layernorm(h))
     -> norm -> the target's own head rows for the draft vocabulary (frozen) -> logits (B, N*S, D)
 
@@ -51,6 +52,10 @@ class DFlashConfig:
     """S: the block's length; one pass drafts S-1 tokens."""
     mask_token_id: int = 0
     """The id whose embedding fills the block's masked positions."""
+    attention_window: int | None = None
+    """W: a sliding window. A block position at p attends to the context positions above
+    p - W and to its whole block, as an engine's sliding-window attention serves it; None: to
+    the whole context before the block."""
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
@@ -63,6 +68,11 @@ class DFlashConfig:
             )
         if self.block_size < 2:
             raise ValueError(f"a block needs at least 2 positions, got {self.block_size}")
+        if self.attention_window is not None and self.attention_window < self.block_size:
+            raise ValueError(
+                f"--attention-window {self.attention_window} is shorter than the block "
+                f"({self.block_size}): a block must see itself whole"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask token id {self.mask_token_id} is outside the vocabulary ({self.vocab_size})"
@@ -195,6 +205,8 @@ class DFlashDrafter(nn.Module):
         ctx_pos = torch.arange(T, device=dev).expand(B, T)
         kv = self.context_kv(self.context(states), ctx_pos)
         sees_ctx = ctx_pos[:, None, :] < a.repeat_interleave(S, 1)[:, :, None]  # (B, N*S, T)
+        if (w := self.config.attention_window) is not None:
+            sees_ctx = sees_ctx & (ctx_pos[:, None, :] > pos[:, :, None] - w)
         blk = torch.arange(N, device=dev).repeat_interleave(S)
         sees_blk = (blk[:, None] == blk[None, :]).expand(B, N * S, N * S)
         live = (anchors >= 0).repeat_interleave(S, 1)[
@@ -213,8 +225,14 @@ class DFlashDrafter(nn.Module):
         ids = torch.full((1, S), self.config.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0] = first_token
         pos = torch.arange(n_ctx, n_ctx + S, device=dev)[None]
-        mask = torch.ones(1, 1, S, n_ctx + S, dtype=torch.bool, device=dev)
-        logits = self.blocks(ids, pos, kv, mask)[0, 1:]  # (S-1, D)
+        sees_ctx = torch.ones(S, n_ctx, dtype=torch.bool, device=dev)
+        if (w := self.config.attention_window) is not None:
+            keep = min(w, n_ctx)  # no query sees further back
+            kv = [(k[:, :, n_ctx - keep :], v[:, :, n_ctx - keep :]) for k, v in kv]
+            ctx_pos = torch.arange(n_ctx - keep, n_ctx, device=dev)
+            sees_ctx = ctx_pos[None, :] > pos[0, :, None] - w  # (S, keep)
+        mask = torch.cat([sees_ctx, torch.ones(S, S, dtype=torch.bool, device=dev)], -1)
+        logits = self.blocks(ids, pos, kv, mask[None, None])[0, 1:]  # (S-1, D)
         return self.draft_ids[logits.argmax(-1)].tolist()
 
 
