@@ -88,7 +88,8 @@ def check_tokenizer(
         )
 
 
-def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg, tok, summary) -> str:
+def _flat(samples: list[Prepared]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The samples end to end: (lengths, offsets, token ids, loss mask)."""
     lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
     offsets = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -98,6 +99,34 @@ def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg, t
     mask = np.fromiter(
         (t for s in samples for t in s.loss_mask), dtype=np.uint8, count=int(offsets[-1])
     )
+    return lengths, offsets, ids, mask
+
+
+def _record_lines(samples: list[Prepared]) -> bytes:
+    """records.jsonl: per sample, where it came from and its token counts."""
+    return "".join(
+        json.dumps(
+            {
+                "index": i,
+                "id": s.id,
+                "file": s.file,
+                "line": s.line,
+                "format": s.format,
+                "tokens": len(s.input_ids),
+                "trainable": int(sum(s.loss_mask)),
+                "original_tokens": s.original_tokens,
+                "truncated": s.truncated,
+            }
+        )
+        + "\n"
+        for i, s in enumerate(samples)
+    ).encode()
+
+
+def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg, tok, summary) -> str:
+    """Write the dataset's files, then dataset.json naming them (the commit); returns its
+    fingerprint. Files of an earlier dataset in `out` are removed after the commit."""
+    lengths, offsets, ids, mask = _flat(samples)
     vocab = len(tok)
     if cfg.draft_vocab_size > vocab:
         summary.notes.append(
@@ -109,21 +138,7 @@ def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg, t
     counts = np.bincount(ids[mask.astype(bool)], minlength=vocab).astype(np.int64)
 
     tensor_bytes = np_save({"input_ids": ids, "loss_mask": mask, "offsets": offsets})
-    records = [
-        {
-            "index": i,
-            "id": s.id,
-            "file": s.file,
-            "line": s.line,
-            "format": s.format,
-            "tokens": len(s.input_ids),
-            "trainable": int(sum(s.loss_mask)),
-            "original_tokens": s.original_tokens,
-            "truncated": s.truncated,
-        }
-        for i, s in enumerate(samples)
-    ]
-    records_bytes = "".join(json.dumps(r) + "\n" for r in records).encode()
+    records_bytes = _record_lines(samples)
     fp = hashlib.sha256(tensor_bytes + records_bytes).hexdigest()[:16]
 
     out.mkdir(parents=True, exist_ok=True)

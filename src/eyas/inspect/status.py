@@ -119,6 +119,16 @@ def _followers(run: Path, led) -> list[dict]:
     return followers
 
 
+def _rates(entries: dict, live: bool, now: float, window: float):
+    """(last commit time, samples/s, tokens/s) over the commits of the last `window`
+    seconds; the rates only while a writer is live (a dead run has none)."""
+    commits = [
+        (e["t"], e["tokens"]) for e in entries.values() if isinstance(e.get("t"), (int, float))
+    ]
+    last = max((t for t, _ in commits), default=None)
+    return (last, *recent_rate(commits, now, window)) if live else (last, None, None)
+
+
 def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None = None) -> RunStatus:
     run = Path(run)
     mr = load_run_meta(run)
@@ -151,14 +161,8 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
     locks = _locks(run)
     live = [lk for lk in locks if lk["live"]]
 
-    commits = [
-        (e["t"], e["tokens"]) for e in entries.values() if isinstance(e.get("t"), (int, float))
-    ]
-    last = max((t for t, _ in commits), default=None)
-    rs = rt = eta = None
-    if live:
-        rs, rt = recent_rate(commits, time.time() if now is None else now, window)
-        eta = max(tokens_total - tokens_done, 0) / rt if rt else None
+    last, rs, rt = _rates(entries, bool(live), time.time() if now is None else now, window)
+    eta = max(tokens_total - tokens_done, 0) / rt if rt else None
     phases = [lk["phase"] for lk in locks]
     loaded = bool(entries or failed) or any(
         p in ("extracting", "waiting for followers") for p in phases

@@ -524,6 +524,25 @@ def _start_workers(cfg, stop: threading.Event) -> tuple[queue.Queue, queue.Queue
     return work, results
 
 
+def _failed(
+    errors: dict, pos: int, rec, rid, exc: Exception, rep, alike: _SameFailure
+) -> str | None:
+    """A record whose request failed: kept in `errors` and out of the bar's total; the reason
+    to stop where the last records all failed the same way."""
+    if not isinstance(exc, RequestFailed):  # a record this code cannot handle
+        exc = RequestFailed(f"{type(exc).__name__}: {exc}")
+    errors[pos] = {
+        "file": rec.file,
+        "line": rec.line,
+        "id": rid,
+        "reason": str(exc),
+        "code": "request",
+    }
+    rep.retotal(rep.total - 1)
+    rep.advance(0)  # none more done: the line shows the failure
+    return alike.failed(str(exc))
+
+
 def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
     s = GenerateSummary(out=str(out), records=len(recs), done_before=len(done))
     errors: dict[int, dict] = {}
@@ -577,16 +596,11 @@ def _run(cfg, recs, done, log, state, out, command) -> GenerateSummary:
                 if exc is not None:
                     if not isinstance(exc, Exception):
                         raise exc
-                    if not isinstance(exc, RequestFailed):  # a record this code cannot handle
-                        exc = RequestFailed(f"{type(exc).__name__}: {exc}")
-                    if not stop.is_set():
-                        errors[pos] = {"file": rec.file, "line": rec.line, "id": rid}
-                        errors[pos] |= {"reason": str(exc), "code": "request"}
-                        rep.retotal(rep.total - 1)
-                        rep.advance(0)  # none more done: the line shows the failure
-                        if (why := alike.failed(str(exc))) is not None:
-                            reason.append(why)
-                            stop.set()
+                    if not stop.is_set() and (
+                        why := _failed(errors, pos, rec, rid, exc, rep, alike)
+                    ):
+                        reason.append(why)
+                        stop.set()
                     continue
                 _commit(s, log, done, pos, rec, rid, tools, result)
                 alike.succeeded()
