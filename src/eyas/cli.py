@@ -297,26 +297,12 @@ def extract(
     resume: Path | None = typer.Option(
         None, "--resume", help="Continue the run in this directory (needs nothing else)."
     ),
-    aux_layers: str | None = typer.Option(
-        None,
-        "--aux-layers",
-        help="0-based decoder layers whose states are stored, e.g. 1,15,28 (default the three [1, n//2-1, n-4]; EAGLE-3 exports read three, a DFlash drafter any number).",
-    ),
     opts: dict = OPTS,
 ) -> None:
     """Run the target over a prepared dataset; store aux and final hidden states, crash-safe."""
     from eyas.stages.extract import extract as run_extract
 
     _quiet_transformers()
-    if aux_layers:
-        try:
-            opts["aux_layers"] = tuple(
-                int(x) for x in aux_layers.replace(" ", "").strip("[]").split(",")
-            )
-        except ValueError:
-            raise fail(
-                f"--aux-layers {aux_layers!r}: expected integers like 1,15,28", EXIT_USAGE
-            ) from None
     _need(resume, "run")
     _need(data, "dataset")
     with _exits():
@@ -326,11 +312,7 @@ def extract(
                     "--resume takes the model, data and run directory from run.json; drop --model/--data/--out",
                     EXIT_USAGE,
                 )
-            overrides = {
-                **given(ctx, opts),
-                **({"aux_layers": opts["aux_layers"]} if aux_layers else {}),
-            }
-            s = run_extract(resume=str(resume), overrides=overrides)
+            s = run_extract(resume=str(resume), overrides=given(ctx, opts))
         else:
             if not (model and data and out):
                 raise fail("need --model, --data and --out (or --resume RUN_DIR)", EXIT_USAGE)

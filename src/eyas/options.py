@@ -6,8 +6,9 @@ each with the field's default and, as its help, the docstring written under the 
     def train(ctx: typer.Context, out: Path = typer.Option(...), opts: dict = OPTS) -> None:
         cfg = TrainConfig(out=str(out), **opts)
 
-Fields of a type a command line cannot give (tuples, dicts) and those in `skip` are left to
-the command. `given(ctx, opts)` keeps only the options typed on this command line: what a
+A field of integers (`tuple[int, ...] | None`) is given comma-separated. Fields of another
+type a command line cannot give (other tuples, dicts) and those in `skip` are left to the
+command. `given(ctx, opts)` keeps only the options typed on this command line: what a
 resume may change, as opposed to what the saved config already says.
 """
 
@@ -61,6 +62,19 @@ def _scalar(tp) -> type | None:
     return None
 
 
+_INTS = tuple[int, ...] | None  # a list of integers: given as 1,15,28 (or [1, 15, 28])
+
+
+def _ints(ctx, param, value: str | None) -> tuple[int, ...] | None:
+    """An option of integers separated by commas, as the tuple its field holds."""
+    if value is None:
+        return None
+    try:
+        return tuple(int(x) for x in value.replace(" ", "").strip("[]").split(","))
+    except ValueError:
+        raise typer.BadParameter(f"{value!r}: expected integers like 1,15,28") from None
+
+
 def config_options(cls, *, skip: set[str] | frozenset = frozenset()):
     """Give the decorated command one option per field of `cls` (not in `skip`, not declared
     by the command itself); their values reach it as the dict `opts`."""
@@ -77,7 +91,8 @@ def config_options(cls, *, skip: set[str] | frozenset = frozenset()):
         taken = {p.name for p in own} | set(skip)
         generated = []
         for f in dataclasses.fields(cls):
-            tp = _scalar(hints[f.name])
+            ints = hints[f.name] == _INTS
+            tp = str | None if ints else _scalar(hints[f.name])
             if f.name in taken or tp is None:
                 continue
             if f.default is dataclasses.MISSING:
@@ -102,6 +117,7 @@ def config_options(cls, *, skip: set[str] | frozenset = frozenset()):
                         flag,
                         help=help_,
                         show_default=f.default is not None and f.default is not False,
+                        callback=_ints if ints else None,
                     ),
                 )
             )

@@ -158,7 +158,9 @@ class ExtractConfig:
     backend: str = "hf"
     """`hf` (transformers in this process) or `vllm` (vLLM engine, tensor parallel)."""
     aux_layers: tuple[int, ...] | None = None
-    """Aux layers as outputs of 0-based decoder layers; default [1, n//2-1, n-4]."""
+    """The target layers whose states are stored, as outputs of 0-based decoder layers, e.g.
+    1,15,28; default the three [1, n//2-1, n-4]. EAGLE-3 exports read three, a DFlash drafter
+    any number."""
     device: str = "auto"
     """`auto` (cuda if present), `cpu`, `cuda`, `cuda:K`, or `multi` (hf: device_map=auto)."""
     dtype: str = "auto"
