@@ -31,6 +31,7 @@ from eyas.stages.config import (
     ExtractConfig,
     GenerateConfig,
     PrepareConfig,
+    TinyTargetConfig,
 )
 from eyas.training.config import TrainConfig
 
@@ -156,62 +157,34 @@ def _config(factory, **kw):
 
 
 @app.command("tiny-target")
+@config_options(TinyTargetConfig)
 def tiny_target(
     out: Path = typer.Option(..., "--out", help="Directory to write the model to."),
-    arch: str = typer.Option(
-        "llama",
-        "--arch",
-        help="llama, qwen3, qwen2, deepseek_v3 or kimi_k25 (a Kimi-K2.5-shaped wrapper).",
-    ),
-    like: Path | None = typer.Option(
-        None, "--like", help="Real model dir (config + tokenizer) to imitate."
-    ),
-    layers: int = typer.Option(8, "--layers", help="Decoder layers."),
-    hidden_size: int = typer.Option(
-        64,
-        "--hidden-size",
-        help="Hidden size H (4 heads of H/4; vLLM's CPU kernels need heads of 64: --hidden-size 256).",
-    ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
-    trust_remote_code: bool = typer.Option(
-        False, "--trust-remote-code", help="Let --like's tokenizer code run."
-    ),
-    base: bool = typer.Option(
-        False, "--base", help="A base checkpoint: its tokenizer has no chat template."
-    ),
+    opts: dict = OPTS,
 ) -> None:
     """Build a small random target of a real architecture, with tokenizer and chat template.
 
     Its weights are random: it rehearses the machinery (extract, train, export, evaluate),
     and a drafter trained on it learns nothing (accuracy about 0). `eyas demo`'s target is
     the one that learns."""
-    from eyas.demo_target.tiny import TinySizes, build_tiny_target
+    from eyas.demo_target.tiny import build_tiny_target
 
     _quiet_transformers()
-    heads = 4 if hidden_size % 4 == 0 else 1
-    sizes = _config(
-        TinySizes,
-        num_hidden_layers=layers,
-        hidden_size=hidden_size,
-        num_attention_heads=heads,
-        num_key_value_heads=min(2, heads) if heads % 2 == 0 else 1,
-        intermediate_size=2 * hidden_size,
-    )
+    cfg = _config(TinyTargetConfig, **opts)
+    like = Path(cfg.like) if cfg.like else None
     try:
         path = build_tiny_target(
             out,
-            arch,
+            cfg.arch,
             like=like,
-            sizes=sizes,
-            seed=seed,
-            trust_remote_code=trust_remote_code,
-            base=base,
+            sizes=cfg.sizes(),
+            seed=cfg.seed,
+            trust_remote_code=cfg.trust_remote_code,
+            base=cfg.base,
         )
     except (FileNotFoundError, OSError, ValueError) as exc:
         raise fail(str(exc), EXIT_USAGE) from None
-    console.print(
-        f"tiny {arch if like is None else 'copy of ' + str(like)} target written to {path}"
-    )
+    _say(f"tiny {cfg.arch if like is None else f'copy of {like}'} target written to {path}")
 
 
 @app.command()

@@ -320,6 +320,39 @@ class ExportConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TinyTargetConfig:
+    """`eyas tiny-target`: a small random target of a real architecture (`eyas.demo_target.tiny`)."""
+
+    arch: str = "llama"
+    """llama, qwen3, qwen2, deepseek_v3 or kimi_k25 (a Kimi-K2.5-shaped wrapper)."""
+    like: str | None = None
+    """Real model dir (config + tokenizer) to imitate."""
+    layers: int = 8
+    """Decoder layers."""
+    hidden_size: int = 64
+    """Hidden size H (4 heads of H/4; vLLM's CPU kernels need heads of 64: --hidden-size 256)."""
+    seed: int = 0
+    """Seed of the random weights."""
+    trust_remote_code: bool = False
+    """Let --like's tokenizer code run."""
+    base: bool = False
+    """A base checkpoint: its tokenizer has no chat template."""
+
+    def sizes(self):
+        """The TinySizes these options give: 4 heads of H/4 (1 where H is not a multiple of 4)."""
+        from eyas.demo_target.tiny import TinySizes
+
+        heads = 4 if self.hidden_size % 4 == 0 else 1
+        return TinySizes(
+            num_hidden_layers=self.layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=heads,
+            intermediate_size=2 * self.hidden_size,
+            num_key_value_heads=min(2, heads) if heads % 2 == 0 else 1,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class DemoConfig:
     """`eyas demo`: the whole pipeline on the built-in target (`eyas.inspect.demo`)."""
 
