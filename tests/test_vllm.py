@@ -206,9 +206,14 @@ def demo_drafter(tmp_path_factory) -> dict[str, Path]:
          "--no-norm-before-fc", "--no-norm-before-residual", "--no-norm-output", timeout=900, check=True)  # fmt: skip
     eyas("train", "--data", base / "run", "--out", base / "train-dflash", "--kind", "dflash", "--epochs", "5",
          "--lr", "3e-3", "--batch-tokens", "2048", "--val-fraction", "0.1", timeout=900, check=True)  # fmt: skip
+    # A window shorter than the demo's prompts (about 60 tokens and more), so that it matters.
+    eyas("train", "--data", base / "run", "--out", base / "train-dflash-w", "--kind", "dflash", "--epochs", "5",
+         "--lr", "3e-3", "--batch-tokens", "2048", "--val-fraction", "0.1", "--attention-window", "16",
+         timeout=900, check=True)  # fmt: skip
     out = {"prompts": base / "held-out.jsonl"}
     write_jsonl(out["prompts"], generate_conversations(30, seed=99))
-    for fmt, tr in (("vllm", "train"), ("sglang", "train-sglang"), ("dflash", "train-dflash")):
+    for fmt, tr in (("vllm", "train"), ("sglang", "train-sglang"), ("dflash", "train-dflash"),
+                    ("dflash-window", "train-dflash-w")):  # fmt: skip
         out[fmt] = base / f"drafter-{fmt}"
         eyas("export", base / tr, "--format", "sglang" if fmt == "sglang" else "vllm", "--out", out[fmt],
              check=True)  # fmt: skip
@@ -253,6 +258,22 @@ def test_vllm_serves_a_dflash_export_as_eyas_decodes_it(demo_drafter):
     assert v["lossless"] and h["lossless"] and v["rounds"] > 0
     assert len(v["per_position_acceptance"]) == 3 and v["accepted"] > 0, v
     assert abs(v["acceptance_length"] - h["acceptance_length"]) <= 0.05, (v, h)
+
+
+def test_vllm_serves_a_windowed_dflash_export_with_its_window(demo_drafter):
+    """A DFlash drafter trained with --attention-window 16 (shorter than every prompt): vLLM
+    reads the export's window (dflash_config.use_swa, non-causal) and drafts as eyas's own
+    decoder does with it, both lossless."""
+    from eyas.stages.export import load_export
+
+    vl = _judge(demo_drafter["dflash-window"], demo_drafter["prompts"], "vllm")
+    assert vl.returncode == 0, vl.stderr[-3000:]
+    hf = _judge(demo_drafter["dflash-window"], demo_drafter["prompts"], "hf")
+    assert hf.returncode == 0, hf.stderr[-3000:]
+    v, h = json.loads(vl.stdout), json.loads(hf.stdout)
+    assert v["lossless"] and h["lossless"] and v["accepted"] > 0, v
+    assert abs(v["acceptance_length"] - h["acceptance_length"]) <= 0.05, (v, h)
+    assert load_export(demo_drafter["dflash-window"])[0].config.attention_window == 16
 
 
 def test_vllm_loads_a_drafter_whose_draft_vocab_is_the_whole_vocab(vtargets, hf_runs, tmp_path):
