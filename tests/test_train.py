@@ -425,6 +425,7 @@ def test_evaluate_sigterm_gives_the_partial_result(trained, tmp_path):
     assert d["partial"] and d["stopped_by"] == "SIGTERM" and d["prompts_planned"] == 300
     assert 10 <= d["prompts"] < 300 and d["rounds"] >= d["prompts"] and d["lossless"]
     assert 1.0 < d["tokens_per_forward"] <= d["acceptance_length"]
+    assert f"stopped: by SIGTERM after {d['prompts']} of 300 prompts; the figures are over" in err
 
 
 def test_evaluate_reports_a_lossy_decoder(trained, tmp_path, monkeypatch):

@@ -471,7 +471,7 @@ def evaluate(
 ) -> None:
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check.
     Several --drafter are judged on the same prompts, with their paired differences."""
-    from eyas.stages.eval_report import render_inputs, render_paired, render_result
+    from eyas.stages.eval_report import render_inputs, render_paired, render_result, stopped_line
     from eyas.stages.evaluate import judge
 
     _quiet_transformers()
@@ -493,15 +493,8 @@ def evaluate(
         render_paired(report, pairs)
     if not all(d["lossless"] for d in ds):
         raise typer.Exit(EXIT_PROBLEMS)
-    if len(ds) < len(drafter) or ds[-1].get("partial"):
-        d = ds[-1]
-        console.print(
-            f"stopped: by {d.get('stopped_by')} after {d['prompts']} of {d.get('prompts_planned', d['prompts'])} "
-            f"prompts{'' if len(drafter) == 1 else f' of drafter {len(ds)} of {len(drafter)}'}; "
-            "the figures are over those alone",
-            markup=False,
-            highlight=False,
-        )
+    if (line := stopped_line(ds, len(drafter))) is not None:
+        _say(line)
         raise typer.Exit(EXIT_STOPPED)
 
 

@@ -114,3 +114,16 @@ def render_paired(out, pairs: list[dict]) -> None:
             f"{p['tokens_per_forward'][0]:.3f}, difference {p['difference']:+.3f}{iv} "
             f"(paired over the same {p['prompts']} prompts)",
         )
+
+
+def stopped_line(ds: list[dict], asked: int) -> str | None:
+    """Where a judge stopped early (by a signal), or None: the figures above are over the
+    prompts done before it, and of the drafters judged so far of the `asked`."""
+    if len(ds) == asked and not ds[-1].get("partial"):
+        return None
+    d = ds[-1]
+    of = "" if asked == 1 else f" of drafter {len(ds)} of {asked}"
+    return (
+        f"stopped: by {d.get('stopped_by')} after {d['prompts']} of "
+        f"{d.get('prompts_planned', d['prompts'])} prompts{of}; the figures are over those alone"
+    )
