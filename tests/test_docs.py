@@ -126,6 +126,7 @@ def test_every_option_says_what_it_does():
         ExtractConfig,
         GenerateConfig,
         PrepareConfig,
+        TinyTargetConfig,
     )
     from eyas.stages.evaluate import evaluate, evaluate_vllm
     from eyas.stages.export import export
@@ -137,7 +138,7 @@ def test_every_option_says_what_it_does():
     assert not silent, silent
     configs = {"train": TrainConfig, "prepare": PrepareConfig, "extract": ExtractConfig,
                "generate": GenerateConfig, "evaluate": EvaluateConfig, "export": ExportConfig,
-               "demo": DemoConfig, "estimate": EstimateConfig}  # fmt: skip
+               "demo": DemoConfig, "estimate": EstimateConfig, "tiny-target": TinyTargetConfig}  # fmt: skip
     for name, cls in configs.items():
         params = {p.name: p for p in group.commands[name].params}
         checked = 0
