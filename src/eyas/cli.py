@@ -481,8 +481,13 @@ def evaluate(
         if Path(dr).exists():  # a missing one is said after the prompts and the tokenizer
             _need(dr, "export")
     with _exits():
-        results, pairs = judge(cfg, str(model), [str(d) for d in drafter], str(data),
-                               _json_object(chat_template_kwargs))  # fmt: skip
+        results, pairs = judge(
+            cfg,
+            str(model),
+            [str(d) for d in drafter],
+            str(data),
+            _json_object(chat_template_kwargs),
+        )
     ds = [{"engine": engine, **r.to_dict()} for r in results]
     if as_json:
         _print_json(ds[0] if len(drafter) == 1 else {"drafters": ds, "paired": pairs})

@@ -486,8 +486,12 @@ class Judge:
 
 def _hf_options(cfg, several: bool) -> dict:
     # several drafters: every prompt for each, so that they are judged on the same ones
-    return {"precision": None if several else (cfg.precision or None), "device": cfg.device,
-            "greedy_cache": {}, "target_cache": {}}  # fmt: skip
+    return {
+        "precision": None if several else (cfg.precision or None),
+        "device": cfg.device,
+        "greedy_cache": {},
+        "target_cache": {},
+    }
 
 
 JUDGES = {
@@ -512,10 +516,16 @@ def judge(
         )
     if len(set(drafters)) < len(drafters):
         raise UsageError("the same --drafter is given twice")
-    kw = dict(k=cfg.draft_tokens, max_new_tokens=cfg.max_new_tokens, limit=cfg.limit or None,
-              trust_remote_code=cfg.trust_remote_code, max_error_rate=cfg.max_error_rate,
-              chat_template_kwargs=chat_template_kwargs, chat_template=cfg.chat_template,
-              **j.options(cfg, len(drafters) > 1))  # fmt: skip
+    kw = dict(
+        k=cfg.draft_tokens,
+        max_new_tokens=cfg.max_new_tokens,
+        limit=cfg.limit or None,
+        trust_remote_code=cfg.trust_remote_code,
+        max_error_rate=cfg.max_error_rate,
+        chat_template_kwargs=chat_template_kwargs,
+        chat_template=cfg.chat_template,
+        **j.options(cfg, len(drafters) > 1),
+    )
     results = []
     for dr in drafters:
         results.append(j.run(model, dr, data, **kw))

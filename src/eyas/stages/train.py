@@ -497,8 +497,13 @@ class _Loop:
                 _truncate_metrics(self.out / "consumed.jsonl", self.state["step"])
             self.saved_step = self.start_step = self.state["step"]
             self.t0 = time.monotonic()
-            self.rep = Reporter("train", self.trainer.total_steps, unit="steps",
-                                enabled=cfg.progress and rank == 0, extra=self._extra)  # fmt: skip
+            self.rep = Reporter(
+                "train",
+                self.trainer.total_steps,
+                unit="steps",
+                enabled=cfg.progress and rank == 0,
+                extra=self._extra,
+            )
             self.rep.__enter__()
             self.rep.skip(self.state["step"])
             if cfg.report_to == "tensorboard" and rank == 0:
@@ -586,13 +591,24 @@ class _Loop:
         self.rep.advance()
         if self.rank == 0 and cfg.follow:
             samples = sorted(i for b in group for i in b if i not in self.source.unreadable)
-            _log(self.out, self.rank, {"step": state["step"], "pass": epoch, "samples": samples},
-                 "consumed.jsonl")  # fmt: skip
+            _log(
+                self.out,
+                self.rank,
+                {"step": state["step"], "pass": epoch, "samples": samples},
+                "consumed.jsonl",
+            )
         if state["step"] % 10 == 0 or last:
             if self.world > 1:
                 all_reduce_cpu(self.window)
-            self._metric({"split": "train", **_plain(state), "lr": self.trainer.lr_at(state["step"] - 1),
-                          "tokens_per_s": self._tokens_per_s(), **summarize(self.window)})  # fmt: skip
+            self._metric(
+                {
+                    "split": "train",
+                    **_plain(state),
+                    "lr": self.trainer.lr_at(state["step"] - 1),
+                    "tokens_per_s": self._tokens_per_s(),
+                    **summarize(self.window),
+                }
+            )
             self.window.zero_()
         if cfg.eval_every and state["step"] % cfg.eval_every == 0 and self.source.has_val(epoch):
             self.last_val = self.trainer.evaluate(self.source.val_batches(epoch))
