@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from eyas.drafters import KINDS
 from eyas.drafters.eagle3.model import Drafter, DrafterConfig
 
 
@@ -345,3 +346,43 @@ def test_paired_difference_resamples_prompts_alike():
     )
     lo, hi = paired_difference(a, c)["difference_ci95"]
     assert lo < paired_difference(a, c)["difference"] < hi  # unpaired noise: a real interval
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("kname", sorted(KINDS))
+def test_every_kind_drafts_at_inference_what_its_training_forward_predicts(
+    kname, window, demo_runs
+):
+    """Over the kind registry: a drafter built as training builds it (on the demo target's
+    run), its proposer's drafts after a prompt are what its training forward predicts for
+    those positions when the drafts are the true tokens, at two prompt lengths, after a
+    round of accepted tokens too, with and without an attention window."""
+    from eyas.drafters import kind
+    from eyas.run.runmeta import read_run_meta
+    from eyas.training.config import TrainConfig
+    from eyas.training.trainer import build_drafter
+
+    run = demo_runs(60)
+    cfg = TrainConfig(data=str(run), out="unused", kind=kname, attention_window=window)
+    torch.manual_seed(0)
+    model, _ = build_drafter(cfg, read_run_meta(run))
+    for p in model.parameters():  # away from the initialisation, so a wrong wiring shows
+        p.data.normal_(0, 0.3) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
+    model = model.double().eval()
+    k, T = kind(kname).positions(cfg), 24
+    c = model.config
+    ids = torch.randint(0, c.vocab_size, (1, T))
+    states = torch.randn(1, T, c.target_layers * c.hidden_size, dtype=torch.float64)
+    for n in (5, 14):
+        prop = kind(kname).proposer(model, [])
+        with torch.no_grad():
+            prop.start(ids[0, :n].tolist(), states[:, :n], int(ids[0, n]))
+            drafts = prop.propose(int(ids[0, n]), k)
+            seq = torch.cat([ids[:, : n + 1], torch.tensor([drafts])], 1)
+            assert kind(kname).trained_drafts(model, seq, states[:, : n + 1 + k], n, k) == drafts, n
+            # the round kept three tokens (x_{n+1} .. x_{n+3}), made by the states at n .. n+2
+            prop.accept(ids[0, n + 1 : n + 4].tolist(), states[:, n : n + 3])
+            m = n + 3
+            drafts = prop.propose(int(ids[0, m]), k)
+            seq = torch.cat([ids[:, : m + 1], torch.tensor([drafts])], 1)
+            assert kind(kname).trained_drafts(model, seq, states[:, : m + 1 + k], m, k) == drafts, m

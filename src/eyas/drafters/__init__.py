@@ -106,6 +106,14 @@ class DrafterKind(Protocol):
     def proposer(self, model, target_layers_hf: list[int]) -> Proposer:
         """The drafter as `evaluate`'s decoder drives it."""
 
+    def trained_drafts(
+        self, model, input_ids: torch.Tensor, states: torch.Tensor, at: int, k: int
+    ) -> list[int]:
+        """The `k` tokens the training forward predicts for positions at+1 .. at+k, over one
+        sequence's ids (1, T) and target states (1, T, L*H), reading the true tokens where
+        training does: what the proposer drafts after a prompt of `at` tokens whose next
+        token is ids[at], when its drafts are those true tokens."""
+
 
 def kind(name: str | None) -> DrafterKind:
     """The registered kind of that name (None: EAGLE-3)."""

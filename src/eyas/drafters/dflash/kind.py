@@ -241,6 +241,11 @@ class DFlash:
     def proposer(self, model: DFlashDrafter, target_layers_hf: list[int]) -> BlockProposer:
         return BlockProposer(model, target_layers_hf)
 
+    def trained_drafts(self, model: DFlashDrafter, input_ids, states, at: int, k: int) -> list[int]:
+        # the block anchored at `at`: x_at, then MASKs at at+1 .. at+S-1
+        logits = model.forward_blocks(input_ids, states, torch.tensor([[at]]))[0, 0, 1 : k + 1]
+        return model.draft_ids[logits.argmax(-1)].tolist()
+
 
 class BlockProposer:
     """DFlash in `evaluate`: the context keys/values of every position with target states,

@@ -209,6 +209,11 @@ class Eagle3:
     def proposer(self, model: Drafter, target_layers_hf: list[int]) -> ChainProposer:
         return ChainProposer(model, target_layers_hf)
 
+    def trained_drafts(self, model: Drafter, input_ids, states, at: int, k: int) -> list[int]:
+        # root at-1 pairs its state with x_at; TTT step i there predicts x_{at+1+i}
+        steps = model.forward_ttt(input_ids, states, k)
+        return [int(model.draft_ids[logits[0, at - 1].argmax()]) for logits, _ in steps]
+
 
 _WINDOW = "eyas_attention_window"  # an SGLang export's window, served by the flag its line names
 
