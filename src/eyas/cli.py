@@ -125,13 +125,14 @@ def _this_command(verb: str, otherwise: str) -> str:
 
 
 @contextlib.contextmanager
-def _exits(then: str | None = None):
+def _exits(then: str | None = None, also: tuple[type[Exception], ...] = ()):
     """A stage's error as one line and its exit code, by the one rule of `eyas.errors`: a
     clean stop 75, a usage error or missing file 2, anything the stage found 1. With `then`,
-    the command that continues, a full disk is a clean stop that names it."""
+    the command that continues, a full disk is a clean stop that names it. `also`: more
+    exception types the stage raises for damaged input (others keep their traceback)."""
     try:
         yield
-    except (EyasError, ValueError, OSError, KeyError) as exc:
+    except (EyasError, ValueError, OSError, *also) as exc:
         if then is not None:
             _disk_full(exc, then)
         raise fail(str(exc), exit_code(exc)) from None
@@ -415,7 +416,7 @@ def train(
     if not follow:  # a follower may start before its run exists, and waits for it
         _need(data, "run")
     cfg = _config(TrainConfig, out=str(out), **opts)
-    with _exits(then=f"eyas train --resume --out {out}"):
+    with _exits(then=f"eyas train --resume --out {out}", also=(KeyError,)):
         res = run_train(cfg, resume=resume)
     _say(render_result(res, out, resume))
 
