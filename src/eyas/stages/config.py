@@ -1,6 +1,6 @@
-"""The stages' configs (prepare, generate, extract, evaluate): torch-free, so the CLI
-builds its options from their fields without loading a model. Training's config is
-the training layer's own (`eyas.training.config`)."""
+"""The commands' configs (prepare, generate, extract, evaluate, export, demo, estimate,
+tiny-target): torch-free, so the CLI builds its options from their fields without loading a
+model. Training's config is the training layer's own (`eyas.training.config`)."""
 
 from __future__ import annotations
 
