@@ -38,7 +38,9 @@ def holdout_accuracy(train_dir: Path, holdout: Path, steps: int) -> dict:
     d, kind = load_trained(train_dir)
     d.eval()
     cfg = json.loads((train_dir / "train.json").read_text())["config"]
-    how = types.SimpleNamespace(**{**cfg, "ttt_steps": steps, "step_decay": 1.0, "loss": "kl"})
+    how = types.SimpleNamespace(
+        **{**cfg, "ttt_steps": steps, "step_decay": 1.0, "loss": "kl", "loss_average": "token"}
+    )
     meta = read_run_meta(holdout)
     entries, _ = usable_samples(holdout, meta["hidden_size"], lambda m: None)
     reader = SampleReader(holdout, entries, checksums=True)

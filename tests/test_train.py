@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -550,6 +551,50 @@ def test_packed_batches_score_what_padded_batches_score(demo_run, tmp_path):
     torch.testing.assert_close(got[True][0], got[False][0], atol=1e-5, rtol=1e-5)
     assert torch.equal(got[True][1][:, [1, 3, 5]], got[False][1][:, [1, 3, 5]])  # token counts
     torch.testing.assert_close(got[True][1], got[False][1], atol=1e-2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["eagle3", "dflash"])
+def test_loss_averaged_per_sample_weighs_every_sample_the_same(name, demo_run, tmp_path):
+    """Per drafter kind: packed rows give the loss padded rows give; and with --loss-average
+    sequence the loss of a batch is the mean of its samples' own losses (each alone in a
+    batch), the trainer dividing by the samples counted at each position; averaged per token,
+    the longer samples weigh more and the two differ."""
+    from eyas.drafters import kind
+    from eyas.run.runmeta import read_run_meta
+    from eyas.stages.train import build_drafter
+    from eyas.training.train_data import SampleReader, to_device, usable_samples
+
+    meta = read_run_meta(demo_run)
+    per_token = TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), ttt_steps=3, kind=name,
+                            progress=False)  # fmt: skip
+    per_sample = dataclasses.replace(per_token, loss_average="sequence")
+    k = kind(name)
+    d, lm_head = build_drafter(per_token, meta)
+    d.attention = "chunked"
+    entries, _ = usable_samples(demo_run, meta["hidden_size"], lambda m: None)
+    reader = SampleReader(demo_run, entries, True)
+
+    def loss(ids, cfg, packed=False):
+        b = to_device(reader.batch(ids, packed=packed), torch.device("cpu"))
+        k.prepare_batch(d, b, lm_head, cfg)
+        counts = k.counts(b, cfg)
+        return k.loss(d, b, cfg, counts)[0], counts
+
+    with torch.no_grad():
+        by_length = {entries[i]["tokens"]: i for i in sorted(entries)}
+        whole = [1.0] * k.positions(per_token)  # counted at every TTT step or block position
+        idx = [i for n in sorted(by_length) if loss([i := by_length[n]], per_sample)[1] == whole]
+        idx = idx[::2][:6]  # six of different lengths
+        alone = torch.stack([loss([i], per_token)[0] for i in idx]).mean()
+        for packed in (False, True):
+            got, counts = loss(idx, per_sample, packed)
+            assert counts == [6.0] * k.positions(per_token)
+            torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+        token_loss = {packed: loss(idx, per_token, packed)[0] for packed in (False, True)}
+    reader.close()
+    torch.testing.assert_close(token_loss[True], token_loss[False], atol=1e-5, rtol=1e-5)
+    assert len({entries[i]["tokens"] for i in idx}) == 6
+    assert abs(float(token_loss[False] - alone)) > 1e-3
 
 
 def test_sigterm_mid_step_drops_the_step_at_once(demo_run, tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ variation 1 - alpha, alpha = sum(min(p, q)) being the chance that speculative sa
 accepts the draft; `mix`, 0.1 x the cross-entropy of the target's argmax plus 0.9 x TV;
 `lk`, lambda KL + (1 - lambda) TV with lambda = exp(-3 alpha), alpha the mean over the
 counted positions, not differentiated; `nla`, -log alpha; `opd`, on-policy distillation
-from stored states, for a fine-tune of a trained drafter (`_on_policy`).
+from stored states, for a fine-tune of a trained drafter (`on_policy`). A step's loss is the
+mean over its counted positions, or over samples of each sample's mean (`sample_ids`).
 Pure functions of a batch and a drafter.
 """
 
@@ -111,6 +112,21 @@ def loss_masks(batch: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
+def sample_ids(batch: dict) -> torch.Tensor:
+    """Which sample each position (B, T) belongs to, distinct across the batch: a row is one
+    sample, or several packed ones told apart by their segments."""
+    B, T = batch["input_ids"].shape
+    rows = torch.arange(B, device=batch["input_ids"].device)[:, None] * T  # (B, 1)
+    seg = batch.get("segments")
+    return rows + (seg.clamp(min=0) if seg is not None else torch.zeros_like(batch["input_ids"]))
+
+
+def counted(mask: torch.Tensor, ids: torch.Tensor | None = None) -> float:
+    """What a step's loss is divided by: its counted positions (`mask`), or, averaging per
+    sample (`ids`, the sample of each position), the samples with a counted position."""
+    return float(mask.sum()) if ids is None else float(ids[mask].unique().numel())
+
+
 def ttt_loss(
     drafter: torch.nn.Module,
     batch: dict,
@@ -118,18 +134,21 @@ def ttt_loss(
     decay: float,
     norm: list[float] | None = None,
     kind: str = "kl",
+    average: str = "token",
 ):
     """Weighted TTT loss and per-step sums (steps, 6) for metrics.
 
     Step i at root t predicts the target's distribution at position t+1+i (`kind`: one of
-    LOSSES). `norm` gives per-step token counts to divide by (global ones under data
-    parallel); default: this batch's.
+    LOSSES), averaged over the counted positions or, with `average="sequence"`, within each
+    sample first. `norm` gives per-step counts to divide by (`counted`'s; global ones under
+    data parallel); default: this batch's.
     """
     dids = drafter.draft_ids
     outs = drafter.forward_ttt(
         batch["input_ids"], batch["aux"], steps, batch.get("segments"), batch.get("positions")
     )
-    chain = Chain(batch["input_ids"])
+    ids = sample_ids(batch) if average == "sequence" else None
+    chain = Chain(batch["input_ids"], ids)
     for i, ((logits, _), (scored, lmask)) in enumerate(
         zip(outs, loss_masks(batch, steps), strict=True)
     ):
@@ -138,7 +157,7 @@ def ttt_loss(
             ce = on_policy(*target_logprobs(batch, logits, 1 + i), chain.all_right, chain.since(i))
         else:
             ce = position_loss(batch, logits, 1 + i, kind, lmask)  # (B, T)
-        n = norm[i] if norm is not None else float(lmask.sum())
+        n = norm[i] if norm is not None else counted(lmask, ids)
         chain.add(i, ce, lmask, scored, right, decay**i, n)
     return chain.result()
 
@@ -148,9 +167,12 @@ class Chain:
     position of the chain scored in turn: the weighted loss, which roots' drafts are all right
     so far and at which step each first missed (what serving would verify; `opd` needs both),
     and per step the six metric sums `summarize` reads (loss, counted, right, scored, right
-    with all before right, all before right)."""
+    with all before right, all before right). With `ids` (the sample of each root), each
+    sample's counted positions share a weight of one in the loss; the metrics stay per
+    position."""
 
-    def __init__(self, roots: torch.Tensor):
+    def __init__(self, roots: torch.Tensor, ids: torch.Tensor | None = None):
+        self.ids = ids
         self.total = torch.zeros((), device=roots.device)
         self.all_right = torch.ones_like(roots, dtype=torch.bool)
         self.missed_at = torch.full_like(roots, -1)
@@ -164,7 +186,8 @@ class Chain:
         """Step `step`: its per-position loss `per`, counted where `lmask`, divided by `n`
         and weighted; `right` where the drafter's argmax is the target's."""
         loss_sum = (per * lmask).sum()
-        self.total = self.total + weight * loss_sum / max(n, 1.0)
+        weighted = loss_sum if self.ids is None else (per * self._per_sample(lmask)).sum()
+        self.total = self.total + weight * weighted / max(n, 1.0)
         cond = scored & self.all_right
         self.missed_at = torch.where(self.all_right & ~right, step, self.missed_at)
         self.all_right = self.all_right & right
@@ -178,6 +201,13 @@ class Chain:
                 float(cond.sum()),
             ]
         )
+
+    def _per_sample(self, lmask: torch.Tensor) -> torch.Tensor:
+        """Weights (...): 1 / the sample's counted positions where counted, else 0."""
+        ids = self.ids[lmask]
+        w = torch.zeros(lmask.shape, device=lmask.device)
+        w[lmask] = 1.0 / torch.bincount(ids)[ids].float()
+        return w
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the weighted loss, the per-step sums (steps, 6))."""

@@ -15,6 +15,7 @@ ATTENTIONS = (
 OPTIMIZERS = ("adamw", "muon")
 HEAD_INITS = ("random", "target", "target-frozen")
 LOSSES = ("kl", "tv", "mix", "lk", "nla", "opd")  # training.loss
+LOSS_AVERAGES = ("token", "sequence")  # training.loss_average
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,10 @@ class TrainConfig:
     + 0.9 x tv), lk (a blend of kl and tv, more tv as acceptance grows), nla (-log of the
     acceptance), or opd (on-policy distillation: forward KL where the drafts so far match the
     target, decayed reverse KL after the first miss; for a fine-tune with --init-from)."""
+    loss_average: str = "token"
+    """token (every counted position weighs the same: long samples weigh more) or sequence
+    (each sample's positions are averaged first, then the samples: every sample weighs the
+    same), per TTT step or block position."""
     lr: float | None = None
     """Peak learning rate; default: chosen from the run's size (train prints it)."""
     min_lr_ratio: float = 0.1
@@ -157,6 +162,10 @@ class TrainConfig:
             raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.loss_average not in LOSS_AVERAGES:
+            raise ValueError(
+                f"--loss-average must be one of {', '.join(LOSS_AVERAGES)}, got {self.loss_average!r}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"

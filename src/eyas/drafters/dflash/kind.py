@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from eyas.drafters import decoder_fields
 from eyas.drafters.blocks import load_weights
 from eyas.drafters.dflash.model import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
-from eyas.drafters.loss import Chain, add_targets, divergence, on_policy
+from eyas.drafters.loss import Chain, add_targets, counted, divergence, on_policy, sample_ids
 from eyas.targets.weights import embed_weight, lm_head_weight
 
 ARCH = "DFlashDraftModel"
@@ -120,25 +120,40 @@ class DFlash:
         a = batch["anchors"]
         T = batch["input_ids"].shape[1]
         m = batch["valid"] & batch["loss_mask"]
+        seg = batch.get("segments")  # packed rows: a block never predicts the next sample
         out = []
         for j in range(1, S):
             at = (a + j).clamp(max=T - 1)
             scored = (a >= 0) & (a + j < T) & m.gather(1, at)
+            if seg is not None:
+                scored = scored & (seg.gather(1, at) == seg.gather(1, a.clamp(min=0)))
             src = (a + j - 1).clamp(min=0, max=T - 1)
             out.append((src, scored, scored & batch["in_vocab"].gather(1, src)))
         return out
 
     def counts(self, batch: dict, cfg) -> list[float]:
-        return [float(lm.sum()) for _, _, lm in self._masks(batch, cfg.block_size)]
+        ids = self._sample_ids(batch, cfg)
+        return [counted(lm, ids) for _, _, lm in self._masks(batch, cfg.block_size)]
+
+    def _sample_ids(self, batch: dict, cfg) -> torch.Tensor | None:
+        """The sample of each block's anchor (B, N), where the loss is averaged per sample."""
+        if cfg.loss_average != "sequence":
+            return None
+        return sample_ids(batch).gather(1, batch["anchors"].clamp(min=0))
 
     def loss(self, model: DFlashDrafter, batch: dict, cfg, norm):
         S = model.config.block_size
         logits = model.forward_blocks(
-            batch["input_ids"], batch["aux"], batch["anchors"]
+            batch["input_ids"],
+            batch["aux"],
+            batch["anchors"],
+            batch.get("segments"),
+            batch.get("positions"),
         )  # (B, N, S, D)
         w = block_weights(S, cfg.block_decay)
         dids = model.draft_ids
-        chain = Chain(batch["anchors"])
+        ids = self._sample_ids(batch, cfg)
+        chain = Chain(batch["anchors"], ids)
         for j, (src, scored, lmask) in enumerate(self._masks(batch, S), start=1):
             lj = logits[:, :, j].float()  # (B, N, D)
             tgt = batch["tgt_logits"].gather(1, src[..., None].expand(-1, -1, lj.shape[-1])).float()
@@ -148,7 +163,7 @@ class DFlash:
                 per = on_policy(logq, logp, chain.all_right, chain.since(j - 1))  # (B, N)
             else:
                 per = divergence(logq, logp, cfg.loss, lmask)  # (B, N)
-            n = norm[j - 1] if norm is not None else float(lmask.sum())
+            n = norm[j - 1] if norm is not None else counted(lmask, ids)
             chain.add(j - 1, per, lmask, scored, right, float(w[j - 1]), n)
         return chain.result()
 

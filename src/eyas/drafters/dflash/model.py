@@ -188,11 +188,18 @@ class DFlashDrafter(nn.Module):
     # -------------------------------------------------------------- training
 
     def forward_blocks(
-        self, input_ids: torch.Tensor, states: torch.Tensor, anchors: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        states: torch.Tensor,
+        anchors: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, N, S, D) of N blocks per row at once: block n of row b starts at position
         anchors[b, n] (-1: no block) with the true token there and MASK after it, and sees the
-        context of the positions before its anchor and its whole self."""
+        context of the positions before its anchor and its whole self. In packed rows
+        (`segments`, `positions`: each position's sample and its position in it) a block sees
+        its own sample's context alone, at that sample's positions."""
         B, T = input_ids.shape
         N, S = anchors.shape[1], self.config.block_size
         dev = input_ids.device
@@ -201,10 +208,14 @@ class DFlashDrafter(nn.Module):
         first = input_ids.gather(1, a)  # (B, N): x_a
         ids = torch.full((B, N, S), self.config.mask_token_id, dtype=torch.long, device=dev)
         ids[:, :, 0] = first
-        pos = (a[:, :, None] + j).view(B, N * S)  # (B, N*S)
-        ctx_pos = torch.arange(T, device=dev).expand(B, T)
+        at = torch.arange(T, device=dev).expand(B, T)  # (B, T): where in the row
+        ctx_pos = positions if positions is not None else at  # (B, T): where in its sample
+        pos = (ctx_pos.gather(1, a)[:, :, None] + j).view(B, N * S)  # (B, N*S)
         kv = self.context_kv(self.context(states), ctx_pos)
-        sees_ctx = ctx_pos[:, None, :] < a.repeat_interleave(S, 1)[:, :, None]  # (B, N*S, T)
+        sees_ctx = at[:, None, :] < a.repeat_interleave(S, 1)[:, :, None]  # (B, N*S, T)
+        if segments is not None:
+            own = segments.gather(1, a).repeat_interleave(S, 1)  # (B, N*S): the block's sample
+            sees_ctx = sees_ctx & (segments[:, None, :] == own[:, :, None])
         if (w := self.config.attention_window) is not None:
             sees_ctx = sees_ctx & (ctx_pos[:, None, :] > pos[:, :, None] - w)
         blk = torch.arange(N, device=dev).repeat_interleave(S)

@@ -9,7 +9,7 @@ import torch
 from eyas.drafters import decoder_fields
 from eyas.drafters.blocks import load_weights
 from eyas.drafters.eagle3.model import Drafter, DrafterConfig
-from eyas.drafters.loss import add_targets, loss_masks, ttt_loss
+from eyas.drafters.loss import add_targets, counted, loss_masks, sample_ids, ttt_loss
 from eyas.targets.weights import embed_weight, final_norm_weight, lm_head_weight
 
 _ARCHS = {"vllm": "Eagle3Speculator", "sglang": "LlamaForCausalLMEagle3"}
@@ -99,10 +99,13 @@ class Eagle3:
         add_targets(batch, model, lm_head)
 
     def counts(self, batch: dict, cfg) -> list[float]:
-        return [float(lm.sum()) for _, lm in loss_masks(batch, cfg.ttt_steps)]
+        ids = sample_ids(batch) if cfg.loss_average == "sequence" else None
+        return [counted(lm, ids) for _, lm in loss_masks(batch, cfg.ttt_steps)]
 
     def loss(self, model: Drafter, batch: dict, cfg, norm):
-        return ttt_loss(model, batch, cfg.ttt_steps, cfg.step_decay, norm=norm, kind=cfg.loss)
+        return ttt_loss(
+            model, batch, cfg.ttt_steps, cfg.step_decay, norm, cfg.loss, cfg.loss_average
+        )
 
     # ---------------------------------------------------------------- export
 
