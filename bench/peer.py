@@ -557,12 +557,24 @@ def table(size: int, results: dict, rows: dict[str, list[str]], anchor: str) -> 
 
 
 def val_table(size: int, n_val: int, results: dict, rows: dict[str, list[str]]) -> list[str]:
-    """The validation screen (--prompts 0): est. acceptance per configuration, mean over seeds."""
-    lines = [f"\n{size} conversations: validation on {n_val} held-out samples, est. acceptance (k=3)",
-             f"{'configuration':<28} {'mean':>6}  per seed"]  # fmt: skip
+    """The validation screen (--prompts 0): est. acceptance per configuration, mean over
+    seeds, on the run's held-out samples and (where judged) on every sample of --holdout,
+    with the accuracy per TTT step there."""
+    first = results[next(iter(rows.values()))[0]]
+    hold = first.get("holdout")
+    head = f"; --holdout: {hold['positions']:,} positions" if hold else ""
+    lines = [f"\n{size} conversations: est. acceptance (k=3) on {n_val} held-out samples{head}",
+             f"{'configuration':<28} {'mean':>6}  per seed" + ("   holdout  acc per step" if hold else "")]  # fmt: skip
     for conf, names in rows.items():
         per = [results[n]["val"]["accept_len"][-1] for n in names]
-        lines.append(f"{conf:<28} {sum(per) / len(per):6.3f}  {' '.join(f'{x:.3f}' for x in per)}")
+        line = f"{conf:<28} {sum(per) / len(per):6.3f}  {' '.join(f'{x:.3f}' for x in per)}"
+        if hold:
+            h = [results[n]["holdout"] for n in names]
+            acc = [sum(x["acc"][i] for x in h) / len(h) for i in range(len(h[0]["acc"]))]
+            line += f"   {sum(x['accept_len'][-1] for x in h) / len(h):7.3f}  " + " ".join(
+                f"{a:.3f}" for a in acc
+            )
+        lines.append(line)
     return lines
 
 
