@@ -118,7 +118,7 @@ def sample_ids(batch: dict) -> torch.Tensor:
     B, T = batch["input_ids"].shape
     rows = torch.arange(B, device=batch["input_ids"].device)[:, None] * T  # (B, 1)
     seg = batch.get("segments")
-    return rows + (seg.clamp(min=0) if seg is not None else torch.zeros_like(batch["input_ids"]))
+    return rows.expand(B, T) if seg is None else rows + seg.clamp(min=0)  # (B, T)
 
 
 def counted(mask: torch.Tensor, ids: torch.Tensor | None = None) -> float:
