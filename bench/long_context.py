@@ -2,7 +2,7 @@
 more and more real conversation, judged with every drafter given.
 
     python bench/long_context.py --real REAL --drafter NAME=EXPORT [--drafter ...] \
-        [--lengths 1024,2048,4096,8000] [--turns 20] [--work DIR]
+        [--lengths 1024,2048,4096,8000] [--turns 20] [--jobs 2] [--work DIR]
 
 The target is `scripts/real_target.py`'s SmolLM2-135M-Instruct (8,192 positions). Final
 turns are ShareGPT user turns (from record `--skip` on, past the conversations the drafters
@@ -11,10 +11,11 @@ given at each length L: its own conversation's earlier turns first, then whole e
 ShareGPT conversations before them, as many as keep the rendered prompt within L tokens
 (at least 3/4 of L; a final turn that cannot reach that is left out at every length, so the
 same turns are judged at all of them). `eyas evaluate` (hf, greedy, K drafts, 128 new
-tokens, every prompt) judges every drafter on the same prompts in one process (the target
-loaded once, its greedy pass shared) and checks it lossless; the table gives, per drafter
-and length, tokens per target forward with its 95% interval over prompts and its ratio to
-the shortest length. A benchmark, not a test.
+tokens, every prompt) judges every drafter on the same prompts, cut into `--jobs` slices
+judged at once on one CPU thread each (bench/judging.py: every drafter of a slice in one
+process, its greedy pass shared), and checks it lossless; the table gives, per drafter and
+length, tokens per target forward with its 95% interval over prompts and its ratio to the
+shortest length. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -103,12 +104,14 @@ def main() -> None:
         "--skip", type=int, default=3000, help="ShareGPT records to pass over (training's)"
     )
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--jobs", type=int, default=2, help="slices of prompts judged at once")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--work", type=Path, default=Path("/tmp/eyas-long-context"))
     ap.add_argument("--json", type=Path, default=None, help="write every figure here too")
     args = ap.parse_args()
 
-    from eyas.stages.evaluate import evaluate
+    from judging import judge
+
     from eyas.targets.target import load_tokenizer
 
     model = str(args.real / "model")
@@ -120,13 +123,13 @@ def main() -> None:
     )
     n = len(prompts[lengths[0]])
     print(f"{n} final turns at {', '.join(map(str, lengths))} tokens of context", flush=True)
-    greedy, targets, rows = {}, {}, {}
+    rows = {}
     for length in lengths:
         path = args.work / f"prompts-{length}.jsonl"
         path.write_text("".join(json.dumps(p) + "\n" for p in prompts[length]))
-        for name, ex in drafters.items():
-            r = evaluate(model, ex, str(path), k=args.k, max_new_tokens=args.max_new_tokens, limit=None,
-                         precision=None, greedy_cache=greedy, target_cache=targets, progress=False)  # fmt: skip
+        judged = judge(model, drafters, path, args.work / f"slices-{length}", jobs=args.jobs, k=args.k,
+                       max_new_tokens=args.max_new_tokens)  # fmt: skip
+        for name, r in judged.items():
             d = r.to_dict()
             if r.stopped_by:  # evaluate ends a stopped run with what it did: say so, go no further
                 sys.exit(

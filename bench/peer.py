@@ -24,7 +24,8 @@ together:
   speculators' own logits, and exported by eyas.
 - **one judge**: validation accuracy per TTT step with eyas's metric on the same held-out
   samples (and on every sample of `--holdout`, another extraction), then `eyas evaluate`
-  (hf) on MT-Bench's first turns, K drafts, greedy, every drafter in one process (greedy
+  (hf) on MT-Bench's first turns, K drafts, greedy, the prompts cut into `--jobs` slices
+  judged at once (bench/judging.py; every drafter of a slice in one process, greedy
   decoding shared).
 
 Trainings run `--jobs` at a time, each on one CPU thread, and are reused when finished; so
@@ -463,19 +464,17 @@ def own_schedule(total: int, lr: float = 1e-3) -> list[float]:
 
 def judge_all(args, real: Path, run: Path, exports: dict[str, Path], trainings: dict[str, Path],
               plan: dict, cache: Path) -> dict:  # fmt: skip
-    """Every export on the same MT-Bench prompts in one process (greedy decoding shared), and
-    its validation accuracy on the run's held-out samples (and --holdout's); each result kept
-    in `cache` so a rerun judges only what is new."""
-    from eyas.decoders.result import EvalResult
-    from eyas.stages.evaluate import evaluate
-    from eyas.stages.export import load_export
-
-    sys.path.insert(0, str(REPO / "bench"))
+    """Every export's validation accuracy on the run's held-out samples (and --holdout's),
+    then all of them on the same MT-Bench prompts, cut into --jobs slices judged at once
+    (bench/judging.py: greedy decoding shared within a slice); each result kept in `cache`
+    so a rerun judges only what is new."""
+    from judging import judge
     from recipe import holdout_accuracy
 
+    from eyas.stages.export import load_export
+
     cache.mkdir(parents=True, exist_ok=True)
-    greedy: dict = {}
-    out = {}
+    out, todo = {}, {}
     for name, ex in exports.items():
         f = cache / f"{name}.json"
         if f.is_file():
@@ -484,26 +483,33 @@ def judge_all(args, real: Path, run: Path, exports: dict[str, Path], trainings: 
         t0 = time.monotonic()
         val = val_accuracy(load_export(ex)[0], run, plan)
         hold = holdout_accuracy(trainings[name], args.holdout, 3) if args.holdout else None
+        rec = {"val": val, "holdout": hold, "seconds": round(time.monotonic() - t0)}
+        print(f"{name}: val accuracy {' '.join(f'{a:.3f}' for a in val['acc'])}, est. acceptance "
+              f"{val['accept_len'][-1]:.3f}" + (f", held-out {hold['accept_len'][-1]:.3f}" if hold else ""),
+              flush=True)  # fmt: skip
         if not args.prompts:  # the validation screen alone
-            rec = {"val": val, "holdout": hold, "seconds": round(time.monotonic() - t0)}
             f.with_name(f"{name}.val.json").write_text(json.dumps(rec))
             out[name] = rec
-            print(f"{name}: val accuracy {' '.join(f'{a:.3f}' for a in val['acc'])}, est. acceptance "
-                  f"{val['accept_len'][-1]:.3f}" + (f", held-out {hold['accept_len'][-1]:.3f}" if hold else ""),
-                  flush=True)  # fmt: skip
             continue
-        r: EvalResult = evaluate(str(real / "model"), str(ex), str(real / "mtbench.jsonl"), k=args.k,
-                                 max_new_tokens=args.max_new_tokens, limit=args.prompts, precision=None,
-                                 progress=False, greedy_cache=greedy)  # fmt: skip
+        todo[name] = rec
+    if not todo:
+        return out
+    t0 = time.monotonic()
+    print(f"judging {', '.join(todo)} on {args.prompts} MT-Bench prompts, {args.jobs} slices at once",
+          flush=True)  # fmt: skip
+    judged = judge(str(real / "model"), {n: str(exports[n]) for n in todo}, real / "mtbench.jsonl",
+                   cache / "slices", jobs=args.jobs, k=args.k, max_new_tokens=args.max_new_tokens,
+                   limit=args.prompts)  # fmt: skip
+    for name, r in judged.items():
+        if r.stopped_by:
+            raise SystemExit(f"judging {name} was stopped by {r.stopped_by}; nothing kept")
         d = r.to_dict()
-        rec = {"val": val, "holdout": hold, "mtbench": d, "per_prompt": r.per_prompt,
-               "seconds": round(time.monotonic() - t0)}  # fmt: skip
-        f.write_text(json.dumps(rec))
+        rec = {**todo[name], "mtbench": d, "per_prompt": r.per_prompt,
+               "seconds": todo[name]["seconds"] + round(time.monotonic() - t0)}  # fmt: skip
+        (cache / f"{name}.json").write_text(json.dumps(rec))
         out[name] = rec
         print(f"{name}: tokens/forward {d['tokens_per_forward']} {d['tokens_per_forward_ci95']}, per position "
-              f"{d['per_position_acceptance']}, lossless {d['lossless']}, val est. acceptance "
-              f"{val['accept_len'][-1]:.3f}" + (f", held-out {hold['accept_len'][-1]:.3f}" if hold else "")
-              + f", {rec['seconds']} s", flush=True)  # fmt: skip
+              f"{d['per_position_acceptance']}, lossless {d['lossless']}", flush=True)  # fmt: skip
     return out
 
 
@@ -615,7 +621,8 @@ def main() -> None:
                     help=f"the peer's configurations, of {', '.join(PEER_CONFIGS)}; the better is the anchor")  # fmt: skip
     ap.add_argument("--holdout", type=Path, default=None,
                     help="an extraction of other conversations: every drafter's accuracy on all of it too")  # fmt: skip
-    ap.add_argument("--jobs", type=int, default=2, help="trainings at once, one CPU thread each")
+    ap.add_argument("--jobs", type=int, default=2,
+                    help="trainings at once, and slices of MT-Bench judged at once; one CPU thread each")  # fmt: skip
     ap.add_argument("--train-only", action="store_true", help="train everything, judge nothing")
     ap.add_argument("--max-length", type=int, default=448, help="prepare --max-length")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="prepare --draft-vocab-size")

@@ -449,6 +449,38 @@ def test_evaluate_reports_a_lossy_decoder(trained, tmp_path, monkeypatch):
     assert res.to_dict()["lossless"] is False and res.mismatches[0]["first_difference_at"] == 0
 
 
+def test_slices_judged_apart_merge_into_the_whole_files_result(trained, tmp_path, monkeypatch):
+    """A prompt file judged whole, and judged as three consecutive slices whose results are
+    merged (as the benches judge on every core), give the same figures, prompt by prompt;
+    a mismatch keeps its place in the whole file (the decoder alters every reply here)."""
+    import eyas.decoders.hf as decoder
+    import eyas.stages.evaluate as ev
+    from eyas.decoders.result import EvalResult
+    from eyas.stages.export import export
+
+    ex = export(trained, "vllm", tmp_path / "ex")
+    real = decoder.speculative
+    monkeypatch.setattr(decoder, "speculative", lambda *a, **kw: [7, *real(*a, **kw)[1:]])
+    lines = DEMO_CONVERSATIONS.read_text().splitlines()[:6]
+    files = []
+    for i, (a, b) in enumerate([(0, 6), (0, 2), (2, 5), (5, 6)]):
+        files.append(tmp_path / f"p{i}.jsonl")
+        files[-1].write_text("".join(x + "\n" for x in lines[a:b]))
+    whole, *parts = (ev.evaluate(str(DEMO_TARGET), str(ex), str(f), k=2, max_new_tokens=8,
+                                 progress=False) for f in files)  # fmt: skip
+    merged = EvalResult.merged(parts)
+    timing = ("spec_tokens_per_s", "greedy_tokens_per_s", "speedup", "inputs")
+    want, got = whole.to_dict(), merged.to_dict()
+    assert {k: v for k, v in got.items() if k not in timing} == {
+        k: v for k, v in want.items() if k not in timing
+    }
+    assert [m["prompt"] for m in got["mismatches"]] == list(range(6)) and whole.rounds > 6
+    assert len(got["inputs"]["slices"]) == 3
+    cut = EvalResult(prompts=1, planned=2, per_position=[[0, 0]] * 2, drafter=parts[1].drafter)
+    with pytest.raises(ValueError, match="ended early"):
+        EvalResult.merged([cut, parts[1]])
+
+
 def test_deepseek_v3_target_end_to_end(targets, conversations, tmp_path):
     """The Kimi-K2 family (MLA + MoE): extract, train, export, lossless speculative decoding."""
     t = targets["deepseek_v3"]

@@ -40,6 +40,38 @@ class EvalResult:
     positions: list[list[int]] = field(default_factory=list)  # per prompt, accepted per position
     inputs: dict = field(default_factory=dict)  # records read, used, left out and why
 
+    @classmethod
+    def merged(cls, parts: list[EvalResult]) -> EvalResult:
+        """One result from the results of consecutive slices of one prompt file, judged apart
+        (in other processes, say) with the same drafter and drafts a round: the same figures
+        as judging the whole file at once. Mismatches keep their place in the whole file;
+        `inputs` keeps each slice's account of its records."""
+        if not parts:
+            raise ValueError("nothing to merge")
+        widths = {len(p.per_position) for p in parts}
+        if len(widths) != 1 or len({str(p.drafter) for p in parts}) != 1:
+            raise ValueError("the parts judged different drafters or drafted different lengths")
+        if any(p.prompts != p.planned for p in parts[:-1]):
+            raise ValueError("a part before the last ended early: the slices after it would shift")
+        out = cls(
+            per_position=[[0, 0] for _ in range(widths.pop())],
+            drafter=parts[0].drafter,
+            inputs={"slices": [p.inputs for p in parts]} if any(p.inputs for p in parts) else {},
+        )
+        for p in parts:
+            out.mismatches += [{**m, "prompt": m["prompt"] + out.prompts} for m in p.mismatches]
+            for name in ("prompts", "rounds", "drafted", "accepted", "spec_tokens", "base_tokens",
+                         "spec_seconds", "base_seconds", "planned"):  # fmt: skip
+                setattr(out, name, getattr(out, name) + getattr(p, name))
+            for name in ("per_prompt", "lengths", "positions"):
+                getattr(out, name).extend(getattr(p, name))
+            out.categories.extend(p.categories[: len(p.per_prompt)])  # named for every prompt asked
+            for total, (a, d) in zip(out.per_position, p.per_position, strict=True):
+                total[0] += a
+                total[1] += d
+            out.stopped_by = out.stopped_by or p.stopped_by
+        return out
+
     def compare(self, prompt: int, spec: list[int], base: list[int], tok) -> None:
         """Record where speculative decoding's output first differs from greedy's, if it does."""
         if spec != base:
