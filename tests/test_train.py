@@ -629,6 +629,32 @@ def test_loss_averaged_per_sample_weighs_every_sample_the_same(name, demo_run, t
     assert abs(float(token_loss[False] - alone)) > 1e-3
 
 
+@pytest.mark.parametrize("name", ["eagle3", "dflash"])
+def test_loss_positions_all_scores_every_position_in_training_only(name, demo_run, tmp_path):
+    """--loss-positions all: a training micro-batch scores the system's and user's positions
+    too (more positions counted at every TTT step or block position than the assistant's
+    alone), while validation of the same batch scores the assistant's, as by default."""
+    from eyas.run.runmeta import read_run_meta
+    from eyas.training.train_data import SampleReader, usable_samples
+    from eyas.training.trainer import Trainer
+
+    meta = read_run_meta(demo_run)
+    entries, _ = usable_samples(demo_run, meta["hidden_size"], lambda m: None)
+    reader = SampleReader(demo_run, entries, True)
+    idx = sorted(entries)[:4]
+    counted = {}
+    for positions in ("assistant", "all"):
+        cfg = TrainConfig(data=str(demo_run), out=str(tmp_path / positions), kind=name,
+                          loss_positions=positions, lr=1e-3, progress=False)  # fmt: skip
+        t = Trainer(cfg, meta, 0, 1, torch.device("cpu"), tmp_path, reader)
+        for key in (7, None):  # a training micro-batch, then validation's
+            with torch.no_grad():
+                counted[positions, key] = t._micro(t.load(idx), noise_key=key)[1][:, 1].tolist()
+    reader.close()
+    assert counted["assistant", 7] == counted["assistant", None] == counted["all", None]
+    assert all(a > b > 0 for a, b in zip(counted["all", 7], counted["assistant", 7], strict=True))
+
+
 def test_sigterm_mid_step_drops_the_step_at_once(demo_run, tmp_path, monkeypatch):
     """A SIGTERM that lands inside an optimizer step's forward pass stops there (not at the
     step's end): the step is dropped, the checkpoint holds the last complete step, and a

@@ -16,6 +16,7 @@ OPTIMIZERS = ("adamw", "muon")
 HEAD_INITS = ("random", "target", "target-frozen")
 LOSSES = ("kl", "tv", "mix", "lk", "nla", "opd")  # training.loss
 LOSS_AVERAGES = ("token", "sequence")  # training.loss_average
+LOSS_POSITIONS = ("assistant", "all")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,11 @@ class TrainConfig:
     """token (every counted position weighs the same: long samples weigh more) or sequence
     (each sample's positions are averaged first, then the samples: every sample weighs the
     same), per TTT step or block position."""
+    loss_positions: str = "assistant"
+    """Which positions training scores: assistant (those the loss mask marks: the replies a
+    served drafter drafts) or all (every position of a sample: the target's predictions of
+    the user's and system's text too, more of its signal from the same data). Validation
+    scores the assistant's either way."""
     lr: float | None = None
     """Peak learning rate; default: chosen from the run's size (train prints it)."""
     min_lr_ratio: float = 0.1
@@ -165,6 +171,10 @@ class TrainConfig:
         if self.loss_average not in LOSS_AVERAGES:
             raise ValueError(
                 f"--loss-average must be one of {', '.join(LOSS_AVERAGES)}, got {self.loss_average!r}"
+            )
+        if self.loss_positions not in LOSS_POSITIONS:
+            raise ValueError(
+                f"--loss-positions must be one of {', '.join(LOSS_POSITIONS)}, got {self.loss_positions!r}"
             )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(

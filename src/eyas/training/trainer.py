@@ -168,10 +168,13 @@ class Trainer:
         self, batch: dict, noise_key: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Loss (normalised by the global token counts per step), stats and tokens. In
-        training (`noise_key` given), the fused states get `--feature-noise` first (after the
-        targets, which come from the clean final state), drawn from a generator seeded by the
-        key: a resumed training draws the same noise as an unbroken one."""
+        training (`noise_key` given), every position is scored under `--loss-positions all`,
+        and the fused states get `--feature-noise` (after the targets, which come from the
+        clean final state), drawn from a generator seeded by the key: a resumed training
+        draws the same noise as an unbroken one."""
         batch["_key"] = noise_key  # in training, what varies from step to step derives from it
+        if noise_key is not None and self.cfg.loss_positions == "all":
+            batch["loss_mask"] = batch["valid"].clone()
         self.kind.prepare_batch(self.drafter, batch, self.lm_head, self.cfg)
         if noise_key is not None and self.cfg.feature_noise > 0:
             gen = torch.Generator(device=batch["aux"].device)
