@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -328,6 +329,36 @@ def test_evaluation_by_context_length_buckets():
         and got["8K-16K"]["tokens_per_forward_ci95"] is None
     )
     assert got[">= 16K"]["mean_prompt_tokens"] == 20000
+
+
+def test_a_judge_that_counts_groups_of_prompts_reports_each_bucket_without_an_interval():
+    """vLLM's judge counts one length bucket at a time: each row of the result is a group of
+    prompts. Each bucket's figures are its group's totals, its prompt count and mean length
+    are its prompts', no interval is made up by resampling groups as if they were prompts,
+    and the JSON keeps every prompt's length beside the groups' counts."""
+    from eyas.decoders.result import EvalResult
+    from eyas.stages.evaluate import paired_difference
+
+    lengths = [100, 3000, 200, 3500, 300]  # prompts 0, 2, 4 under 512; 1 and 3 in 2K-4K
+    res = EvalResult(prompts=5, per_position=[[13, 20], [5, 20]], lengths=lengths,
+                     groups=[[0, 2, 4], [1, 3]], per_prompt=[[12, 16, 30], [8, 2, 9]],
+                     positions=[[10, 5], [3, 0]], rounds=20, accepted=18)  # fmt: skip
+    got = res.by_length()
+    assert list(got) == ["< 512", "2K-4K"]
+    assert got["< 512"]["prompts"] == 3 and got["< 512"]["mean_prompt_tokens"] == 200
+    assert got["< 512"]["tokens_per_forward"] == 2.5 and got["< 512"]["acceptance_length"] == 2.333
+    assert got["< 512"]["per_position_acceptance"] == [0.833, 0.417]
+    assert got["2K-4K"]["prompts"] == 2 and got["2K-4K"]["tokens_per_forward"] == 1.125
+    assert got["2K-4K"]["tokens_per_forward_ci95"] is None
+    d = res.to_dict()
+    assert d["tokens_per_forward"] == 1.95 and d["tokens_per_forward_ci95"] is None
+    assert [p["prompt_tokens"] for p in d["per_prompt"]] == lengths
+    assert [g["prompts"] for g in d["per_group"]] == [[0, 2, 4], [1, 3]]
+    counted = dataclasses.replace(res, groups=[], lengths=[100, 3000])  # two rows, two prompts
+    assert counted.intervals()["tokens_per_forward"] is not None
+    p = paired_difference(counted, res)  # two drafters on the same prompts, one of them grouped
+    assert p["prompts"] == 5 and p["difference"] == 0 and p["difference_ci95"] is None
+    assert paired_difference(counted, counted)["difference_ci95"] is not None
 
 
 def test_paired_difference_resamples_prompts_alike():

@@ -246,6 +246,43 @@ def test_vllm_judges_like_eyas_evaluate(demo_drafter):
     assert sg["lossless"] and sg["acceptance_length"] > 1.0
 
 
+def test_vllm_reports_each_context_length_as_eyas_evaluate_does(demo_drafter, tmp_path):
+    """Short prompts and long ones (twenty demo conversations run together, past 512 tokens):
+    vLLM's counters are totals, so its judge runs one length bucket at a time; each bucket's
+    figures match eyas's own decoder's on the same prompts, its groups cover every prompt
+    once, and their rounds add up to the whole run's."""
+    convs = generate_conversations(200, seed=8)
+    turns = [
+        [m for c in convs[i * 20 : (i + 1) * 20] for m in c["messages"][1:]] for i in range(10)
+    ]
+    assert all(t[-1]["role"] == "assistant" for t in turns)
+    long = [{"id": f"long-{i}", "messages": [convs[0]["messages"][0], *t[:-1]]}
+            for i, t in enumerate(turns)]  # fmt: skip
+    prompts = tmp_path / "mixed.jsonl"
+    write_jsonl(prompts, generate_conversations(10, seed=7) + long)
+    got = {}
+    for engine in ("vllm", "hf"):
+        p = _judge(demo_drafter["vllm"], prompts, engine)
+        assert p.returncode == 0, p.stderr[-3000:]
+        got[engine] = json.loads(p.stdout)
+    v, h = got["vllm"], got["hf"]
+    assert v["lossless"] and h["lossless"]
+    assert list(v["by_length"]) == list(h["by_length"]) == ["< 512", "512-2K"], h["by_length"]
+    for name, hb in h["by_length"].items():
+        vb = v["by_length"][name]
+        assert (vb["prompts"], vb["mean_prompt_tokens"]) == (
+            hb["prompts"],
+            hb["mean_prompt_tokens"],
+        )
+        assert abs(vb["acceptance_length"] - hb["acceptance_length"]) <= 0.05, (vb, hb)
+        assert (
+            vb["tokens_per_forward_ci95"] is None
+            and vb["per_position_acceptance"] == hb["per_position_acceptance"]
+        )
+    assert sorted(i for g in v["per_group"] for i in g["prompts"]) == list(range(20))
+    assert sum(g["rounds"] for g in v["per_group"]) == v["rounds"] > 0
+
+
 def test_vllm_serves_a_dflash_export_as_eyas_decodes_it(demo_drafter):
     """vLLM's `method: dflash` on eyas's DFlash export: the same rounds and acceptances as
     eyas's own block decoder, both lossless. An export the installed vLLM refuses to start is

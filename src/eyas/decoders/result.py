@@ -10,6 +10,11 @@ LENGTH_BUCKETS = (0, 512, 2048, 4096, 8192, 16384)
 """Lower edges, in prompt tokens, of the context-length buckets every evaluation reports."""
 
 
+def length_bucket(n: int) -> int:
+    """The index in LENGTH_BUCKETS of the bucket a prompt of `n` tokens falls in."""
+    return max(i for i, lo in enumerate(LENGTH_BUCKETS) if n >= lo)
+
+
 def _bucket_name(lo: int, hi: int | None) -> str:
     k = lambda n: f"{n // 1024}K" if n >= 1024 else str(n)  # noqa: E731
     return f"< {k(hi)}" if lo == 0 else (f">= {k(lo)}" if hi is None else f"{k(lo)}-{k(hi)}")
@@ -39,6 +44,10 @@ class EvalResult:
     lengths: list[int] = field(default_factory=list)  # per prompt, its length in tokens
     positions: list[list[int]] = field(default_factory=list)  # per prompt, accepted per position
     inputs: dict = field(default_factory=dict)  # records read, used, left out and why
+    groups: list[list[int]] = field(default_factory=list)
+    """Where a judge counts groups of prompts, not each (vLLM's counters are totals: it runs
+    one length bucket at a time), the prompts each row of `per_prompt` and `positions`
+    counts, all of one bucket; empty: row i is prompt i. Groups have no interval."""
 
     @classmethod
     def merged(cls, parts: list[EvalResult]) -> EvalResult:
@@ -60,6 +69,7 @@ class EvalResult:
         )
         for p in parts:
             out.mismatches += [{**m, "prompt": m["prompt"] + out.prompts} for m in p.mismatches]
+            out.groups += [[i + out.prompts for i in g] for g in p.groups]
             for name in ("prompts", "rounds", "drafted", "accepted", "spec_tokens", "base_tokens",
                          "spec_seconds", "base_seconds", "planned"):  # fmt: skip
                 setattr(out, name, getattr(out, name) + getattr(p, name))
@@ -111,7 +121,7 @@ class EvalResult:
 
         a = np.array(self.per_prompt, dtype=np.float64).reshape(-1, 3)
         a = a[a[:, 0] > 0]
-        if len(a) < 2:
+        if len(a) < 2 or self.groups:  # totals over groups of prompts: nothing to resample
             return {"acceptance_length": None, "tokens_per_forward": None}
         idx = np.random.default_rng(seed).integers(0, len(a), (n, len(a)))
         rounds = a[idx, 0].sum(1)
@@ -147,27 +157,32 @@ class EvalResult:
 
     def by_length(self) -> dict[str, dict]:
         """Tokens per forward, acceptance length and per-position acceptance of the prompts
-        in each context-length bucket (LENGTH_BUCKETS; empty ones left out), with intervals:
-        a drafter that holds at short context and not at long shows it here."""
-        if not self.lengths or len(self.lengths) != len(self.per_prompt):
+        in each context-length bucket (LENGTH_BUCKETS; empty ones left out), with intervals
+        where each prompt was counted: a drafter that holds at short context and not at long
+        shows it here."""
+        rows = self.groups or [[i] for i in range(len(self.per_prompt))]
+        if not rows or len(self.lengths) != sum(len(g) for g in rows):
             return {}
         out = {}
-        for lo, hi in zip(LENGTH_BUCKETS, LENGTH_BUCKETS[1:] + (None,), strict=True):
-            pick = [i for i, n in enumerate(self.lengths) if n >= lo and (hi is None or n < hi)]
+        for b, (lo, hi) in enumerate(
+            zip(LENGTH_BUCKETS, LENGTH_BUCKETS[1:] + (None,), strict=True)
+        ):
+            pick = [r for r, g in enumerate(rows) if length_bucket(self.lengths[g[0]]) == b]
             if not pick:
                 continue
-            rows = [self.per_prompt[i] for i in pick]
+            members = [i for r in pick for i in rows[r]]
             sub = EvalResult(
-                prompts=len(rows),
-                per_prompt=rows,
-                rounds=sum(r[0] for r in rows),
-                accepted=sum(r[1] for r in rows),
+                prompts=len(members),
+                per_prompt=[self.per_prompt[r] for r in pick],
+                rounds=sum(self.per_prompt[r][0] for r in pick),
+                accepted=sum(self.per_prompt[r][1] for r in pick),
+                groups=[rows[r] for r in pick] if self.groups else [],
             )
             ci = sub.intervals()
-            pos = [sum(self.positions[i][j] for i in pick) for j in range(len(self.per_position))]
+            pos = [sum(self.positions[r][j] for r in pick) for j in range(len(self.per_position))]
             out[_bucket_name(lo, hi)] = {
-                "prompts": len(rows),
-                "mean_prompt_tokens": round(sum(self.lengths[i] for i in pick) / len(pick)),
+                "prompts": len(members),
+                "mean_prompt_tokens": round(sum(self.lengths[i] for i in members) / len(members)),
                 "tokens_per_forward": round(sub.tokens_per_forward, 3),
                 "tokens_per_forward_ci95": ci["tokens_per_forward"],
                 "acceptance_length": round(sub.acceptance_length, 3),
@@ -177,6 +192,26 @@ class EvalResult:
                 ],
             }
         return out
+
+    def _rows(self) -> dict:
+        """`per_prompt` for the JSON: each prompt's length and, where it was counted alone,
+        its rounds; `per_group` where the judge counted groups of prompts."""
+        if not self.lengths:
+            return {}
+        if self.groups:
+            return {
+                "per_prompt": [{"prompt_tokens": n} for n in self.lengths],
+                "per_group": [
+                    {"prompts": g, "rounds": r[0], "accepted": r[1], "emitted": r[2]}
+                    for g, r in zip(self.groups, self.per_prompt, strict=True)
+                ],
+            }
+        return {
+            "per_prompt": [
+                {"prompt_tokens": n, "rounds": r[0], "accepted": r[1], "emitted": r[2]}
+                for n, r in zip(self.lengths, self.per_prompt, strict=False)
+            ]
+        }
 
     def to_dict(self) -> dict:
         ci = self.intervals()
@@ -217,15 +252,6 @@ class EvalResult:
                 else {}
             ),
             **({"by_length": self.by_length()} if self.lengths else {}),
-            **(
-                {
-                    "per_prompt": [
-                        {"prompt_tokens": n, "rounds": r[0], "accepted": r[1], "emitted": r[2]}
-                        for n, r in zip(self.lengths, self.per_prompt, strict=False)
-                    ]
-                }
-                if self.lengths
-                else {}
-            ),
+            **self._rows(),
             **({"inputs": self.inputs} if self.inputs else {}),
         }

@@ -402,18 +402,19 @@ def paired_difference(a: EvalResult, b: EvalResult, n: int = 2000, seed: int = 0
     import numpy as np
 
     m = min(len(a.per_prompt), len(b.per_prompt))
+    grouped = bool(a.groups or b.groups)  # vLLM's totals per length bucket: no prompt to resample
     x = np.array(a.per_prompt[:m], dtype=np.float64).reshape(-1, 3)
     y = np.array(b.per_prompt[:m], dtype=np.float64).reshape(-1, 3)
     tpf = lambda r: r[..., 2].sum(-1) / np.maximum(r[..., 0].sum(-1), 1)  # noqa: E731
     out = {
         "a": a.drafter.get("path"),
         "b": b.drafter.get("path"),
-        "prompts": m,
+        "prompts": min(a.prompts, b.prompts) if grouped else m,
         "tokens_per_forward": [round(float(tpf(x)), 3), round(float(tpf(y)), 3)],
         "difference": round(float(tpf(y) - tpf(x)), 3),
         "difference_ci95": None,
     }
-    if m >= 2:
+    if m >= 2 and not grouped:
         idx = np.random.default_rng(seed).integers(0, m, (n, m))
         d = tpf(y[idx]) - tpf(x[idx])
         out["difference_ci95"] = [round(float(v), 3) for v in np.percentile(d, [2.5, 97.5])]
