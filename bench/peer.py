@@ -2,7 +2,7 @@
 
     python bench/peer.py --real REAL --work WORK --conversations 300,1000 --seeds 0,1 \
         [--eyas NAME='train options' ...] [--peer peer-eyas-schedule,peer-own-defaults] \
-        [--holdout RUN] [--jobs 2] [--prompts 80]
+        [--holdout RUN | --holdout-conversations 200] [--jobs 2] [--prompts 80]
 
 For each size N, the first N ShareGPT conversations that open with a user turn (file order)
 are prepared (`--max-length 448`, draft vocabulary 8,192) and extracted once (or `--run`
@@ -23,7 +23,9 @@ together:
   verifier norm is the identity. Its weights are moved into eyas's drafter, checked against
   speculators' own logits, and exported by eyas.
 - **one judge**: validation accuracy per TTT step with eyas's metric on the same held-out
-  samples (and on every sample of `--holdout`, another extraction), then `eyas evaluate`
+  samples (and on every sample of `--holdout`, another extraction, or of the
+  `--holdout-conversations` ShareGPT conversations after the largest size, prepared and
+  extracted alike), then `eyas evaluate`
   (hf) on MT-Bench's first turns, K drafts, greedy, the prompts cut into `--jobs` slices
   judged at once (bench/judging.py; every drafter of a slice in one process, greedy
   decoding shared).
@@ -621,6 +623,9 @@ def main() -> None:
                     help=f"the peer's configurations, of {', '.join(PEER_CONFIGS)}; the better is the anchor")  # fmt: skip
     ap.add_argument("--holdout", type=Path, default=None,
                     help="an extraction of other conversations: every drafter's accuracy on all of it too")  # fmt: skip
+    ap.add_argument("--holdout-conversations", type=int, default=0,
+                    help="as --holdout: this many ShareGPT conversations after the largest size's, "
+                         "prepared and extracted alike")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=2,
                     help="trainings at once, and slices of MT-Bench judged at once; one CPU thread each")  # fmt: skip
     ap.add_argument("--train-only", action="store_true", help="train everything, judge nothing")
@@ -660,6 +665,13 @@ def main() -> None:
         ap.error(f"unknown peer configuration(s) {unknown}; known: {', '.join(PEER_CONFIGS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     sizes = [int(n) for n in args.conversations.split(",")] if args.run is None else [0]
+    if args.holdout_conversations:
+        if args.holdout or args.run:
+            ap.error(
+                "--holdout-conversations goes with --conversations, without --holdout or --run"
+            )
+        args.holdout = build_run(args.real, args.holdout_conversations, args.work / "data",
+                                 args.max_length, args.draft_vocab, skip=max(sizes))  # fmt: skip
     report = []
     for size in sizes:
         run = args.run or build_run(
