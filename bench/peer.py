@@ -705,7 +705,7 @@ def main() -> None:
             report += val_table(size, sum(len(b) for b in plan["val"]), results, rows)
             continue
         means = {c: sum(tpf(results[n]["per_prompt"]) for n in rows[c]) / len(seeds) for c in peers}
-        anchor = max(means, key=means.get)
+        anchor = max(means, key=means.get) if means else next(iter(eyas_confs))  # no peer run
         report += table(size or len(plan["val"]), results, rows, anchor)
         (wn / "result.json").write_text(json.dumps({"anchor": anchor, "rows": rows, "seeds": seeds,
                                                     "results": {n: {k: v for k, v in r.items() if k != "per_prompt"}
