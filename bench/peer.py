@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from judging import one_thread_env as one_thread
 
 REPO = Path(__file__).resolve().parent.parent
 SPECULATORS = ("speculators==0.9.0", "hs-connectors==0.9.0")
@@ -404,15 +405,6 @@ def run_jobs(jobs: list[Job], at_once: int) -> None:
                 f"nothing can start: {', '.join(j.name for j in todo)} wait for files no job makes"
             )
         time.sleep(2)
-
-
-def one_thread() -> dict:
-    return {
-        **os.environ,
-        "EYAS_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO / "src"),
-    }
 
 
 def eyas_job(run: Path, out: Path, options: str, seed: int) -> Job:
