@@ -13,9 +13,9 @@ ShareGPT conversations before them, as many as keep the rendered prompt within L
 same turns are judged at all of them). `eyas evaluate` (hf, greedy, K drafts, 128 new
 tokens, every prompt) judges every drafter on the same prompts, cut into `--jobs` slices
 judged at once on one CPU thread each (bench/judging.py: every drafter of a slice in one
-process, its greedy pass shared), and checks it lossless; the table gives, per drafter and
-length, tokens per target forward with its 95% interval over prompts and its ratio to the
-shortest length. A benchmark, not a test.
+process, the greedy pass kept in REAL/greedy for later calls), and checks it lossless; the
+table gives, per drafter and length, tokens per target forward with its 95% interval over
+prompts and its ratio to the shortest length. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main() -> None:
         path = args.work / f"prompts-{length}.jsonl"
         path.write_text("".join(json.dumps(p) + "\n" for p in prompts[length]))
         judged = judge(model, drafters, path, args.work / f"slices-{length}", jobs=args.jobs, k=args.k,
-                       max_new_tokens=args.max_new_tokens)  # fmt: skip
+                       max_new_tokens=args.max_new_tokens, greedy_store=args.real / "greedy")  # fmt: skip
         for name, r in judged.items():
             d = r.to_dict()
             if r.stopped_by:  # evaluate ends a stopped run with what it did: say so, go no further

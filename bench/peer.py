@@ -28,7 +28,7 @@ together:
   extracted alike), then `eyas evaluate`
   (hf) on MT-Bench's first turns, K drafts, greedy, the prompts cut into `--jobs` slices
   judged at once (bench/judging.py; every drafter of a slice in one process, greedy
-  decoding shared).
+  decoding kept in REAL/greedy and done once per prompt across calls).
 
 Trainings run `--jobs` at a time, each on one CPU thread, and are reused when finished; so
 are judged drafters (WORK/nN/judged). The table at the end gives, per size, each
@@ -460,7 +460,7 @@ def judge_all(args, real: Path, run: Path, exports: dict[str, Path], trainings: 
               plan: dict, cache: Path) -> dict:  # fmt: skip
     """Every export's validation accuracy on the run's held-out samples (and --holdout's),
     then all of them on the same MT-Bench prompts, cut into --jobs slices judged at once
-    (bench/judging.py: greedy decoding shared within a slice); each result kept in `cache`
+    (bench/judging.py: greedy decoding kept in REAL/greedy); each result kept in `cache`
     so a rerun judges only what is new."""
     from judging import judge
     from recipe import holdout_accuracy
@@ -493,7 +493,7 @@ def judge_all(args, real: Path, run: Path, exports: dict[str, Path], trainings: 
           flush=True)  # fmt: skip
     judged = judge(str(real / "model"), {n: str(exports[n]) for n in todo}, real / "mtbench.jsonl",
                    cache / "slices", jobs=args.jobs, k=args.k, max_new_tokens=args.max_new_tokens,
-                   limit=args.prompts)  # fmt: skip
+                   limit=args.prompts, greedy_store=real / "greedy")  # fmt: skip
     for name, r in judged.items():
         if r.stopped_by:
             raise SystemExit(f"judging {name} was stopped by {r.stopped_by}; nothing kept")

@@ -481,6 +481,45 @@ def test_slices_judged_apart_merge_into_the_whole_files_result(trained, tmp_path
         EvalResult.merged([cut, parts[1]])
 
 
+def test_greedy_store_decodes_each_prompt_greedily_once_across_processes(trained, tmp_path,
+                                                                          monkeypatch):  # fmt: skip
+    """bench/judging.py's GreedyStore: a store opened later on the same folder (as the next
+    judging process opens it) holds every greedy decoding of the first, so judging again
+    decodes nothing greedily and gives the same figures; a torn last line is skipped; a
+    target whose files differ in one byte shares nothing with it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from judging import GreedyStore
+
+    import eyas.decoders.hf as decoder
+    import eyas.stages.evaluate as ev
+    from eyas.stages.export import export
+
+    ex = export(trained, "vllm", tmp_path / "ex")
+    held = tmp_path / "p.jsonl"
+    held.write_text("".join(x + "\n" for x in DEMO_CONVERSATIONS.read_text().splitlines()[:3]))
+    calls, real = [], decoder.greedy
+    monkeypatch.setattr(decoder, "greedy", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    judged = []
+    for _ in range(2):
+        store = GreedyStore(tmp_path / "greedy", str(DEMO_TARGET))
+        judged.append(ev.evaluate(str(DEMO_TARGET), str(ex), str(held), k=2, max_new_tokens=8,
+                                  progress=False, greedy_cache=store))  # fmt: skip
+    assert len(calls) == 3 and store.loaded == 3  # the second judge decoded nothing greedily
+    timing = ("spec_tokens_per_s", "greedy_tokens_per_s", "speedup")
+    first, again = ({k: v for k, v in r.to_dict().items() if k not in timing} for r in judged)
+    assert again == first and first["lossless"] and judged[0].rounds > 3
+    (part,) = store.dir.glob("*.jsonl")
+    part.write_text(part.read_text() + '{"key": "torn", "ids": [1, 2')  # killed mid-write
+    assert GreedyStore(tmp_path / "greedy", str(DEMO_TARGET)).loaded == 3
+    other = tmp_path / "target"
+    shutil.copytree(DEMO_TARGET, other)
+    (other / "config.json").write_text((other / "config.json").read_text() + " ")
+    assert GreedyStore(tmp_path / "greedy", str(other)).loaded == 0
+    key = (str(DEMO_TARGET), tuple(range(5)), 8)
+    store[key] = ([1, 2], 0.1)
+    assert key in store and (str(other), *key[1:]) not in store
+
+
 def test_deepseek_v3_target_end_to_end(targets, conversations, tmp_path):
     """The Kimi-K2 family (MLA + MoE): extract, train, export, lossless speculative decoding."""
     t = targets["deepseek_v3"]
