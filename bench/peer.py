@@ -688,7 +688,9 @@ def main() -> None:
         for name, tdir in trainings.items():
             dest = wn / f"export-{name}"
             if not (dest / "eyas-manifest.json").is_file():
-                export(tdir, "vllm", dest, force=True)
+                cfg = json.loads((tdir / "train.json").read_text())["config"]
+                fmt = "sglang" if cfg.get("serve_with") == "sglang" else "vllm"  # a draft window
+                export(tdir, fmt, dest, force=True)
             exports[name] = dest
         plan = batch_plan(run, wn / f"{first}-s{seeds[0]}")
         results = judge_all(args, args.real, run, exports, trainings, plan, wn / "judged")
