@@ -47,10 +47,11 @@ def demo_run(demo_runs) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(demo_run, tmp_path_factory) -> Path:
-    """eyas's recipe (Muon, the three norms), the head started from the target's."""
+    """The demo's recipe (Muon, the three norms, the head started from the target's and
+    trained, the assistant's positions scored)."""
     out = tmp_path_factory.mktemp("trained") / "train"
     train(TrainConfig(data=str(demo_run), out=str(out), epochs=3, lr=3e-3, warmup_steps=5, batch_tokens=1024,
-                      ttt_steps=3, head_init="target", progress=False))  # fmt: skip
+                      ttt_steps=3, head_init="target", loss_positions="assistant", progress=False))  # fmt: skip
     return out
 
 
@@ -567,7 +568,8 @@ def test_train_refuses_mismatched_directory(demo_run, trained, tmp_path):
     saved["config"]["made_up_option"] = 1
     (newer / "train.json").write_text(json.dumps(saved))
     r = eyas("train", "--data", demo_run, "--out", newer, "--epochs", "3", "--lr", "3e-3",
-             "--warmup-steps", "5", "--batch-tokens", "1024", "--ttt-steps", "3", "--head-init", "target")  # fmt: skip
+             "--warmup-steps", "5", "--batch-tokens", "1024", "--ttt-steps", "3", "--head-init", "target",
+             "--loss-positions", "assistant")  # fmt: skip
     assert r.returncode == 2, r.stderr
     assert "(--made-up-option 1 saved, an option this eyas does not have)" in r.stderr, r.stderr
     r = eyas("train", "--data", tmp_path / "nope", "--out", tmp_path / "t")
@@ -666,6 +668,23 @@ def test_loss_averaged_per_sample_weighs_every_sample_the_same(name, demo_run, t
     torch.testing.assert_close(token_loss[True], token_loss[False], atol=1e-5, rtol=1e-5)
     assert len({entries[i]["tokens"] for i in idx}) == 6
     assert abs(float(token_loss[False] - alone)) > 1e-3
+
+
+def test_the_default_recipe_follows_the_kind_and_the_engine():
+    """Left out, --head-init and --loss-positions take the measured recipe: an EAGLE-3 drafter
+    served by vLLM starts from the target's head, frozen, and is scored at every position;
+    SGLang's network and a DFlash drafter keep the random head and the assistant's positions;
+    a value given is kept."""
+
+    def pick(**kw) -> tuple[str, str]:
+        c = TrainConfig(data="d", out="o", **kw)
+        return c.head_init, c.loss_positions
+
+    assert pick() == ("target-frozen", "all")
+    assert pick(serve_with="sglang") == ("random", "assistant")
+    assert pick(kind="dflash") == ("random", "assistant")
+    assert pick(head_init="target", loss_positions="assistant") == ("target", "assistant")
+    assert pick(serve_with="sglang", loss_positions="all") == ("random", "all")
 
 
 @pytest.mark.parametrize("name", ["eagle3", "dflash"])

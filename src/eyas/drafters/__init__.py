@@ -59,6 +59,10 @@ class DrafterKind(Protocol):
     sglang_algorithm: str
     """SGLang's `--speculative-algorithm` that serves this kind."""
 
+    def recipe_defaults(self, serve_with: str) -> dict:
+        """`train`'s choices for the options left out (head_init, loss_positions) for a drafter
+        served by `serve_with`: what measured best (docs/recipe.md)."""
+
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         """Tokens an export (its config.json) drafts a round, asked for `tokens`."""
 

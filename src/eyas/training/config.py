@@ -57,11 +57,12 @@ class TrainConfig:
     """token (every counted position weighs the same: long samples weigh more) or sequence
     (each sample's positions are averaged first, then the samples: every sample weighs the
     same), per TTT step or block position."""
-    loss_positions: str = "assistant"
+    loss_positions: str | None = None
     """Which positions training scores: assistant (those the loss mask marks: the replies a
     served drafter drafts) or all (every position of a sample: the target's predictions of
     the user's and system's text too, more of its signal from the same data). Validation
-    scores the assistant's either way."""
+    scores the assistant's either way. Default: all for an eagle3 drafter served by vLLM,
+    assistant otherwise (docs/recipe.md)."""
     lr: float | None = None
     """Peak learning rate; default: chosen from the run's size (train prints it)."""
     min_lr_ratio: float = 0.1
@@ -135,9 +136,11 @@ class TrainConfig:
     device), flex (fused kernel, GPU); auto: flex on a GPU, chunked on a CPU."""
     allow_partial: bool = False
     """Train on a run whose extraction is not finished (only the samples committed so far)."""
-    head_init: str = "random"
-    """The drafter's head at the start: random, target (the target's own lm_head rows for the
-    draft vocabulary; still trained) or target-frozen (the same, never trained)."""
+    head_init: str | None = None
+    """eagle3: the drafter's head at the start: random, target (the target's own lm_head rows
+    for the draft vocabulary; still trained) or target-frozen (the same, never trained).
+    Default: target-frozen served by vLLM (--serve-with vllm), random by SGLang
+    (docs/recipe.md)."""
     pack: bool = False
     """Pack samples one after another into rows of --batch-tokens (attention and positions
     per sample) instead of padding each to its batch's longest."""
@@ -158,14 +161,19 @@ class TrainConfig:
                 "--report-to tensorboard needs the tensorboard package: "
                 "pip install -e '.[tensorboard]' (or pip install tensorboard)"
             )
+        from eyas.drafters import KINDS, kind
+
+        if self.kind not in KINDS:
+            raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.serve_with not in ("vllm", "sglang"):
+            raise ValueError(f"--serve-with must be vllm or sglang, got {self.serve_with!r}")
+        for name, value in kind(self.kind).recipe_defaults(self.serve_with).items():
+            if getattr(self, name) is None:  # left out: the kind's measured choice
+                object.__setattr__(self, name, value)
         if self.head_init not in HEAD_INITS:
             raise ValueError(
                 f"--head-init must be one of {', '.join(HEAD_INITS)}, got {self.head_init!r}"
             )
-        from eyas.drafters import KINDS
-
-        if self.kind not in KINDS:
-            raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.loss_average not in LOSS_AVERAGES:
@@ -180,8 +188,6 @@ class TrainConfig:
             raise ValueError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
             )
-        if self.serve_with not in ("vllm", "sglang"):
-            raise ValueError(f"--serve-with must be vllm or sglang, got {self.serve_with!r}")
         if self.serve_with == "sglang":  # SGLang's EAGLE-3 network: none of the three norms
             for name in ("norm_before_fc", "norm_before_residual", "norm_output"):
                 object.__setattr__(self, name, False)

@@ -50,6 +50,11 @@ class DFlash:
     def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
         return []  # the block is in the drafter's own config
 
+    def recipe_defaults(self, serve_with: str) -> dict:
+        # Its head is always the target's (head_init is EAGLE-3's); every position scored
+        # was not measured for blocks.
+        return {"head_init": "random", "loss_positions": "assistant"}
+
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         from eyas.data.dataset import PreparedDataset
         from eyas.targets.target import text_config

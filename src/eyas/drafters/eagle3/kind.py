@@ -47,6 +47,14 @@ class Eagle3:
 
     # ---------------------------------------------------------------- training
 
+    def recipe_defaults(self, serve_with: str) -> dict:
+        # With vLLM's network (the three norms) the target's head, frozen, and every position
+        # scored led at 300 and 1,000 conversations and at long context; on SGLang's network
+        # the frozen head lost, and every position was not measured there.
+        if serve_with == "sglang":
+            return {"head_init": "random", "loss_positions": "assistant"}
+        return {"head_init": "target-frozen", "loss_positions": "all"}
+
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         """Drafter sized from the target, with its frozen embeddings; the target's lm_head
         too (None when the run stores the target's top-K: the loss needs no head then)."""
