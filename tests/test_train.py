@@ -672,19 +672,19 @@ def test_loss_averaged_per_sample_weighs_every_sample_the_same(name, demo_run, t
 
 def test_the_default_recipe_follows_the_kind_and_the_engine():
     """Left out, --head-init and --loss-positions take the measured recipe: an EAGLE-3 drafter
-    served by vLLM starts from the target's head, frozen, and is scored at every position;
-    SGLang's network and a DFlash drafter keep the random head and the assistant's positions;
-    a value given is kept."""
+    is scored at every position, and starts from the target's head, frozen, when vLLM serves
+    it (a random head for SGLang's network); a DFlash drafter keeps the assistant's
+    positions; a value given is kept."""
 
     def pick(**kw) -> tuple[str, str]:
         c = TrainConfig(data="d", out="o", **kw)
         return c.head_init, c.loss_positions
 
     assert pick() == ("target-frozen", "all")
-    assert pick(serve_with="sglang") == ("random", "assistant")
+    assert pick(serve_with="sglang") == ("random", "all")
     assert pick(kind="dflash") == ("random", "assistant")
     assert pick(head_init="target", loss_positions="assistant") == ("target", "assistant")
-    assert pick(serve_with="sglang", loss_positions="all") == ("random", "all")
+    assert pick(serve_with="sglang", loss_positions="assistant") == ("random", "assistant")
 
 
 @pytest.mark.parametrize("name", ["eagle3", "dflash"])

@@ -48,12 +48,11 @@ class Eagle3:
     # ---------------------------------------------------------------- training
 
     def recipe_defaults(self, serve_with: str) -> dict:
-        # With vLLM's network (the three norms) the target's head, frozen, and every position
-        # scored led at 300 and 1,000 conversations and at long context; on SGLang's network
-        # the frozen head lost, and every position was not measured there.
-        if serve_with == "sglang":
-            return {"head_init": "random", "loss_positions": "assistant"}
-        return {"head_init": "target-frozen", "loss_positions": "all"}
+        # Every position scored led on both networks (vLLM's with its three norms at 300 and
+        # 1,000 conversations and at long context; SGLang's at 300, two seeds); the target's
+        # head, frozen, led on vLLM's network and lost on SGLang's.
+        head = "random" if serve_with == "sglang" else "target-frozen"
+        return {"head_init": head, "loss_positions": "all"}
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         """Drafter sized from the target, with its frozen embeddings; the target's lm_head
