@@ -221,12 +221,13 @@ def test_packed_rows_equal_padded_rows(attention):
 def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
     """kl is the soft cross-entropy, tv one minus the overlap alpha of the two distributions,
     mix 0.1 x the argmax's cross-entropy + 0.9 x tv, nla -log alpha, lk lambda KL + (1 -
-    lambda) tv with lambda = exp(-3 x alpha's mean over the counted positions); a top-K store
-    holding every id gives the same values as the full one."""
+    lambda) tv with lambda = exp(-3 x alpha's mean over the counted positions), hass kl plus
+    the cross-entropy over the target's 10 likeliest ids; a top-K store holding every id gives
+    the same values as the full one."""
     from eyas.drafters.loss import position_loss
 
     torch.manual_seed(0)
-    B, T, D = 2, 5, 7
+    B, T, D = 2, 5, 13  # more ids than hass's 10
     tgt, mine = torch.randn(B, T, D, dtype=torch.float64), torch.randn(B, T, D, dtype=torch.float64)
     full = {"tgt_logits": tgt}
     lp = torch.log_softmax(tgt, -1)
@@ -243,6 +244,8 @@ def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
     )
     alpha = torch.minimum(p, q).sum(-1)
     want["nla"] = -alpha.log()
+    top10 = p.topk(10, -1).indices
+    want["hass"] = want["kl"] - (p * q.log()).gather(-1, top10).sum(-1)
     counted = torch.ones(B, T, dtype=torch.bool)
     counted[:, -n:] = False  # past the end: not counted, so not in lk's mean
     counted[0, 0] = False

@@ -7,7 +7,9 @@ distribution over the draft vocabulary (forward KL up to a constant); `tv`, the 
 variation 1 - alpha, alpha = sum(min(p, q)) being the chance that speculative sampling
 accepts the draft; `mix`, 0.1 x the cross-entropy of the target's argmax plus 0.9 x TV;
 `lk`, lambda KL + (1 - lambda) TV with lambda = exp(-3 alpha), alpha the mean over the
-counted positions, not differentiated; `nla`, -log alpha; `opd`, on-policy distillation
+counted positions, not differentiated; `nla`, -log alpha; `hass`, kl plus the cross-entropy
+restricted to the target's 10 likeliest ids (HASS's top-K term, weight 1: the ids a draft
+is accepted on weigh twice); `opd`, on-policy distillation
 from stored states, for a fine-tune of a trained drafter (`on_policy`). A step's loss is the
 mean over its counted positions, or over samples of each sample's mean (`sample_ids`).
 Pure functions of a batch and a drafter.
@@ -19,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 LK_ETA = 3.0  # lk: the blend weight of KL is exp(-LK_ETA x the mean acceptance)
+HASS_TOP = 10  # hass: the target's likeliest ids whose cross-entropy is counted twice
+HASS_WEIGHT = 1.0  # hass: that term's weight against kl's
 OPD_DECAY = 0.8  # opd: reverse KL at the k-th step after the chain's first miss is weighted 0.8^k
 
 
@@ -73,6 +77,10 @@ def divergence(
     p = logp.exp()
     if kind == "kl":
         return -(p * logq).sum(-1)  # the cross-entropy: KL up to the target's entropy
+    if kind == "hass":
+        plogq = p * logq
+        top = p.topk(min(HASS_TOP, p.shape[-1]), -1).indices  # (..., 10)
+        return -plogq.sum(-1) - HASS_WEIGHT * plogq.gather(-1, top).sum(-1)
     alpha = torch.minimum(p, logq.exp()).sum(-1)  # speculative sampling's acceptance
     if kind == "tv":
         return 1 - alpha
