@@ -161,20 +161,29 @@ def batch_plan(run: Path, train_dir: Path) -> dict:
             "lrs": lrs, "ttt_steps": cfg["ttt_steps"], "draft_ids": draft_ids, "eyas": cfg}  # fmt: skip
 
 
-def val_accuracy(drafter, run: Path, plan: dict) -> dict:
-    """eyas's validation summary of `drafter` over the plan's held-out batches."""
+def val_accuracy(export: Path, run: Path, plan: dict) -> dict:
+    """eyas's validation summary of the exported drafter over the plan's held-out batches:
+    per TTT step for EAGLE-3, per block position for DFlash (a block at every position)."""
+    import types
+
     import torch
 
-    from eyas.drafters.loss import add_targets, summarize, ttt_loss
+    from eyas.drafters.loss import summarize
     from eyas.run.runmeta import read_run_meta
     from eyas.targets.weights import lm_head_weight
+    from eyas.training.checkpoint import read_export
     from eyas.training.train_data import SampleReader, to_device, usable_samples
 
+    kind, drafter, _ = read_export(export)
+    how = types.SimpleNamespace(
+        ttt_steps=plan["ttt_steps"], step_decay=1.0, loss="kl", loss_average="token",
+        block_size=getattr(drafter.config, "block_size", None), block_decay=4.0, anchor_stride=1,
+    )  # fmt: skip
     meta = read_run_meta(run)
     entries, _ = usable_samples(run, meta["hidden_size"], lambda m: None)
     reader = SampleReader(run, entries, checksums=True)
     head = lm_head_weight(plan["model"]).float()
-    stats = torch.zeros(plan["ttt_steps"], 6, dtype=torch.float64)
+    stats = torch.zeros(kind.positions(how), 6, dtype=torch.float64)
     drafter.eval()
     try:
         with torch.no_grad():
@@ -182,8 +191,8 @@ def val_accuracy(drafter, run: Path, plan: dict) -> dict:
                 host = reader.batch(idx)
                 b = to_device(host, torch.device("cpu"))
                 reader.release(host)
-                add_targets(b, drafter, head)
-                stats += ttt_loss(drafter, b, plan["ttt_steps"], 0.8)[1]
+                kind.prepare_batch(drafter, b, head, how)
+                stats += kind.loss(drafter, b, how, None)[1]
     finally:
         reader.close()
     return summarize(stats)
@@ -465,8 +474,6 @@ def judge_all(args, real: Path, run: Path, exports: dict[str, Path], trainings: 
     from judging import judge
     from recipe import holdout_accuracy
 
-    from eyas.stages.export import load_export
-
     cache.mkdir(parents=True, exist_ok=True)
     out, todo = {}, {}
     for name, ex in exports.items():
@@ -475,7 +482,7 @@ def judge_all(args, real: Path, run: Path, exports: dict[str, Path], trainings: 
             out[name] = json.loads(f.read_text())
             continue
         t0 = time.monotonic()
-        val = val_accuracy(load_export(ex)[0], run, plan)
+        val = val_accuracy(ex, run, plan)
         hold = holdout_accuracy(trainings[name], args.holdout, 3) if args.holdout else None
         rec = {"val": val, "holdout": hold, "seconds": round(time.monotonic() - t0)}
         print(f"{name}: val accuracy {' '.join(f'{a:.3f}' for a in val['acc'])}, est. acceptance "
