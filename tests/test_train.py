@@ -673,8 +673,8 @@ def test_loss_averaged_per_sample_weighs_every_sample_the_same(name, demo_run, t
 def test_the_default_recipe_follows_the_kind_and_the_engine():
     """Left out, --head-init and --loss-positions take the measured recipe: an EAGLE-3 drafter
     is scored at every position, and starts from the target's head, frozen, when vLLM serves
-    it (a random head for SGLang's network); a DFlash drafter keeps the assistant's
-    positions; a value given is kept."""
+    it (a random head for SGLang's network); a DFlash drafter is scored at every position
+    too; a value given is kept."""
 
     def pick(**kw) -> tuple[str, str]:
         c = TrainConfig(data="d", out="o", **kw)
@@ -682,7 +682,8 @@ def test_the_default_recipe_follows_the_kind_and_the_engine():
 
     assert pick() == ("target-frozen", "all")
     assert pick(serve_with="sglang") == ("random", "all")
-    assert pick(kind="dflash") == ("random", "assistant")
+    assert pick(kind="dflash") == ("random", "all")
+    assert pick(kind="dflash", loss_positions="assistant") == ("random", "assistant")
     assert pick(head_init="target", loss_positions="assistant") == ("target", "assistant")
     assert pick(serve_with="sglang", loss_positions="assistant") == ("random", "assistant")
 

@@ -61,8 +61,7 @@ class TrainConfig:
     """Which positions training scores: assistant (those the loss mask marks: the replies a
     served drafter drafts) or all (every position of a sample: the target's predictions of
     the user's and system's text too, more of its signal from the same data). Validation
-    scores the assistant's either way. Default: all for an eagle3 drafter, assistant for a
-    dflash one (docs/recipe.md)."""
+    scores the assistant's either way. Default: all, for both kinds (docs/recipe.md)."""
     lr: float | None = None
     """Peak learning rate; default: chosen from the run's size (train prints it)."""
     min_lr_ratio: float = 0.1

@@ -52,8 +52,8 @@ class DFlash:
 
     def recipe_defaults(self, serve_with: str) -> dict:
         # Its head is always the target's (head_init is EAGLE-3's); every position scored
-        # was not measured for blocks.
-        return {"head_init": "random", "loss_positions": "assistant"}
+        # led on MT-Bench as for EAGLE-3 (docs/recipe.md).
+        return {"head_init": "random", "loss_positions": "all"}
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         from eyas.data.dataset import PreparedDataset
