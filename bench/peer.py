@@ -166,36 +166,16 @@ def val_accuracy(export: Path, run: Path, plan: dict) -> dict:
     per TTT step for EAGLE-3, per block position for DFlash (a block at every position)."""
     import types
 
-    import torch
+    from recipe import scored
 
-    from eyas.drafters.loss import summarize
-    from eyas.run.runmeta import read_run_meta
-    from eyas.targets.weights import lm_head_weight
     from eyas.training.checkpoint import read_export
-    from eyas.training.train_data import SampleReader, to_device, usable_samples
 
     kind, drafter, _ = read_export(export)
     how = types.SimpleNamespace(
         ttt_steps=plan["ttt_steps"], step_decay=1.0, loss="kl", loss_average="token",
         block_size=getattr(drafter.config, "block_size", None), block_decay=4.0, anchor_stride=1,
     )  # fmt: skip
-    meta = read_run_meta(run)
-    entries, _ = usable_samples(run, meta["hidden_size"], lambda m: None)
-    reader = SampleReader(run, entries, checksums=True)
-    head = lm_head_weight(plan["model"]).float()
-    stats = torch.zeros(kind.positions(how), 6, dtype=torch.float64)
-    drafter.eval()
-    try:
-        with torch.no_grad():
-            for idx in plan["val"]:
-                host = reader.batch(idx)
-                b = to_device(host, torch.device("cpu"))
-                reader.release(host)
-                kind.prepare_batch(drafter, b, head, how)
-                stats += kind.loss(drafter, b, how, None)[1]
-    finally:
-        reader.close()
-    return summarize(stats)
+    return scored(drafter, kind, how, run, plan["val"], plan["model"])
 
 
 # ------------------------------------------------------------------ the peer's side (its venv)

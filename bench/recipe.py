@@ -27,35 +27,43 @@ from pathlib import Path
 
 def holdout_accuracy(train_dir: Path, holdout: Path, steps: int) -> dict:
     """eyas's validation summary of a trained drafter over every sample of `holdout`."""
+    from eyas.training.checkpoint import load_trained
+
+    d, kind = load_trained(train_dir)
+    cfg = json.loads((train_dir / "train.json").read_text())["config"]
+    how = types.SimpleNamespace(
+        **{**cfg, "ttt_steps": steps, "step_decay": 1.0, "loss": "kl", "loss_average": "token"}
+    )
+    return scored(d, kind, how, holdout)
+
+
+def scored(drafter, kind, how, run: Path, batches=None, model: str | None = None) -> dict:
+    """eyas's validation summary (per TTT step or block position, `kind`'s) of `drafter` over
+    `batches` of `run` (lists of sample indices; default: every sample, 4,096 tokens a batch),
+    the target's head read from `model` (default: the run's), with the summed positions."""
     import torch
 
     from eyas.drafters.loss import summarize
     from eyas.run.runmeta import read_run_meta
     from eyas.targets.weights import lm_head_weight
-    from eyas.training.checkpoint import load_trained
     from eyas.training.train_data import SampleReader, plan_batches, to_device, usable_samples
 
-    d, kind = load_trained(train_dir)
-    d.eval()
-    cfg = json.loads((train_dir / "train.json").read_text())["config"]
-    how = types.SimpleNamespace(
-        **{**cfg, "ttt_steps": steps, "step_decay": 1.0, "loss": "kl", "loss_average": "token"}
-    )
-    meta = read_run_meta(holdout)
-    entries, _ = usable_samples(holdout, meta["hidden_size"], lambda m: None)
-    reader = SampleReader(holdout, entries, checksums=True)
-    head = lm_head_weight(meta["model_path"]).float()
+    drafter.eval()
+    meta = read_run_meta(run)
+    entries, _ = usable_samples(run, meta["hidden_size"], lambda m: None)
+    if batches is None:
+        batches = plan_batches({i: e["tokens"] for i, e in entries.items()}, sorted(entries), 4096)
+    reader = SampleReader(run, entries, checksums=True)
+    head = lm_head_weight(model or meta["model_path"]).float()
     stats = torch.zeros(kind.positions(how), 6, dtype=torch.float64)
     try:
         with torch.no_grad():
-            for idx in plan_batches(
-                {i: e["tokens"] for i, e in entries.items()}, sorted(entries), 4096
-            ):
+            for idx in batches:
                 host = reader.batch(idx)
                 b = to_device(host, torch.device("cpu"))
                 reader.release(host)
-                kind.prepare_batch(d, b, head)
-                stats += kind.loss(d, b, how, None)[1]
+                kind.prepare_batch(drafter, b, head, how)
+                stats += kind.loss(drafter, b, how, None)[1]
     finally:
         reader.close()
     s = summarize(stats)

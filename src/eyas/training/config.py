@@ -51,8 +51,9 @@ class TrainConfig:
     """kl (soft cross-entropy against the target's distribution), tv (total variation: one
     minus speculative sampling's acceptance), mix (0.1 x cross-entropy of the target's argmax
     + 0.9 x tv), lk (a blend of kl and tv, more tv as acceptance grows), nla (-log of the
-    acceptance), hass (kl plus the cross-entropy over the target's 10 likeliest ids), or opd (on-policy distillation: forward KL where the drafts so far match the
-    target, decayed reverse KL after the first miss; for a fine-tune with --init-from)."""
+    acceptance), hass (kl plus the cross-entropy over the target's 10 likeliest ids), or opd
+    (on-policy distillation: forward KL where the drafts so far match the target, decayed
+    reverse KL after the first miss; for a fine-tune with --init-from)."""
     loss_average: str = "token"
     """token (every counted position weighs the same: long samples weigh more) or sequence
     (each sample's positions are averaged first, then the samples: every sample weighs the
