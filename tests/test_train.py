@@ -626,6 +626,49 @@ def test_packed_batches_score_what_padded_batches_score(demo_run, tmp_path):
     torch.testing.assert_close(got[True][1], got[False][1], atol=1e-2, rtol=1e-5)
 
 
+def test_the_alignment_mask_scores_a_step_only_where_every_earlier_step_held_the_target(
+    demo_run, tmp_path
+):
+    """--align-topk K (GRIFFIN's mask): in training, TTT step i counts a root only where the
+    target's argmax was among the drafter's K likeliest ids at every earlier step; step 0
+    counts every root; validation (eval mode) masks nothing."""
+    from eyas.drafters.loss import loss_masks, position_loss, shift
+    from eyas.run.runmeta import read_run_meta
+    from eyas.stages.train import add_targets, build_drafter, ttt_loss
+    from eyas.training.train_data import SampleReader, to_device, usable_samples
+
+    meta = read_run_meta(demo_run)
+    cfg = TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), ttt_steps=3, progress=False)
+    d, lm_head = build_drafter(cfg, meta)
+    d.attention = "chunked"
+    entries, _ = usable_samples(demo_run, meta["hidden_size"], lambda m: None)
+    reader = SampleReader(demo_run, entries, True)
+    b = to_device(reader.batch(sorted(entries)[:4]), torch.device("cpu"))
+    reader.close()
+    add_targets(b, d, lm_head)
+    K = 4
+    with torch.no_grad():
+        outs = d.forward_ttt(b["input_ids"], b["aux"], 3, b.get("segments"), b.get("positions"))
+        held = torch.ones_like(b["input_ids"], dtype=torch.bool)
+        want_sums, want_counts = [], []
+        for i, ((logits, _), (_, lmask)) in enumerate(zip(outs, loss_masks(b, 3), strict=True)):
+            m = lmask & held
+            want_sums.append(float((position_loss(b, logits, 1 + i) * m).sum()))
+            want_counts.append(float(m.sum()))
+            top = d.draft_ids[logits.topk(K, -1).indices]
+            held &= (top == shift(b["tgt_top"], 1 + i, -1)[..., None]).any(-1)
+        d.train()
+        _, masked = ttt_loss(d, b, 3, 0.8, align=K)
+        _, plain = ttt_loss(d, b, 3, 0.8)
+        d.eval()
+        _, validated = ttt_loss(d, b, 3, 0.8, align=K)
+    assert masked[:, 1].tolist() == want_counts
+    torch.testing.assert_close(masked[:, 0], torch.tensor(want_sums, dtype=torch.float64))
+    assert masked[0, 1] == plain[0, 1] > masked[1, 1] > 0  # the mask removed roots, not all
+    assert masked[2, 1] < plain[2, 1]
+    assert torch.equal(validated, plain)
+
+
 @pytest.mark.parametrize("name", ["eagle3", "dflash"])
 def test_loss_averaged_per_sample_weighs_every_sample_the_same(name, demo_run, tmp_path):
     """Per drafter kind: packed rows give the loss padded rows give; and with --loss-average

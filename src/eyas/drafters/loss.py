@@ -12,6 +12,9 @@ restricted to the target's 10 likeliest ids (HASS's top-K term, weight 1: the id
 is accepted on weigh twice); `opd`, on-policy distillation
 from stored states, for a fine-tune of a trained drafter (`on_policy`). A step's loss is the
 mean over its counted positions, or over samples of each sample's mean (`sample_ids`).
+`align` K (GRIFFIN's alignment mask, in training): step i scores a root only where the
+target's argmax was among the drafter's K likeliest ids at every earlier step, the chains a
+K-wide draft tree could still hold.
 Pure functions of a batch and a drafter.
 """
 
@@ -143,13 +146,16 @@ def ttt_loss(
     norm: list[float] | None = None,
     kind: str = "kl",
     average: str = "token",
+    align: int = 0,
 ):
     """Weighted TTT loss and per-step sums (steps, 6) for metrics.
 
     Step i at root t predicts the target's distribution at position t+1+i (`kind`: one of
     LOSSES), averaged over the counted positions or, with `average="sequence"`, within each
     sample first. `norm` gives per-step counts to divide by (`counted`'s; global ones under
-    data parallel); default: this batch's.
+    data parallel); default: this batch's. `align` K > 0, while the drafter trains: a step
+    counts a root only while the target's argmax was among its K likeliest drafts at every
+    earlier step (the denominator stays `norm`'s: a masked position adds zero).
     """
     dids = drafter.draft_ids
     outs = drafter.forward_ttt(
@@ -157,10 +163,16 @@ def ttt_loss(
     )
     ids = sample_ids(batch) if average == "sequence" else None
     chain = Chain(batch["input_ids"], ids)
+    aligned = torch.ones_like(batch["input_ids"], dtype=torch.bool) if align else None
     for i, ((logits, _), (scored, lmask)) in enumerate(
         zip(outs, loss_masks(batch, steps), strict=True)
     ):
-        right = dids[logits.argmax(-1)] == shift(batch["tgt_top"], 1 + i, -1)  # (B, T)
+        want = shift(batch["tgt_top"], 1 + i, -1)  # (B, T)
+        right = dids[logits.argmax(-1)] == want
+        if aligned is not None and drafter.training:
+            lmask = lmask & aligned
+            top = dids[logits.detach().topk(align, -1).indices]  # (B, T, K)
+            aligned = aligned & (top == want[..., None]).any(-1)
         if kind == "opd":
             ce = on_policy(*target_logprobs(batch, logits, 1 + i), chain.all_right, chain.since(i))
         else:

@@ -54,6 +54,11 @@ class TrainConfig:
     acceptance), hass (kl plus the cross-entropy over the target's 10 likeliest ids), or opd
     (on-policy distillation: forward KL where the drafts so far match the target, decayed
     reverse KL after the first miss; for a fine-tune with --init-from)."""
+    align_topk: int = 0
+    """eagle3, training: GRIFFIN's alignment mask. TTT step i scores a position only where
+    the target's argmax was among the drafter's K likeliest ids at every earlier step (the
+    chains a K-wide draft tree could still hold; 1: the chain served); 0: every step scores
+    every position."""
     loss_average: str = "token"
     """token (every counted position weighs the same: long samples weigh more) or sequence
     (each sample's positions are averaged first, then the samples: every sample weighs the
@@ -206,6 +211,10 @@ class TrainConfig:
             raise ValueError(
                 "--block-size must be at least 2, --drafter-layers at least 1, --block-decay positive"
             )
+        if self.align_topk < 0:
+            raise ValueError(f"--align-topk must not be negative, got {self.align_topk}")
+        if self.align_topk and self.kind != "eagle3":
+            raise ValueError("--align-topk masks TTT steps: it is for --kind eagle3")
         if self.ttt_steps < 1 or self.epochs < 1 or self.grad_accum < 1:
             raise ValueError("--ttt-steps, --epochs and --grad-accum must be at least 1")
         if not 0 <= self.val_fraction < 1:

@@ -111,7 +111,14 @@ class Eagle3:
 
     def loss(self, model: Drafter, batch: dict, cfg, norm):
         return ttt_loss(
-            model, batch, cfg.ttt_steps, cfg.step_decay, norm, cfg.loss, cfg.loss_average
+            model,
+            batch,
+            cfg.ttt_steps,
+            cfg.step_decay,
+            norm,
+            cfg.loss,
+            cfg.loss_average,
+            cfg.align_topk,
         )
 
     # ---------------------------------------------------------------- export
