@@ -669,6 +669,40 @@ def test_the_alignment_mask_scores_a_step_only_where_every_earlier_step_held_the
     assert torch.equal(validated, plain)
 
 
+def test_layer_init_target_starts_the_decoder_layer_as_the_targets_last(demo_run, tmp_path):
+    """--layer-init target: the state's half of q/k/v, o_proj, the MLP and the norms are the
+    target's last layer's; the embedding's half of q/k/v is the random start's; a target
+    layer of another shape is refused, naming the option."""
+    from eyas.run.runmeta import read_run_meta
+    from eyas.stages.train import build_drafter
+    from eyas.targets.weights import layer_weights
+
+    meta = read_run_meta(demo_run)
+    base = TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), progress=False)
+    rand, _ = build_drafter(base, meta)
+    d, _ = build_drafter(dataclasses.replace(base, layer_init="target"), meta)
+    model = meta["model_path"]
+    n = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    w = layer_weights(model, n - 1)
+    layer, H = d.midlayer, d.config.hidden_size
+    for name in ("q_proj", "k_proj", "v_proj"):
+        got = getattr(layer.self_attn, name).weight
+        assert torch.equal(got[:, H:], w[f"self_attn.{name}"].float())
+        assert torch.equal(got[:, :H], getattr(rand.midlayer.self_attn, name).weight[:, :H])
+    assert torch.equal(layer.self_attn.o_proj.weight, w["self_attn.o_proj"].float())
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert torch.equal(getattr(layer.mlp, name).weight, w[f"mlp.{name}"].float())
+    assert torch.equal(layer.hidden_norm.weight, w["input_layernorm"].float())
+    assert torch.equal(layer.post_attention_layernorm.weight, w["post_attention_layernorm"].float())
+    assert not torch.equal(rand.midlayer.mlp.up_proj.weight, layer.mlp.up_proj.weight)
+    assert all(p.requires_grad for p in layer.parameters())
+    wide = dataclasses.replace(base, layer_init="target", intermediate_size=8)
+    with pytest.raises(ValueError, match="--layer-init random"):
+        build_drafter(wide, meta)
+    with pytest.raises(ValueError, match="--kind eagle3"):
+        dataclasses.replace(base, kind="dflash", layer_init="target")
+
+
 @pytest.mark.parametrize("name", ["eagle3", "dflash"])
 def test_loss_averaged_per_sample_weighs_every_sample_the_same(name, demo_run, tmp_path):
     """Per drafter kind: packed rows give the loss padded rows give; and with --loss-average

@@ -78,7 +78,8 @@ RESUME_RULE = ResumeRule(
             "kind": "eagle3", "block_size": 4, "drafter_layers": 2, "block_decay": 4.0, "anchor_stride": 1,
             "optimizer": "adamw", "loss": "kl", "norm_before_fc": False, "norm_before_residual": False,
             "norm_output": False, "muon_lr_scale": 1.0, "init_from": None, "attention_window": None,
-            "serve_with": "vllm", "loss_average": "token", "loss_positions": "assistant", "align_topk": 0},
+            "serve_with": "vllm", "loss_average": "token", "loss_positions": "assistant", "align_topk": 0,
+            "layer_init": "random"},
 )  # fmt: skip
 
 

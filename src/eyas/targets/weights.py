@@ -93,6 +93,21 @@ def lm_head_weight(model_dir: str | Path) -> torch.Tensor:
         return embed_weight(model_dir)
 
 
+_LAYERS = ["model.layers", "model.language_model.layers", "language_model.model.layers", "layers"]
+LAYER_TENSORS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+                 "post_attention_layernorm")  # fmt: skip
+
+
+def layer_weights(model_dir: str | Path, index: int) -> dict[str, torch.Tensor]:
+    """The weights of the target's decoder layer `index` that a Llama-style layer has, by
+    their names within the layer (`self_attn.q_proj`, ..., `post_attention_layernorm`)."""
+    return {
+        n: read_tensor(model_dir, [f"{p}.{index}.{n}.weight" for p in _LAYERS])
+        for n in LAYER_TENSORS
+    }
+
+
 def embed_weight(model_dir: str | Path) -> torch.Tensor:
     """(V, H) input embeddings of the target."""
     return read_tensor(model_dir, _EMBED)

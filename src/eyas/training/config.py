@@ -146,6 +146,10 @@ class TrainConfig:
     for the draft vocabulary; still trained) or target-frozen (the same, never trained).
     Default: target-frozen served by vLLM (--serve-with vllm), random by SGLang
     (docs/recipe.md)."""
+    layer_init: str = "random"
+    """eagle3: the drafter's decoder layer at the start: random, or target (the target's last
+    layer: its attention's projections of the state, output projection, MLP and norms; the
+    projections of the token embedding stay random). Trained either way."""
     pack: bool = False
     """Pack samples one after another into rows of --batch-tokens (attention and positions
     per sample) instead of padding each to its batch's longest."""
@@ -179,6 +183,10 @@ class TrainConfig:
             raise ValueError(
                 f"--head-init must be one of {', '.join(HEAD_INITS)}, got {self.head_init!r}"
             )
+        if self.layer_init not in ("random", "target"):
+            raise ValueError(f"--layer-init must be random or target, got {self.layer_init!r}")
+        if self.layer_init != "random" and self.kind != "eagle3":
+            raise ValueError("--layer-init is the EAGLE-3 decoder layer's: it is for --kind eagle3")
         if self.loss not in LOSSES:
             raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.loss_average not in LOSS_AVERAGES:

@@ -10,7 +10,7 @@ from eyas.drafters import decoder_fields
 from eyas.drafters.blocks import load_weights
 from eyas.drafters.eagle3.model import Drafter, DrafterConfig
 from eyas.drafters.loss import add_targets, counted, loss_masks, sample_ids, ttt_loss
-from eyas.targets.weights import embed_weight, final_norm_weight, lm_head_weight
+from eyas.targets.weights import embed_weight, final_norm_weight, layer_weights, lm_head_weight
 
 _ARCHS = {"vllm": "Eagle3Speculator", "sglang": "LlamaForCausalLMEagle3"}
 _LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
@@ -85,6 +85,10 @@ class Eagle3:
                 # norm starts at one, as every other norm of the drafter does.
                 drafter.norm.weight.data.copy_(final_norm_weight(model_dir).float())  # (H,)
             drafter.lm_head.weight.requires_grad_(cfg.head_init != "target-frozen")
+        if cfg.layer_init == "target":
+            start_from_target_layer(
+                drafter, model_dir, text_config(model_dir).num_hidden_layers - 1
+            )
         return drafter, None if topk else head
 
     def config_dict(self, model: Drafter) -> dict:
@@ -285,6 +289,33 @@ def export_config(
         "torch_dtype": dtype,
         "eyas_version": __version__,
     }
+
+
+def start_from_target_layer(drafter: Drafter, model_dir, index: int) -> None:
+    """--layer-init target: the drafter's decoder layer starts as the target's layer `index`.
+    Its q/k/v read [embedding, state] side by side: the state's half takes the target's
+    projections, the embedding's half keeps its random start; the state's norm (hidden_norm)
+    takes the target's input norm; o_proj, the MLP and the post-attention norm are copied."""
+    w = layer_weights(model_dir, index)
+    layer, H = drafter.midlayer, drafter.config.hidden_size
+    copies = {"self_attn.o_proj": layer.self_attn.o_proj.weight,
+              "mlp.gate_proj": layer.mlp.gate_proj.weight, "mlp.up_proj": layer.mlp.up_proj.weight,
+              "mlp.down_proj": layer.mlp.down_proj.weight,
+              "input_layernorm": layer.hidden_norm.weight,
+              "post_attention_layernorm": layer.post_attention_layernorm.weight}  # fmt: skip
+    halves = {
+        f"self_attn.{n}": getattr(layer.self_attn, n).weight.detach()[:, H:]
+        for n in ("q_proj", "k_proj", "v_proj")
+    }
+    for name, dest in (copies | halves).items():
+        if tuple(w[name].shape) != tuple(dest.shape):
+            raise ValueError(
+                f"--layer-init target: the target's layer {index} {name} is {tuple(w[name].shape)}, "
+                f"the drafter's {tuple(dest.shape)} (a target whose layers are not Llama-style, or "
+                "--intermediate-size): train with --layer-init random"
+            )
+        with torch.no_grad():
+            dest.copy_(w[name].float())
 
 
 class ChainProposer:
