@@ -172,7 +172,7 @@ def val_accuracy(export: Path, run: Path, plan: dict) -> dict:
 
     kind, drafter, _ = read_export(export)
     how = types.SimpleNamespace(
-        ttt_steps=plan["ttt_steps"], step_decay=1.0, loss="kl", loss_average="token",
+        ttt_steps=plan["ttt_steps"], step_decay=1.0, loss="kl", loss_average="token", align_topk=0,
         block_size=getattr(drafter.config, "block_size", None), block_decay=4.0, anchor_stride=1,
     )  # fmt: skip
     return scored(drafter, kind, how, run, plan["val"], plan["model"])

@@ -32,7 +32,14 @@ def holdout_accuracy(train_dir: Path, holdout: Path, steps: int) -> dict:
     d, kind = load_trained(train_dir)
     cfg = json.loads((train_dir / "train.json").read_text())["config"]
     how = types.SimpleNamespace(
-        **{**cfg, "ttt_steps": steps, "step_decay": 1.0, "loss": "kl", "loss_average": "token"}
+        **{
+            **cfg,
+            "ttt_steps": steps,
+            "step_decay": 1.0,
+            "loss": "kl",
+            "loss_average": "token",
+            "align_topk": 0,
+        }
     )
     return scored(d, kind, how, holdout)
 
