@@ -891,8 +891,9 @@ def test_left_out_lr_and_batch_come_from_the_run_and_are_kept_on_resume(demo_run
     records them: a resume with no options trains on with the same ones."""
     from eyas.stages.train import auto_schedule, lr_for_steps
 
-    small = auto_schedule(274_540, 3)  # 1,000 real conversations: the measured recipe
-    assert small == (2048, 3e-3)
+    short = auto_schedule(274_540, 3)  # 1,000 real conversations: the measured recipe
+    assert short == (1024, 3e-3)
+    assert auto_schedule(1_000_000, 3) == (2048, lr_for_steps(3_000_000 / 2048))  # 1,465 steps
     big_b, big_lr = auto_schedule(27_000_000, 3)  # ~20,000 conversations
     assert big_b == 8192 and 5e-5 < big_lr < 3e-3
     huge_b, huge_lr = auto_schedule(6_000_000_000, 1)  # the scale of published drafters
@@ -903,9 +904,9 @@ def test_left_out_lr_and_batch_come_from_the_run_and_are_kept_on_resume(demo_run
     p = eyas("train", "--data", demo_run, "--out", out, "--epochs", "1", "--ttt-steps", "1",
              "--val-fraction", "0", "--save-every", "1")  # fmt: skip
     assert p.returncode == 0, p.stderr
-    assert "--batch-tokens 2048, --lr 0.003: chosen for" in p.stderr, p.stderr
+    assert "--batch-tokens 1024, --lr 0.003: chosen for" in p.stderr, p.stderr
     cfg = json.loads((out / "train.json").read_text())["config"]
-    assert (cfg["batch_tokens"], cfg["lr"]) == (2048, 3e-3)
+    assert (cfg["batch_tokens"], cfg["lr"]) == (1024, 3e-3)
     again = eyas("train", "--resume", "--out", out)
     assert again.returncode == 0 and "config differs" not in again.stderr, again.stderr
     assert "chosen for" not in again.stderr  # the saved values, not a new choice

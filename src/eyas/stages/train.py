@@ -123,9 +123,11 @@ def _identity(meta: dict) -> dict:
 # The schedule's anchors. Small: on the real target (SmolLM2-135M, 100 to 2,000 of its own
 # answers) and the demo, 2,048-token batches at lr 3e-3 learn, where 8,192 at 1e-4 give a
 # few hundred conversations a handful of steps and learn nothing; 1,000 conversations over
-# 6 epochs are ~850 such steps. Large: published drafters trained on hundreds of thousands
-# of samples use 5e-5 to 1e-4. lr falls as 1/sqrt(steps) between them, which meets both.
-SMALL_BATCH, LARGE_BATCH, LARGE_FROM_STEPS = 2048, 8192, 2000
+# 6 epochs are ~850 such steps. A run that would make fewer than ANCHOR_STEPS of them
+# learns more from twice as many steps of half the size (docs/recipe.md). Large: published
+# drafters trained on hundreds of thousands of samples use 5e-5 to 1e-4. lr falls as
+# 1/sqrt(steps) between them, which meets both.
+SHORT_BATCH, SMALL_BATCH, LARGE_BATCH, LARGE_FROM_STEPS = 1024, 2048, 8192, 2000
 ANCHOR_LR, ANCHOR_STEPS, MIN_AUTO_LR = 3e-3, 800, 5e-5
 
 
@@ -140,12 +142,17 @@ def auto_schedule(
     tokens: int, epochs: int, grad_accum: int = 1, batch: int | None = None
 ) -> tuple[int, float]:
     """(batch tokens, peak lr) for a run of `tokens` tokens trained `epochs` times: small
-    batches until large ones would still make LARGE_FROM_STEPS optimizer steps, and the
-    learning rate for the steps the batch makes (padding ignored). A given `batch` is kept."""
+    batches until large ones would still make LARGE_FROM_STEPS optimizer steps, halved where
+    small ones would make fewer than ANCHOR_STEPS, and the learning rate for the steps the
+    batch makes (padding ignored). A given `batch` is kept."""
     seen = max(1, tokens) * max(1, epochs)
     if batch is None:
-        large = seen / (LARGE_BATCH * grad_accum) >= LARGE_FROM_STEPS
-        batch = LARGE_BATCH if large else SMALL_BATCH
+        if seen / (LARGE_BATCH * grad_accum) >= LARGE_FROM_STEPS:
+            batch = LARGE_BATCH
+        elif seen / (SMALL_BATCH * grad_accum) < ANCHOR_STEPS:
+            batch = SHORT_BATCH
+        else:
+            batch = SMALL_BATCH
     return batch, lr_for_steps(seen / (batch * grad_accum))
 
 

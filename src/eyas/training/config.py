@@ -105,7 +105,8 @@ class TrainConfig:
     """Largest gradient norm of an optimizer step (larger ones are scaled down to it)."""
     batch_tokens: int | None = None
     """Tokens of one micro-batch, summed over ranks; default: chosen from the run's size
-    (2048, or 8192 where that still makes 2,000 steps)."""
+    (2048; 1024 where 2048 would make fewer than 800 steps; 8192 where that still makes
+    2,000)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
     val_fraction: float = 0.05
