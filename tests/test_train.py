@@ -599,19 +599,28 @@ def test_golden_loss_curve(trained):
         assert g["acc"] == pytest.approx(w["acc"], abs=0.02), (g["split"], g["step"])
 
 
-def test_packed_batches_score_what_padded_batches_score(demo_run, tmp_path):
-    """The same samples as one packed row and as padded rows: the same positions scored, the
-    same loss and accuracy counts (the loss masks stop at each sample's end)."""
+def _drafter_and_reader(demo_run, tmp_path):
+    """A fresh EAGLE-3 drafter for the demo run (3 TTT steps, chunked attention), the
+    target's head, the run's usable samples and a reader over them."""
     from eyas.run.runmeta import read_run_meta
-    from eyas.stages.train import add_targets, build_drafter, ttt_loss
-    from eyas.training.train_data import SampleReader, to_device, usable_samples
+    from eyas.stages.train import build_drafter
+    from eyas.training.train_data import SampleReader, usable_samples
 
     meta = read_run_meta(demo_run)
     cfg = TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), ttt_steps=3, progress=False)
     d, lm_head = build_drafter(cfg, meta)
     d.attention = "chunked"
     entries, _ = usable_samples(demo_run, meta["hidden_size"], lambda m: None)
-    reader = SampleReader(demo_run, entries, True)
+    return d, lm_head, entries, SampleReader(demo_run, entries, True)
+
+
+def test_packed_batches_score_what_padded_batches_score(demo_run, tmp_path):
+    """The same samples as one packed row and as padded rows: the same positions scored, the
+    same loss and accuracy counts (the loss masks stop at each sample's end)."""
+    from eyas.stages.train import add_targets, ttt_loss
+    from eyas.training.train_data import to_device
+
+    d, lm_head, entries, reader = _drafter_and_reader(demo_run, tmp_path)
     idx = sorted(entries)[:6]
     got = {}
     for packed in (False, True):
@@ -633,16 +642,10 @@ def test_the_alignment_mask_scores_a_step_only_where_every_earlier_step_held_the
     target's argmax was among the drafter's K likeliest ids at every earlier step; step 0
     counts every root; validation (eval mode) masks nothing."""
     from eyas.drafters.loss import loss_masks, position_loss, shift
-    from eyas.run.runmeta import read_run_meta
-    from eyas.stages.train import add_targets, build_drafter, ttt_loss
-    from eyas.training.train_data import SampleReader, to_device, usable_samples
+    from eyas.stages.train import add_targets, ttt_loss
+    from eyas.training.train_data import to_device
 
-    meta = read_run_meta(demo_run)
-    cfg = TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), ttt_steps=3, progress=False)
-    d, lm_head = build_drafter(cfg, meta)
-    d.attention = "chunked"
-    entries, _ = usable_samples(demo_run, meta["hidden_size"], lambda m: None)
-    reader = SampleReader(demo_run, entries, True)
+    d, lm_head, entries, reader = _drafter_and_reader(demo_run, tmp_path)
     b = to_device(reader.batch(sorted(entries)[:4]), torch.device("cpu"))
     reader.close()
     add_targets(b, d, lm_head)
