@@ -53,6 +53,9 @@ class DrafterKind(Protocol):
     export_formats: tuple[str, ...]
     position_name: str
     """What the metrics' positions are called (TTT step, block position)."""
+    own_options: frozenset[str]
+    """`train` options (TrainConfig fields) that only this kind reads; set on another kind,
+    they are refused rather than ignored."""
 
     vllm_method: str
     """vLLM's `speculative_config` method that serves this kind."""

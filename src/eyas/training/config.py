@@ -186,8 +186,6 @@ class TrainConfig:
             )
         if self.layer_init not in ("random", "target"):
             raise ValueError(f"--layer-init must be random or target, got {self.layer_init!r}")
-        if self.layer_init != "random" and self.kind != "eagle3":
-            raise ValueError("--layer-init is the EAGLE-3 decoder layer's: it is for --kind eagle3")
         if self.loss not in LOSSES:
             raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.loss_average not in LOSS_AVERAGES:
@@ -222,8 +220,11 @@ class TrainConfig:
             )
         if self.align_topk < 0:
             raise ValueError(f"--align-topk must not be negative, got {self.align_topk}")
-        if self.align_topk and self.kind != "eagle3":
-            raise ValueError("--align-topk masks TTT steps: it is for --kind eagle3")
+        for name, off in (("align_topk", 0), ("layer_init", "random")):
+            if getattr(self, name) != off and name not in kind(self.kind).own_options:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} is not an option of --kind {self.kind}"
+                )
         if self.ttt_steps < 1 or self.epochs < 1 or self.grad_accum < 1:
             raise ValueError("--ttt-steps, --epochs and --grad-accum must be at least 1")
         if not 0 <= self.val_fraction < 1:

@@ -40,6 +40,7 @@ class DFlash:
     name = "dflash"
     export_formats = ("vllm", "sglang")
     position_name = "block position"  # what the metrics' positions are called
+    own_options: frozenset[str] = frozenset()
 
     vllm_method, sglang_algorithm = "dflash", "DFLASH"
 

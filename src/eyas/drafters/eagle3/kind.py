@@ -26,6 +26,7 @@ class Eagle3:
     name = "eagle3"
     export_formats = ("vllm", "sglang")
     position_name = "TTT step"  # what the metrics' positions are called
+    own_options = frozenset({"align_topk", "layer_init"})
 
     vllm_method, sglang_algorithm = "eagle3", "EAGLE3"
 
