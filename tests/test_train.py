@@ -198,6 +198,18 @@ def test_data_parallel_matches_single_process(demo_run, tmp_path, kind):
         torch.testing.assert_close(wa[k].float(), wb[k].float(), rtol=1e-3, atol=1e-4)
 
 
+def test_a_torchrun_rank_leaves_with_its_commands_exit_code(tmp_path):
+    """A rank (WORLD_SIZE > 1) ends without the interpreter's teardown (cli.main): what it
+    printed still arrives and its exit code is the command's: a success and two usage errors."""
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1"}
+    ok = eyas("train", "--help", env=env)
+    assert ok.returncode == 0 and "--out" in ok.stdout, ok.stderr
+    usage = eyas("train", "--out", tmp_path / "t", env=env)
+    assert usage.returncode == 2 and "need --data RUN" in usage.stderr, usage.stderr
+    missing = eyas("train", "--data", tmp_path / "absent", "--out", tmp_path / "t", env=env)
+    assert missing.returncode == 2 and str(tmp_path / "absent") in missing.stderr, missing.stderr
+
+
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
 def test_export_roundtrip_and_fields(request, tmp_path, fmt):
     trained = request.getfixturevalue("trained" if fmt == "vllm" else "plain")

@@ -536,7 +536,24 @@ def _print_json(obj) -> None:
 def main() -> None:
     if len(sys.argv) == 1:
         sys.argv.append("--help")
-    app()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        app()
+        return
+    # A torchrun rank leaves without the interpreter's teardown: its work is on disk and its
+    # process group destroyed by then, and tearing down torch's distributed runtime at
+    # interpreter exit aborted a rank now and then (SIGABRT, "terminate called without an
+    # active exception") after a finished training, which made torchrun report a failure.
+    code: int | str | None = 0
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code
+    if isinstance(code, str):  # sys.exit("message"): said on stderr, status 1, as Python does
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":
