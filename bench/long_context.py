@@ -2,7 +2,7 @@
 more and more real conversation, judged with every drafter given.
 
     python bench/long_context.py --real REAL --drafter NAME=EXPORT [--drafter ...] \
-        [--lengths 1024,2048,4096,8000] [--turns 20] [--jobs 2] [--work DIR]
+        [--lengths 1024,2048,4096,8000] [--turns 20] [--from-turn 0] [--jobs 2] [--work DIR]
 
 The target is `scripts/real_target.py`'s SmolLM2-135M-Instruct (8,192 positions). Final
 turns are ShareGPT user turns (from record `--skip` on, past the conversations the drafters
@@ -10,7 +10,8 @@ were trained on) that are answered in the record and no longer than 200 tokens. 
 given at each length L: its own conversation's earlier turns first, then whole earlier
 ShareGPT conversations before them, as many as keep the rendered prompt within L tokens
 (at least 3/4 of L; a final turn that cannot reach that is left out at every length, so the
-same turns are judged at all of them). `eyas evaluate` (hf, greedy, K drafts, 128 new
+same turns are judged at all of them; `--from-turn F` judges only the turns after the first F,
+to extend an earlier call's figures to more turns). `eyas evaluate` (hf, greedy, K drafts, 128 new
 tokens, every prompt) judges every drafter on the same prompts, cut into `--jobs` slices
 judged at once on one CPU thread each (bench/judging.py: every drafter of a slice in one
 process, the greedy pass kept in REAL/greedy for later calls), and checks it lossless; the
@@ -101,6 +102,9 @@ def main() -> None:
         "--turns", type=int, default=20, help="final user turns, the same at every length"
     )
     ap.add_argument(
+        "--from-turn", type=int, default=0, help="judge only the final turns after this many"
+    )
+    ap.add_argument(
         "--skip", type=int, default=3000, help="ShareGPT records to pass over (training's)"
     )
     ap.add_argument("--k", type=int, default=3)
@@ -121,8 +125,14 @@ def main() -> None:
     prompts = build_prompts(
         load_tokenizer(model), args.real / "sharegpt.jsonl", lengths, args.turns, args.skip
     )
+    if not 0 <= args.from_turn < args.turns:
+        ap.error(f"--from-turn {args.from_turn} leaves none of the {args.turns} turns")
+    prompts = {length: p[args.from_turn :] for length, p in prompts.items()}
     n = len(prompts[lengths[0]])
-    print(f"{n} final turns at {', '.join(map(str, lengths))} tokens of context", flush=True)
+    print(
+        f"{n} final turns (after the first {args.from_turn}) at {', '.join(map(str, lengths))} tokens of context",
+        flush=True,
+    )
     rows = {}
     for length in lengths:
         path = args.work / f"prompts-{length}.jsonl"
