@@ -220,10 +220,10 @@ def test_packed_rows_equal_padded_rows(attention):
 
 def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
     """kl is the soft cross-entropy, tv one minus the overlap alpha of the two distributions,
-    mix 0.1 x the argmax's cross-entropy + 0.9 x tv, nla -log alpha, lk lambda KL + (1 -
-    lambda) tv with lambda = exp(-3 x alpha's mean over the counted positions), hass kl plus
-    the cross-entropy over the target's 10 likeliest ids; a top-K store holding every id gives
-    the same values as the full one."""
+    hard the cross-entropy of the target's argmax, mix 0.1 x hard + 0.9 x tv, nla -log alpha,
+    lk lambda KL + (1 - lambda) tv with lambda = exp(-3 x alpha's mean over the counted
+    positions), hass kl plus the cross-entropy over the target's 10 likeliest ids; a top-K
+    store holding every id gives the same values as the full one."""
     from eyas.drafters.loss import position_loss
 
     torch.manual_seed(0)
@@ -239,9 +239,8 @@ def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
         "kl": -(p * q.log()).sum(-1),
         "tv": 1 - torch.minimum(p, q).sum(-1),
     }
-    want["mix"] = (
-        0.1 * -q.log().gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1) + 0.9 * want["tv"]
-    )
+    want["hard"] = -q.log().gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)
+    want["mix"] = 0.1 * want["hard"] + 0.9 * want["tv"]
     alpha = torch.minimum(p, q).sum(-1)
     want["nla"] = -alpha.log()
     top10 = p.topk(10, -1).indices

@@ -9,7 +9,8 @@ accepts the draft; `mix`, 0.1 x the cross-entropy of the target's argmax plus 0.
 `lk`, lambda KL + (1 - lambda) TV with lambda = exp(-3 alpha), alpha the mean over the
 counted positions, not differentiated; `nla`, -log alpha; `hass`, kl plus the cross-entropy
 restricted to the target's 10 likeliest ids (HASS's top-K term, weight 1: the ids a draft
-is accepted on weigh twice); `opd`, on-policy distillation
+is accepted on weigh twice); `hard`, the cross-entropy of the target's argmax alone (greedy
+verification accepts a draft exactly when it is that argmax); `opd`, on-policy distillation
 from stored states, for a fine-tune of a trained drafter (`on_policy`). A step's loss is the
 mean over its counted positions, or over samples of each sample's mean (`sample_ids`).
 `align` K (GRIFFIN's alignment mask, in training): step i scores a root only where the
@@ -84,6 +85,8 @@ def divergence(
         plogq = p * logq
         top = p.topk(min(HASS_TOP, p.shape[-1]), -1).indices  # (..., 10)
         return -plogq.sum(-1) - HASS_WEIGHT * plogq.gather(-1, top).sum(-1)
+    if kind == "hard":
+        return -logq.gather(-1, logp.argmax(-1, keepdim=True)).squeeze(-1)
     alpha = torch.minimum(p, logq.exp()).sum(-1)  # speculative sampling's acceptance
     if kind == "tv":
         return 1 - alpha
@@ -96,8 +99,7 @@ def divergence(
         lam = torch.exp(-LK_ETA * mean_alpha)  # KL's strong gradient while acceptance is low
         return lam * kl + (1 - lam) * (1 - alpha)
     if kind == "mix":
-        hard = -logq.gather(-1, logp.argmax(-1, keepdim=True)).squeeze(-1)  # the target's argmax
-        return 0.1 * hard + 0.9 * (1 - alpha)
+        return 0.1 * divergence(logq, logp, "hard", mask) + 0.9 * (1 - alpha)
     raise ValueError(f"no per-position loss {kind!r}")
 
 
