@@ -220,10 +220,11 @@ def test_packed_rows_equal_padded_rows(attention):
 
 def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
     """kl is the soft cross-entropy, tv one minus the overlap alpha of the two distributions,
-    hard the cross-entropy of the target's argmax, mix 0.1 x hard + 0.9 x tv, nla -log alpha,
-    lk lambda KL + (1 - lambda) tv with lambda = exp(-3 x alpha's mean over the counted
-    positions), hass kl plus the cross-entropy over the target's 10 likeliest ids; a top-K
-    store holding every id gives the same values as the full one."""
+    hard the cross-entropy of the target's argmax, kd 4 x kl of both softened at temperature
+    2, mix 0.1 x hard + 0.9 x tv, nla -log alpha, lk lambda KL + (1 - lambda) tv with lambda =
+    exp(-3 x alpha's mean over the counted positions), hass kl plus the cross-entropy over
+    the target's 10 likeliest ids; a top-K store holding every id gives the same values as
+    the full one."""
     from eyas.drafters.loss import position_loss
 
     torch.manual_seed(0)
@@ -240,6 +241,8 @@ def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
         "tv": 1 - torch.minimum(p, q).sum(-1),
     }
     want["hard"] = -q.log().gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)
+    p2, logq2 = torch.softmax(tgt[:, n:] / 2, -1), torch.log_softmax(mine[:, :-n] / 2, -1)
+    want["kd"] = -(p2 * logq2).sum(-1) * 4
     want["mix"] = 0.1 * want["hard"] + 0.9 * want["tv"]
     alpha = torch.minimum(p, q).sum(-1)
     want["nla"] = -alpha.log()

@@ -10,7 +10,9 @@ accepts the draft; `mix`, 0.1 x the cross-entropy of the target's argmax plus 0.
 counted positions, not differentiated; `nla`, -log alpha; `hass`, kl plus the cross-entropy
 restricted to the target's 10 likeliest ids (HASS's top-K term, weight 1: the ids a draft
 is accepted on weigh twice); `hard`, the cross-entropy of the target's argmax alone (greedy
-verification accepts a draft exactly when it is that argmax); `opd`, on-policy distillation
+verification accepts a draft exactly when it is that argmax); `kd`, kl between both
+distributions softened at temperature KD_T, times KD_T^2 (Hinton's distillation; over the ids
+a top-K store holds); `opd`, on-policy distillation
 from stored states, for a fine-tune of a trained drafter (`on_policy`). A step's loss is the
 mean over its counted positions, or over samples of each sample's mean (`sample_ids`).
 `align` K (GRIFFIN's alignment mask, in training): step i scores a root only where the
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 LK_ETA = 3.0  # lk: the blend weight of KL is exp(-LK_ETA x the mean acceptance)
 HASS_TOP = 10  # hass: the target's likeliest ids whose cross-entropy is counted twice
 HASS_WEIGHT = 1.0  # hass: that term's weight against kl's
+KD_T = 2.0  # kd: the temperature both distributions are softened at
 OPD_DECAY = 0.8  # opd: reverse KL at the k-th step after the chain's first miss is weighted 0.8^k
 
 
@@ -85,6 +88,9 @@ def divergence(
         plogq = p * logq
         top = p.topk(min(HASS_TOP, p.shape[-1]), -1).indices  # (..., 10)
         return -plogq.sum(-1) - HASS_WEIGHT * plogq.gather(-1, top).sum(-1)
+    if kind == "kd":
+        soft_q, soft_p = F.log_softmax(logq / KD_T, -1), F.softmax(logp / KD_T, -1)
+        return -(soft_p * soft_q).sum(-1) * KD_T**2
     if kind == "hard":
         return -logq.gather(-1, logp.argmax(-1, keepdim=True)).squeeze(-1)
     alpha = torch.minimum(p, logq.exp()).sum(-1)  # speculative sampling's acceptance

@@ -14,7 +14,7 @@ ATTENTIONS = (
 )  # TTT attention implementations (drafters.eagle3.attention)
 OPTIMIZERS = ("adamw", "muon")
 HEAD_INITS = ("random", "target", "target-frozen")
-LOSSES = ("kl", "tv", "mix", "lk", "nla", "hass", "hard", "opd")  # training.loss
+LOSSES = ("kl", "tv", "mix", "lk", "nla", "hass", "hard", "kd", "opd")  # training.loss
 LOSS_AVERAGES = ("token", "sequence")  # training.loss_average
 LOSS_POSITIONS = ("assistant", "all")
 
@@ -52,7 +52,9 @@ class TrainConfig:
     minus speculative sampling's acceptance), mix (0.1 x cross-entropy of the target's argmax
     + 0.9 x tv), lk (a blend of kl and tv, more tv as acceptance grows), nla (-log of the
     acceptance), hass (kl plus the cross-entropy over the target's 10 likeliest ids), hard
-    (the cross-entropy of the target's argmax alone: what greedy verification accepts), or opd
+    (the cross-entropy of the target's argmax alone: what greedy verification accepts), kd
+    (kl with both distributions softened at temperature 2, times 4: the rest of the target's
+    ranking weighs more), or opd
     (on-policy distillation: forward KL where the drafts so far match the target, decayed
     reverse KL after the first miss; for a fine-tune with --init-from)."""
     align_topk: int = 0
