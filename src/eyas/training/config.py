@@ -54,9 +54,9 @@ class TrainConfig:
     acceptance), hass (kl plus the cross-entropy over the target's 10 likeliest ids), hard
     (the cross-entropy of the target's argmax alone: what greedy verification accepts), kd
     (kl with both distributions softened at temperature 2, times 4: the rest of the target's
-    ranking weighs more), or opd
-    (on-policy distillation: forward KL where the drafts so far match the target, decayed
-    reverse KL after the first miss; for a fine-tune with --init-from)."""
+    ranking weighs more), or opd (on-policy distillation: forward KL where the drafts so far
+    match the target, decayed reverse KL after the first miss; for a fine-tune with
+    --init-from)."""
     align_topk: int = 0
     """eagle3, training: GRIFFIN's alignment mask. TTT step i scores a position only where
     the target's argmax was among the drafter's K likeliest ids at every earlier step (the
