@@ -56,7 +56,7 @@ def main() -> None:
             run = work / f"run-{name}"
             x = extract(ExtractConfig(model=str(DEMO_TARGET), data=str(ds), out=str(run), storage=storage,
                                       target=target, progress=False))  # fmt: skip
-            t = train(TrainConfig(data=str(run), out=str(work / f"train-{name}"), epochs=args.epochs,
+            t = train(TrainConfig.of(data=str(run), out=str(work / f"train-{name}"), epochs=args.epochs,
                                   ttt_steps=args.ttt_steps, lr=3e-3, warmup_steps=10, batch_tokens=2048,
                                   val_fraction=0.1, seed=0, progress=False))  # fmt: skip
             rows[name] = (x.bytes_written / x.tokens, t["val"], f"aux={storage}, target={target}")
@@ -100,7 +100,7 @@ def compare_heads(args) -> None:
         for seed in range(args.seeds):
             for h in inits:  # alternating: each seed runs every variant
                 out = work / f"train-{h}-{seed}"
-                t = train(TrainConfig(data=str(run), out=str(out), epochs=args.epochs, ttt_steps=args.ttt_steps,
+                t = train(TrainConfig.of(data=str(run), out=str(out), epochs=args.epochs, ttt_steps=args.ttt_steps,
                                       lr=3e-3, warmup_steps=10, batch_tokens=2048, val_fraction=0.1, seed=seed,
                                       head_init=h, progress=False))  # fmt: skip
                 ex = export(out, "vllm", work / f"ex-{h}-{seed}")

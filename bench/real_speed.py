@@ -129,7 +129,7 @@ def part_extract(args, work: Path, model: str) -> dict:
 def part_train(args, work: Path) -> dict:
     from eyas.stages.train import TrainConfig, train
 
-    cfg = TrainConfig(data=str(work / "run"), out=str(work / "train"), epochs=1, ttt_steps=args.ttt_steps,
+    cfg = TrainConfig.of(data=str(work / "run"), out=str(work / "train"), epochs=1, ttt_steps=args.ttt_steps,
                       lr=3e-3, batch_tokens=args.batch_tokens, val_fraction=0.0, save_every=10**9,
                       draft_vocab_size=args.draft_vocab, device="cpu", progress=False)  # fmt: skip
     bare, ours = [], []
@@ -154,7 +154,7 @@ def train_flops_per_token(args, work: Path) -> float:
     from eyas.run.runmeta import read_run_meta
     from eyas.stages.train import TrainConfig, build_drafter
 
-    cfg = TrainConfig(data=str(work / "run"), out="-", draft_vocab_size=args.draft_vocab)
+    cfg = TrainConfig.of(data=str(work / "run"), out="-", draft_vocab_size=args.draft_vocab)
     meta = read_run_meta(work / "run")
     d, lm_head = build_drafter(cfg, meta)
     n = {name: p.numel() for name, p in d.named_parameters() if p.requires_grad and p.dim() == 2}

@@ -291,7 +291,7 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
     x = timed("extract", lambda: extract(ExtractConfig(
         model=model, data=str(w / "ds"), out=str(w / "run"), batch_tokens=args.extract_batch_tokens,
         store_dtype="bfloat16", min_free="1G", progress=False)))  # fmt: skip
-    tr = timed("train", lambda: train(TrainConfig(
+    tr = timed("train", lambda: train(TrainConfig.of(
         data=str(w / "run"), out=str(w / "train"), epochs=args.epochs, ttt_steps=args.ttt_steps,
         lr=args.lr, warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens,
         val_fraction=0.05, save_every=200, dtype=args.train_dtype, **train_options(args.train_args),

@@ -158,7 +158,7 @@ def train_vs_bare(args) -> float:
     work = Path(tempfile.mkdtemp(prefix="eyas-trainbench-", dir=args.workdir))
     try:
         _small_run(work, args)
-        cfg = TrainConfig(data=str(work / "run"), out=str(work / "out"), epochs=2, ttt_steps=args.ttt_steps,
+        cfg = TrainConfig.of(data=str(work / "run"), out=str(work / "out"), epochs=2, ttt_steps=args.ttt_steps,
                           batch_tokens=2048, val_fraction=0.0, save_every=10**9, device=args.device, progress=False)  # fmt: skip
         ratios = []
         for r in range(args.repeats):
@@ -185,7 +185,7 @@ def packed_vs_padded(args) -> float:
             tps = {}
             for pack in (False, True) if r % 2 == 0 else (True, False):
                 shutil.rmtree(work / "out", ignore_errors=True)
-                cfg = TrainConfig(data=str(work / "run"), out=str(work / "out"), epochs=1, ttt_steps=args.ttt_steps,
+                cfg = TrainConfig.of(data=str(work / "run"), out=str(work / "out"), epochs=1, ttt_steps=args.ttt_steps,
                                   batch_tokens=4096, val_fraction=0.0, save_every=10**9, device=args.device,
                                   pack=pack, progress=False)  # fmt: skip
                 tps[pack] = train(cfg)["tokens_per_s"]

@@ -399,7 +399,7 @@ def test_every_kind_drafts_at_inference_what_its_training_forward_predicts(
     from eyas.training.trainer import build_drafter
 
     run = demo_runs(60)
-    cfg = TrainConfig(data=str(run), out="unused", kind=kname, attention_window=window)
+    cfg = TrainConfig.of(data=str(run), out="unused", kind=kname, attention_window=window)
     torch.manual_seed(0)
     model, _ = build_drafter(cfg, read_run_meta(run))
     for p in model.parameters():  # away from the initialisation, so a wrong wiring shows

@@ -29,7 +29,7 @@ STEPS_CUT = 10  # the interrupted run "died" after its checkpoint of this step
 
 def _cfg(run: Path, out: Path, **kw) -> TrainConfig:
     """A short training whose drafter exports for both engines (the three norms off)."""
-    return TrainConfig(data=str(run), out=str(out), epochs=2, lr=3e-3, warmup_steps=2, batch_tokens=1024,
+    return TrainConfig.of(data=str(run), out=str(out), epochs=2, lr=3e-3, warmup_steps=2, batch_tokens=1024,
                        ttt_steps=2, save_every=2, val_fraction=0.1, progress=False, norm_before_fc=False,
                        norm_before_residual=False, norm_output=False, **kw)  # fmt: skip
 

@@ -56,3 +56,26 @@ def test_every_field_a_rule_names_is_a_field_of_its_config(stage, config):
     names = {f.name for f in fields(getattr(importlib.import_module(mod), cls))}
     named = rule.may_change | rule.per_invocation | rule.before.keys()
     assert named and named <= names, sorted(named - names)
+
+
+def test_every_kind_rule_names_only_its_own_options_and_a_resume_keeps_them():
+    """Over the kind registry: the names a kind's options give the resume rule are its own
+    fields; a training saved before kinds owned their options (every kind's fields in one
+    flat config) is read back with its own kind's alone, and a change of one of them is
+    refused naming both values."""
+    from eyas.drafters import KINDS, option_owners, options_class
+    from eyas.training.config import TrainConfig, resume_rule, saved_flat
+
+    every_kind = {name: None for name in option_owners()}
+    for name in KINDS:
+        own = options_class(name)
+        names = {f.name for f in fields(own)}
+        assert own.may_change | own.before.keys() <= names, name
+        cfg = TrainConfig.of(data="d", out="o", kind=name)
+        old = {**every_kind, **cfg.flat()}  # what an older eyas wrote: all kinds' options
+        assert saved_flat(old) == cfg.flat()
+        rule = resume_rule(name)
+        assert rule.differences(saved_flat(old), cfg.flat()) == []
+        fixed = next(f for f in fields(own) if rule.fixed(f.name) and isinstance(f.default, int))
+        with pytest.raises(ResumeRefused, match=f"--{fixed.name.replace('_', '-')} "):
+            rule.resume(saved_flat(old), {fixed.name: fixed.default + 1}, "t/train.json")

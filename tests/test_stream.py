@@ -436,7 +436,7 @@ def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_pa
     offline = []
     for seed in (0, 1):
         train(
-            TrainConfig(
+            TrainConfig.of(
                 data=str(full),
                 out=str(tmp_path / f"off{seed}"),
                 seed=seed,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ from conftest import eyas
 from safetensors.torch import load_file
 
 from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.errors import UsageError
 from eyas.stages.export import load_export
 from eyas.stages.extract import ExtractConfig, extract
 from eyas.stages.prepare import PrepareConfig, prepare
@@ -32,8 +32,6 @@ TRAIN_ARGS = [
     "5",
     "--batch-tokens",
     "1024",
-    "--ttt-steps",
-    "3",
     "--seed",
     "3",
 ]
@@ -50,7 +48,7 @@ def trained(demo_run, tmp_path_factory) -> Path:
     """The demo's recipe (Muon, the three norms, the head started from the target's and
     trained, the assistant's positions scored)."""
     out = tmp_path_factory.mktemp("trained") / "train"
-    train(TrainConfig(data=str(demo_run), out=str(out), epochs=3, lr=3e-3, warmup_steps=5, batch_tokens=1024,
+    train(TrainConfig.of(data=str(demo_run), out=str(out), epochs=3, lr=3e-3, warmup_steps=5, batch_tokens=1024,
                       ttt_steps=3, head_init="target", loss_positions="assistant", progress=False))  # fmt: skip
     return out
 
@@ -59,7 +57,7 @@ def trained(demo_run, tmp_path_factory) -> Path:
 def plain(demo_run, tmp_path_factory) -> Path:
     """The three norms off: a drafter SGLang's EAGLE-3 model runs as trained."""
     out = tmp_path_factory.mktemp("plain") / "train"
-    train(TrainConfig(data=str(demo_run), out=str(out), epochs=1, lr=3e-3, warmup_steps=5, batch_tokens=1024,
+    train(TrainConfig.of(data=str(demo_run), out=str(out), epochs=1, lr=3e-3, warmup_steps=5, batch_tokens=1024,
                       ttt_steps=3, head_init="target", norm_before_fc=False, norm_before_residual=False,
                       norm_output=False, progress=False))  # fmt: skip
     return out
@@ -547,7 +545,7 @@ def test_deepseek_v3_target_end_to_end(targets, conversations, tmp_path):
         )
     )
     train(
-        TrainConfig(
+        TrainConfig.of(
             data=str(tmp_path / "run"),
             out=str(tmp_path / "tr"),
             epochs=1,
@@ -619,7 +617,7 @@ def _drafter_and_reader(demo_run, tmp_path):
     from eyas.training.train_data import SampleReader, usable_samples
 
     meta = read_run_meta(demo_run)
-    cfg = TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), ttt_steps=3, progress=False)
+    cfg = TrainConfig.of(data=str(demo_run), out=str(tmp_path / "t"), ttt_steps=3, progress=False)
     d, lm_head = build_drafter(cfg, meta)
     d.attention = "chunked"
     entries, _ = usable_samples(demo_run, meta["hidden_size"], lambda m: None)
@@ -693,9 +691,9 @@ def test_layer_init_target_starts_the_decoder_layer_as_the_targets_last(demo_run
     from eyas.targets.weights import layer_weights
 
     meta = read_run_meta(demo_run)
-    base = TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), progress=False)
+    base = TrainConfig.of(data=str(demo_run), out=str(tmp_path / "t"), progress=False)
     rand, _ = build_drafter(base, meta)
-    d, _ = build_drafter(dataclasses.replace(base, layer_init="target"), meta)
+    d, _ = build_drafter(base.replace(layer_init="target"), meta)
     model = meta["model_path"]
     n = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
     w = layer_weights(model, n - 1)
@@ -711,11 +709,13 @@ def test_layer_init_target_starts_the_decoder_layer_as_the_targets_last(demo_run
     assert torch.equal(layer.post_attention_layernorm.weight, w["post_attention_layernorm"].float())
     assert not torch.equal(rand.midlayer.mlp.up_proj.weight, layer.mlp.up_proj.weight)
     assert all(p.requires_grad for p in layer.parameters())
-    wide = dataclasses.replace(base, layer_init="target", intermediate_size=8)
+    wide = base.replace(layer_init="target", intermediate_size=8)
     with pytest.raises(ValueError, match="--layer-init random"):
         build_drafter(wide, meta)
-    with pytest.raises(ValueError, match="--layer-init is not an option of --kind dflash"):
-        dataclasses.replace(base, kind="dflash", layer_init="target")
+    with pytest.raises(
+        UsageError, match="--layer-init is an option of --kind eagle3, not of --kind dflash"
+    ):
+        base.replace(kind="dflash", layer_init="target")
 
 
 @pytest.mark.parametrize("name", ["eagle3", "dflash"])
@@ -730,9 +730,9 @@ def test_loss_averaged_per_sample_weighs_every_sample_the_same(name, demo_run, t
     from eyas.training.train_data import SampleReader, to_device, usable_samples
 
     meta = read_run_meta(demo_run)
-    per_token = TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), ttt_steps=3, kind=name,
+    per_token = TrainConfig.of(data=str(demo_run), out=str(tmp_path / "t"), kind=name,
                             progress=False)  # fmt: skip
-    per_sample = dataclasses.replace(per_token, loss_average="sequence")
+    per_sample = per_token.replace(loss_average="sequence")
     k = kind(name)
     d, lm_head = build_drafter(per_token, meta)
     d.attention = "chunked"
@@ -769,13 +769,13 @@ def test_the_default_recipe_follows_the_kind_and_the_engine():
     too; a value given is kept."""
 
     def pick(**kw) -> tuple[str, str]:
-        c = TrainConfig(data="d", out="o", **kw)
-        return c.head_init, c.loss_positions
+        c = TrainConfig.of(data="d", out="o", **kw)
+        return getattr(c.options, "head_init", None), c.loss_positions
 
     assert pick() == ("target-frozen", "all")
     assert pick(serve_with="sglang") == ("random", "all")
-    assert pick(kind="dflash") == ("random", "all")
-    assert pick(kind="dflash", loss_positions="assistant") == ("random", "assistant")
+    assert pick(kind="dflash") == (None, "all")  # no head of its own to start: the target's
+    assert pick(kind="dflash", loss_positions="assistant") == (None, "assistant")
     assert pick(head_init="target", loss_positions="assistant") == ("target", "assistant")
     assert pick(serve_with="sglang", loss_positions="assistant") == ("random", "assistant")
 
@@ -795,7 +795,7 @@ def test_loss_positions_all_scores_every_position_in_training_only(name, demo_ru
     idx = sorted(entries)[:4]
     counted = {}
     for positions in ("assistant", "all"):
-        cfg = TrainConfig(data=str(demo_run), out=str(tmp_path / positions), kind=name,
+        cfg = TrainConfig.of(data=str(demo_run), out=str(tmp_path / positions), kind=name,
                           loss_positions=positions, lr=1e-3, progress=False)  # fmt: skip
         t = Trainer(cfg, meta, 0, 1, torch.device("cpu"), tmp_path, reader)
         for key in (7, None):  # a training micro-batch, then validation's
@@ -816,7 +816,7 @@ def test_sigterm_mid_step_drops_the_step_at_once(demo_run, tmp_path, monkeypatch
     cfg = dict(
         epochs=1, lr=3e-3, warmup_steps=5, batch_tokens=1024, ttt_steps=3, seed=3, progress=False
     )
-    train(TrainConfig(data=str(demo_run), out=str(tmp_path / "ref"), **cfg))
+    train(TrainConfig.of(data=str(demo_run), out=str(tmp_path / "ref"), **cfg))
     real_micro, calls, after = Trainer._micro, [0], []
 
     def micro(self, batch, **kw):
@@ -828,11 +828,11 @@ def test_sigterm_mid_step_drops_the_step_at_once(demo_run, tmp_path, monkeypatch
 
     monkeypatch.setattr(Trainer, "_micro", micro)
     with pytest.raises(TrainStopped, match="at step 3"):
-        train(TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), **cfg))
+        train(TrainConfig.of(data=str(demo_run), out=str(tmp_path / "t"), **cfg))
     assert not after
     assert int(latest_checkpoint(tmp_path / "t").name.split("-")[1]) == 3
     monkeypatch.setattr(Trainer, "_micro", real_micro)
-    train(TrainConfig(data=str(demo_run), out=str(tmp_path / "t"), **cfg), resume=True)
+    train(TrainConfig.of(data=str(demo_run), out=str(tmp_path / "t"), **cfg), resume=True)
     a, b = _weights(tmp_path / "ref"), _weights(tmp_path / "t")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -1031,3 +1031,22 @@ def test_attention_window_is_trained_exported_for_sglang_and_refused_for_vllm(de
         "evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "s", "--data", held, "--json"
     )
     assert r.returncode == 0 and json.loads(r.stdout)["lossless"], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "args, owner",
+    [
+        (("--kind", "eagle3", "--block-size", "8"), "dflash"),
+        (("--kind", "dflash", "--ttt-steps", "7"), "eagle3"),
+        (("--kind", "dflash", "--head-init", "random"), "eagle3"),
+    ],
+)
+def test_an_option_of_another_kind_is_refused_naming_its_kind(demo_run, tmp_path, args, owner):
+    """A kind's own option typed for another kind is a usage error (2) that names the
+    option, the kinds that read it and the kind asked for; nothing is written."""
+    r = eyas("train", "--data", demo_run, "--out", tmp_path / "t", *args)
+    flag, kind = args[2], args[1]
+    assert r.returncode == 2, r.stderr
+    assert f"{flag} is an option of --kind {owner}" in r.stderr, r.stderr
+    assert f"not of --kind {kind}" in r.stderr, r.stderr
+    assert not (tmp_path / "t").exists()

@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from eyas.drafters import KINDS, option_owners, options_class
 from eyas.errors import EXIT_PROBLEMS, EXIT_STOPPED, EXIT_USAGE, EyasError, exit_code
 from eyas.host.cpu import pin_runtime_env
 from eyas.host.ui import console
@@ -384,7 +385,11 @@ def doctor(
 
 
 @app.command()
-@config_options(TrainConfig, skip={"progress", "data", "out", "model"})
+@config_options(
+    TrainConfig,
+    skip={"progress", "data", "out", "model"},
+    also=[(name, options_class(name)) for name in KINDS],
+)
 def train(
     ctx: typer.Context,
     data: Path | None = typer.Option(
@@ -401,11 +406,13 @@ def train(
     ),
     opts: dict = OPTS,
 ) -> None:
-    """Train an EAGLE-3 drafter (TTT) on an extraction run; torchrun for data parallel."""
+    """Train a drafter of any kind on an extraction run; torchrun for data parallel."""
     from eyas.stages.train import render_result, resume_options
     from eyas.stages.train import train as run_train
 
     _quiet_transformers()
+    typed, owned = given(ctx, opts), option_owners()  # a kind's options: the typed ones alone
+    opts = {k: v for k, v in opts.items() if k not in owned or k in typed}
     opts = {"data": str(data) if data else None, "model": str(model) if model else None, **opts}
     if resume:
         with _exits():
@@ -415,7 +422,7 @@ def train(
     data, follow = Path(opts["data"]), opts["follow"]
     if not follow:  # a follower may start before its run exists, and waits for it
         _need(data, "run")
-    cfg = _config(TrainConfig, out=str(out), **opts)
+    cfg = _config(TrainConfig.of, out=str(out), **opts)
     with _exits(then=f"eyas train --resume --out {out}", also=(KeyError,)):
         res = run_train(cfg, resume=resume)
     _say(render_result(res, out, resume))

@@ -6,6 +6,10 @@ each with the field's default and, as its help, the docstring written under the 
     def train(ctx: typer.Context, out: Path = typer.Option(...), opts: dict = OPTS) -> None:
         cfg = TrainConfig(out=str(out), **opts)
 
+`also` adds the fields of more dataclasses, each with a label its help starts with (`train`
+offers every drafter kind's options so, each labelled with the kinds that read it; a field
+several declare is one option).
+
 A field of integers (`tuple[int, ...] | None`) is given comma-separated. Fields of another
 type a command line cannot give (other tuples, dicts) and those in `skip` are left to the
 command. `given(ctx, opts)` keeps only the options typed on this command line: what a
@@ -75,11 +79,31 @@ def _ints(ctx, param, value: str | None) -> tuple[int, ...] | None:
         raise typer.BadParameter(f"{value!r}: expected integers like 1,15,28") from None
 
 
-def config_options(cls, *, skip: set[str] | frozenset = frozenset()):
-    """Give the decorated command one option per field of `cls` (not in `skip`, not declared
-    by the command itself); their values reach it as the dict `opts`."""
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
+def _declared(cls, also) -> dict[str, tuple[dataclasses.Field, type, str, str]]:
+    """Field name -> (field, type, help, label) over `cls` and then `also` ((label, class)
+    pairs); a field of several `also` classes is labelled with all their labels."""
+    out: dict[str, tuple[dataclasses.Field, type, str, str]] = {}
+    for label, klass in [("", cls), *also]:
+        hints, docs = typing.get_type_hints(klass), field_docs(klass)
+        for f in dataclasses.fields(klass):
+            if f.name in out:
+                first = out[f.name]
+                if label and first[3] and label not in first[3].split(", "):
+                    out[f.name] = (*first[:3], f"{first[3]}, {label}")
+                continue
+            if f.name not in docs:
+                raise TypeError(
+                    f"{klass.__name__}.{f.name} has no docstring: an option must say what it does"
+                )
+            out[f.name] = (f, hints[f.name], docs[f.name], label)
+    return out
+
+
+def config_options(cls, *, skip: set[str] | frozenset = frozenset(), also=()):
+    """Give the decorated command one option per field of `cls` and of the classes in `also`
+    ((label, class) pairs), not in `skip` and not declared by the command itself; their
+    values reach it as the dict `opts`."""
+    declared = _declared(cls, also)
 
     def deco(func):
         resolved = typing.get_type_hints(func)  # the command's own annotations, as types
@@ -90,9 +114,9 @@ def config_options(cls, *, skip: set[str] | frozenset = frozenset()):
         ]
         taken = {p.name for p in own} | set(skip)
         generated = []
-        for f in dataclasses.fields(cls):
-            ints = hints[f.name] == _INTS
-            tp = str | None if ints else _scalar(hints[f.name])
+        for f, hint, doc, label in declared.values():
+            ints = hint == _INTS
+            tp = str | None if ints else _scalar(hint)
             if f.name in taken or tp is None:
                 continue
             if f.default is dataclasses.MISSING:
@@ -102,11 +126,8 @@ def config_options(cls, *, skip: set[str] | frozenset = frozenset()):
             flag = f"--{f.name.replace('_', '-')}"
             if tp is bool and f.default:
                 flag = f"{flag}/--no-{f.name.replace('_', '-')}"
-            if f.name not in docs:
-                raise TypeError(
-                    f"{cls.__name__}.{f.name} has no docstring: an option must say what it does"
-                )
-            help_ = escape(docs[f.name])  # the help is rich markup: `[tensorboard]` is text
+            # the help is rich markup: `[tensorboard]` is text
+            help_ = escape(f"{label}: {doc}" if label else doc)
             generated.append(
                 inspect.Parameter(
                     f.name,

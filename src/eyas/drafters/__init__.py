@@ -1,9 +1,12 @@
 """Drafter kinds: what varies between an EAGLE-3 chain drafter and a block drafter, each a
 small class behind one protocol, registered by name here and nowhere else.
 
-A kind says how to build its drafter from the target and a run, what its loss is on a
-training batch, how its trained weights are written for each serving engine and read back,
-and how it proposes drafts when `evaluate` decodes. Its name is written into every file
+A kind is a package: its `options` module declares the `train` options only it reads (a
+dataclass `Options`, light enough for the command line to import without torch; `train`
+refuses them on another kind), and its `kind` module's `KIND` says how to build its drafter
+from the target and a run, what its loss is on a training batch, how its trained weights are
+written for each serving engine and read back, and how it proposes drafts when `evaluate`
+decodes. Its name is written into every file
 that holds its weights (`train.json`, `drafter_config.json`, checkpoints' drafter, exports);
 a file without one is EAGLE-3's, as everything eyas wrote before kinds existed. Callers ask
 `kind(name)` (or `kind_of(config dict)`); they never compare names.
@@ -11,8 +14,11 @@ a file without one is EAGLE-3's, as everything eyas wrote before kinds existed. 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Protocol
+
+from eyas.errors import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -26,12 +32,15 @@ __all__ = [
     "kind",
     "kind_for_export",
     "kind_of",
+    "option_owners",
+    "options_class",
     "with_kind",
 ]
 
 DEFAULT = "eagle3"
-# name -> module defining `KIND`, imported on first use.
-KINDS = {"eagle3": "eyas.drafters.eagle3.kind", "dflash": "eyas.drafters.dflash.kind"}
+# name -> the kind's package (its `kind` module defines `KIND`, its `options` module
+# `Options`), imported on first use.
+KINDS = {"eagle3": "eyas.drafters.eagle3", "dflash": "eyas.drafters.dflash"}
 
 
 class Proposer(Protocol):
@@ -53,18 +62,13 @@ class DrafterKind(Protocol):
     export_formats: tuple[str, ...]
     position_name: str
     """What the metrics' positions are called (TTT step, block position)."""
-    own_options: frozenset[str]
-    """`train` options (TrainConfig fields) that only this kind reads; set on another kind,
-    they are refused rather than ignored."""
+    demo_options: dict
+    """The kind's own options `eyas demo` trains its drafter with on the demo target."""
 
     vllm_method: str
     """vLLM's `speculative_config` method that serves this kind."""
     sglang_algorithm: str
     """SGLang's `--speculative-algorithm` that serves this kind."""
-
-    def recipe_defaults(self, serve_with: str) -> dict:
-        """`train`'s choices for the options left out (head_init, loss_positions) for a drafter
-        served by `serve_with`: what measured best (docs/recipe.md)."""
 
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         """Tokens an export (its config.json) drafts a round, asked for `tokens`."""
@@ -74,8 +78,9 @@ class DrafterKind(Protocol):
         drafting `tokens` a round (its defaults may run another shape, a tree)."""
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
-        """(drafter, lm_head) for a training of `cfg` on a run (`meta`) of the target in
-        `model_dir`: the drafter, and the target's lm_head where the loss needs it."""
+        """(drafter, lm_head) for a training of `cfg` (its own options in `cfg.options`) on a
+        run (`meta`) of the target in `model_dir`: the drafter, and the target's lm_head where
+        the loss needs it."""
 
     def config_dict(self, model) -> dict:
         """The drafter's config, as drafter_config.json holds it (without the kind)."""
@@ -122,12 +127,30 @@ class DrafterKind(Protocol):
         token is ids[at], when its drafts are those true tokens."""
 
 
-def kind(name: str | None) -> DrafterKind:
-    """The registered kind of that name (None: EAGLE-3)."""
+def _package(name: str | None) -> str:
     name = name or DEFAULT
     if name not in KINDS:
-        raise ValueError(f"unknown drafter kind {name!r}; eyas knows {', '.join(KINDS)}")
-    return importlib.import_module(KINDS[name]).KIND
+        raise UsageError(f"unknown drafter kind {name!r}; eyas knows {', '.join(KINDS)}")
+    return KINDS[name]
+
+
+def kind(name: str | None) -> DrafterKind:
+    """The registered kind of that name (None: EAGLE-3)."""
+    return importlib.import_module(_package(name) + ".kind").KIND
+
+
+def options_class(name: str | None) -> type:
+    """The dataclass of the `train` options that kind alone reads (no torch imported)."""
+    return importlib.import_module(_package(name) + ".options").Options
+
+
+def option_owners() -> dict[str, list[str]]:
+    """Each kind's option name -> the kinds that read it, in registry order."""
+    owners: dict[str, list[str]] = {}
+    for name in KINDS:
+        for f in dataclasses.fields(options_class(name)):
+            owners.setdefault(f.name, []).append(name)
+    return owners
 
 
 def kind_for_export(cfg: dict) -> DrafterKind | None:

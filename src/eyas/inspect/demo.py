@@ -99,16 +99,19 @@ def _prepare_and_extract(workdir: Path, clock: _StageClock):
 
 
 def _train(cfg: DemoConfig, workdir: Path, clock: _StageClock):
+    from eyas.drafters import kind
     from eyas.stages.train import TrainConfig, train
 
+    own = dict(kind(cfg.kind).demo_options)  # the kind's recipe for the demo target
+    if cfg.ttt_steps is not None:
+        own["ttt_steps"] = cfg.ttt_steps  # refused on a kind without TTT steps
     tdir = workdir / "train"
     with clock("train"):
         t = train(
-            TrainConfig(
+            TrainConfig.of(
                 data=str(workdir / "run"),
                 out=str(tdir),
                 epochs=cfg.epochs,
-                ttt_steps=cfg.ttt_steps,
                 lr=3e-3,
                 warmup_steps=10,
                 batch_tokens=2048,
@@ -116,9 +119,9 @@ def _train(cfg: DemoConfig, workdir: Path, clock: _StageClock):
                 save_every=50,
                 # The demo target's user turns are a few synthetic templates: scoring them
                 # costs its tiny drafter (1.85 tokens a forward against 1.95; docs/recipe.md).
-                head_init="target",
                 loss_positions="assistant",
                 kind=cfg.kind,
+                **own,
             )
         )
     return tdir, t

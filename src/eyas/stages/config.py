@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from eyas.errors import UsageError
 from eyas.run.fsutil import parse_size
 
 if TYPE_CHECKING:
@@ -360,16 +361,16 @@ class DemoConfig:
     """Where the demo writes everything (rebuilt each time)."""
     epochs: int = 10
     """Training epochs of the demo's drafter."""
-    ttt_steps: int = 5
-    """TTT steps of the demo's EAGLE-3 drafter."""
+    ttt_steps: int | None = None
+    """TTT steps of the demo's EAGLE-3 drafter; default: the kind's demo recipe (5)."""
     kind: str = "eagle3"
     """The drafter kind (eagle3 or dflash)."""
     eval_prompts: int = 1000
     """Held-out conversations the drafter is evaluated on."""
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.ttt_steps < 1 or self.eval_prompts < 1:
-            raise ValueError("--epochs, --ttt-steps and --eval-prompts must be at least 1")
+        if self.epochs < 1 or (self.ttt_steps or 1) < 1 or self.eval_prompts < 1:
+            raise UsageError("--epochs, --ttt-steps and --eval-prompts must be at least 1")
 
 
 @dataclass(frozen=True, kw_only=True)

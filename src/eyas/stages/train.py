@@ -27,17 +27,17 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from eyas.drafters import options_class
 from eyas.drafters.loss import add_targets, loss_masks, summarize, target_view, ttt_loss
 from eyas.errors import EyasError, Stopped, UsageError
 from eyas.host.cpu import choose_threads, configure_threads
 from eyas.host.ui import Reporter, console, still_working
-from eyas.resume import ResumeRule
 from eyas.run.fsutil import (
     DiskFullError,
     atomic_write_bytes,
@@ -50,7 +50,7 @@ from eyas.run.lock import WriterLock
 from eyas.run.runmeta import read_run_meta
 from eyas.stop import StopSignals
 from eyas.training.checkpoint import latest_checkpoint, remove_stale_temp, save_final
-from eyas.training.config import TrainConfig
+from eyas.training.config import SHARED_RULE, TrainConfig, resume_rule, saved_flat
 from eyas.training.train_data import (
     SampleReader,
     StopRequested,
@@ -67,20 +67,8 @@ from eyas.training.trainer import (
     draft_vocab_for,
 )
 
-# How a resume meets train.json (eyas.resume): paths may change (a moved run or training
-# directory resumes: the data and the target are identified by their fingerprints, not where
-# they live), and so may what only affects how this invocation runs; the rest is fixed. A
-# training directory made before an option existed was trained with its `before` value.
-RESUME_RULE = ResumeRule(
-    may_change=frozenset({"progress", "device", "verify_data", "eval_every", "save_every", "keep_checkpoints",
-                          "data", "out", "model", "attention", "allow_partial", "report_to"}),
-    before={"head_init": "random", "pack": False, "follow": False, "feature_noise": 0.0,
-            "kind": "eagle3", "block_size": 4, "drafter_layers": 2, "block_decay": 4.0, "anchor_stride": 1,
-            "optimizer": "adamw", "loss": "kl", "norm_before_fc": False, "norm_before_residual": False,
-            "norm_output": False, "muon_lr_scale": 1.0, "init_from": None, "attention_window": None,
-            "serve_with": "vllm", "loss_average": "token", "loss_positions": "assistant", "align_topk": 0,
-            "layer_init": "random"},
-)  # fmt: skip
+# The shared fields' resume rule (each kind's options add theirs: training.config.resume_rule).
+RESUME_RULE = SHARED_RULE
 
 
 class TrainStopped(Stopped):
@@ -214,10 +202,12 @@ def resume_options(out: str | Path, opts: dict, given: dict) -> dict:
     if not saved.is_file():
         return opts
     try:
-        prev = RESUME_RULE.saved(read_json(saved)["config"])
+        prev = saved_flat(read_json(saved)["config"])
     except (OSError, ValueError, KeyError) as exc:
         raise EyasError(f"{saved}: unreadable ({exc}); give every option again") from None
-    return {k: prev[k] if k in prev and k not in given else v for k, v in opts.items()}
+    own = {f.name for f in fields(options_class(prev.get("kind")))}  # the kind's options
+    kept = {k: prev[k] for k in own if k in prev and k not in given}
+    return {**kept, **{k: prev[k] if k in prev and k not in given else v for k, v in opts.items()}}
 
 
 def _train_rank(cfg: TrainConfig, resume: bool) -> dict:
@@ -307,7 +297,7 @@ def _record_config(
             raise ValueError(
                 f"{saved}: this training directory was made from other data ({prev['data'].get('run')})"
             )
-        if diff := RESUME_RULE.differences(prev["config"], asdict(cfg)):
+        if diff := resume_rule(cfg.kind).differences(saved_flat(prev["config"]), cfg.flat()):
             raise UsageError(
                 f"{saved}: config differs ({', '.join(diff)}); leave the option out to resume "
                 "with the saved value, or use another --out"
@@ -321,7 +311,7 @@ def _record_config(
         atomic_write_json(
             saved,
             {
-                "config": asdict(cfg),
+                "config": cfg.flat(),
                 "data": {"run": str(run.resolve()), **ident},
                 "rendering": _rendering(meta),
                 "aux_layers": meta["aux_layers"],

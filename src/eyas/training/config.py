@@ -1,22 +1,40 @@
-"""`TrainConfig`: what `eyas train` is asked to do, one field per option, each with its
-default and (as its docstring) the help the command line shows. Imports nothing heavy, so
-the command line can build its options without loading torch."""
+"""`TrainConfig`: what `eyas train` is asked to do, one field per option shared by every
+drafter kind, each with its default and (as its docstring) the help the command line shows,
+and the kind's own options (`options`: the dataclass in the kind's folder, refused on another
+kind). Imports nothing heavy, so the command line can build its options without loading
+torch.
+
+A training's config is written flat (`flat()`: the shared fields and the kind's, side by
+side), as `train.json` and the command line hold it; `TrainConfig.of(**flat)` reads one back,
+and `resume_rule(kind)` is how a resume meets it."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
+from typing import Any
 
-ATTENTIONS = (
-    "reference",
-    "chunked",
-    "flex",
-)  # TTT attention implementations (drafters.eagle3.attention)
+from eyas.errors import UsageError
+from eyas.resume import ResumeRule
+
 OPTIMIZERS = ("adamw", "muon")
-HEAD_INITS = ("random", "target", "target-frozen")
 LOSSES = ("kl", "tv", "mix", "lk", "nla", "hass", "hard", "kd", "opd")  # training.loss
 LOSS_AVERAGES = ("token", "sequence")  # training.loss_average
 LOSS_POSITIONS = ("assistant", "all")
+
+# How a resume meets train.json (eyas.resume) for the shared fields: paths may change (a
+# moved run or training directory resumes: the data and the target are identified by their
+# fingerprints, not where they live), and so may what only affects how this invocation runs;
+# the rest is fixed. A training directory made before an option existed was trained with its
+# `before` value. Each kind's options add their own (`Options.may_change`, `Options.before`).
+SHARED_RULE = ResumeRule(
+    may_change=frozenset({"progress", "device", "verify_data", "eval_every", "save_every", "keep_checkpoints",
+                          "data", "out", "model", "allow_partial", "report_to"}),
+    before={"pack": False, "follow": False, "feature_noise": 0.0, "kind": "eagle3", "optimizer": "adamw",
+            "loss": "kl", "muon_lr_scale": 1.0, "init_from": None, "attention_window": None,
+            "loss_average": "token", "loss_positions": "assistant"},
+)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,23 +48,13 @@ class TrainConfig:
     kind: str = "eagle3"
     """The drafter kind: eagle3 (a chain drafter: one decoder layer over the target layers,
     unrolled over TTT steps) or dflash (a block drafter: a few layers that propose
-    --block-size - 1 tokens in one pass)."""
+    --block-size - 1 tokens in one pass). Each kind has options of its own, refused on
+    another."""
+    options: Any = None
+    """The kind's own options: its `Options` dataclass, or a dict of its fields; None: its
+    defaults."""
     epochs: int = 3
     """Passes over the training samples."""
-    ttt_steps: int = 3
-    """eagle3: unrolled training-time-test steps k, the chain of drafts trained for (3: the
-    chain serving engines draft by default)."""
-    block_size: int = 4
-    """dflash: the block's length S (the last verified token and S-1 drafts)."""
-    drafter_layers: int = 2
-    """dflash: decoder layers of the drafter."""
-    block_decay: float = 4.0
-    """dflash: loss weight of block position j is exp(-(j-1)/block_decay)."""
-    anchor_stride: int = 1
-    """dflash: a training block starts at every this many positions of a trainable span (1:
-    at each; --block-size: each position is predicted once per step, at one block position)."""
-    step_decay: float = 0.8
-    """Weight of TTT step i's loss: step_decay ** i."""
     loss: str = "kl"
     """kl (soft cross-entropy against the target's distribution), tv (total variation: one
     minus speculative sampling's acceptance), mix (0.1 x cross-entropy of the target's argmax
@@ -57,20 +65,15 @@ class TrainConfig:
     ranking weighs more), or opd (on-policy distillation: forward KL where the drafts so far
     match the target, decayed reverse KL after the first miss; for a fine-tune with
     --init-from)."""
-    align_topk: int = 0
-    """eagle3, training: GRIFFIN's alignment mask. TTT step i scores a position only where
-    the target's argmax was among the drafter's K likeliest ids at every earlier step (the
-    chains a K-wide draft tree could still hold; 1: the chain served); 0: every step scores
-    every position."""
     loss_average: str = "token"
     """token (every counted position weighs the same: long samples weigh more) or sequence
     (each sample's positions are averaged first, then the samples: every sample weighs the
     same), per TTT step or block position."""
-    loss_positions: str | None = None
+    loss_positions: str = "all"
     """Which positions training scores: assistant (those the loss mask marks: the replies a
     served drafter drafts) or all (every position of a sample: the target's predictions of
-    the user's and system's text too, more of its signal from the same data). Validation
-    scores the assistant's either way. Default: all, for both kinds (docs/recipe.md)."""
+    the user's and system's text too, more of its signal from the same data; what measured
+    best for every kind, docs/recipe.md). Validation scores the assistant's either way."""
     lr: float | None = None
     """Peak learning rate; default: chosen from the run's size (train prints it)."""
     min_lr_ratio: float = 0.1
@@ -90,17 +93,6 @@ class TrainConfig:
     decay 0.1, update scaled to AdamW's RMS, at --lr x --muon-lr-scale), AdamW (with
     --weight-decay) for the norms and the head; or adamw for all (docs/recipe.md: with the
     three norms below, Muon trains the better drafter)."""
-    serve_with: str = "vllm"
-    """eagle3: the engine the drafter will be served by. vllm: eyas's recipe (the three norms
-    below); sglang: the network SGLang's EAGLE-3 model runs, which has none of them (they are
-    turned off), so that `export --format sglang` serves what was trained."""
-    norm_before_fc: bool = True
-    """An RMSNorm over the concatenated target states before fc (SGLang's EAGLE-3 model has
-    none of the three norms: --serve-with sglang turns them off)."""
-    norm_before_residual: bool = True
-    """The decoder layer's residual is the normed fused state, not the raw one."""
-    norm_output: bool = True
-    """The next TTT step and the head read the drafter's normed state, not its raw one."""
     feature_noise: float = 0.0
     """Training only: Gaussian noise on each of the three fused target states, its standard
     deviation this fraction of that state's RMS at its token (0: none)."""
@@ -140,20 +132,8 @@ class TrainConfig:
     default: all of them. For targets served at far longer contexts than the training data's
     (docs/recipe.md). eagle3: SGLang serves it (--speculative-draft-window-size), vLLM does
     not; dflash: vLLM serves it (dflash_config.use_swa), SGLang does not."""
-    attention: str = "auto"
-    """TTT attention: reference (full score matrices), chunked (blockwise, O(T) memory, any
-    device), flex (fused kernel, GPU); auto: flex on a GPU, chunked on a CPU."""
     allow_partial: bool = False
     """Train on a run whose extraction is not finished (only the samples committed so far)."""
-    head_init: str | None = None
-    """eagle3: the drafter's head at the start: random, target (the target's own lm_head rows
-    for the draft vocabulary; still trained) or target-frozen (the same, never trained).
-    Default: target-frozen served by vLLM (--serve-with vllm), random by SGLang
-    (docs/recipe.md)."""
-    layer_init: str = "random"
-    """eagle3: the drafter's decoder layer at the start: random, or target (the target's last
-    layer: its attention's projections of the state, output projection, MLP and norms; the
-    projections of the token embedding stay random). Trained either way."""
     pack: bool = False
     """Pack samples one after another into rows of --batch-tokens (attention and positions
     per sample) instead of padding each to its batch's longest."""
@@ -167,74 +147,105 @@ class TrainConfig:
     """Progress lines and summaries on the console."""
 
     def __post_init__(self) -> None:
+        self._own_options()
         if self.report_to not in ("none", "tensorboard"):
-            raise ValueError(f"--report-to must be none or tensorboard, got {self.report_to!r}")
+            raise UsageError(f"--report-to must be none or tensorboard, got {self.report_to!r}")
         if self.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-            raise ValueError(
+            raise UsageError(
                 "--report-to tensorboard needs the tensorboard package: "
                 "pip install -e '.[tensorboard]' (or pip install tensorboard)"
             )
-        from eyas.drafters import KINDS, kind
+        for name, allowed in (("loss", LOSSES), ("loss_average", LOSS_AVERAGES),
+                              ("loss_positions", LOSS_POSITIONS), ("optimizer", OPTIMIZERS),
+                              ("dtype", ("float32", "bfloat16"))):  # fmt: skip
+            if getattr(self, name) not in allowed:
+                raise UsageError(
+                    f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                    f"got {getattr(self, name)!r}"
+                )
+        if self.attention_window is not None and self.attention_window < 1:
+            raise UsageError(f"--attention-window must be at least 1, got {self.attention_window}")
+        if self.muon_lr_scale <= 0:
+            raise UsageError(f"--muon-lr-scale must be positive, got {self.muon_lr_scale}")
+        if self.feature_noise < 0 or self.weight_decay < 0:
+            raise UsageError("--feature-noise and --weight-decay must not be negative")
+        if self.epochs < 1 or self.grad_accum < 1:
+            raise UsageError("--epochs and --grad-accum must be at least 1")
+        if not 0 <= self.val_fraction < 1:
+            raise UsageError(f"--val-fraction must lie in [0, 1), got {self.val_fraction}")
+
+    def _own_options(self) -> None:
+        """`options` as the kind's dataclass; an option of another kind is refused, naming
+        the kinds that read it."""
+        from eyas.drafters import KINDS, option_owners, options_class
 
         if self.kind not in KINDS:
-            raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.serve_with not in ("vllm", "sglang"):
-            raise ValueError(f"--serve-with must be vllm or sglang, got {self.serve_with!r}")
-        for name, value in kind(self.kind).recipe_defaults(self.serve_with).items():
-            if getattr(self, name) is None:  # left out: the kind's measured choice
-                object.__setattr__(self, name, value)
-        if self.head_init not in HEAD_INITS:
-            raise ValueError(
-                f"--head-init must be one of {', '.join(HEAD_INITS)}, got {self.head_init!r}"
-            )
-        if self.layer_init not in ("random", "target"):
-            raise ValueError(f"--layer-init must be random or target, got {self.layer_init!r}")
-        if self.loss not in LOSSES:
-            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        if self.loss_average not in LOSS_AVERAGES:
-            raise ValueError(
-                f"--loss-average must be one of {', '.join(LOSS_AVERAGES)}, got {self.loss_average!r}"
-            )
-        if self.loss_positions not in LOSS_POSITIONS:
-            raise ValueError(
-                f"--loss-positions must be one of {', '.join(LOSS_POSITIONS)}, got {self.loss_positions!r}"
-            )
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
-            )
-        if self.serve_with == "sglang":  # SGLang's EAGLE-3 network: none of the three norms
-            for name in ("norm_before_fc", "norm_before_residual", "norm_output"):
-                object.__setattr__(self, name, False)
-        if self.attention_window is not None and self.attention_window < 1:
-            raise ValueError(f"--attention-window must be at least 1, got {self.attention_window}")
-        if self.muon_lr_scale <= 0:
-            raise ValueError(f"--muon-lr-scale must be positive, got {self.muon_lr_scale}")
-        if self.feature_noise < 0 or self.weight_decay < 0:
-            raise ValueError("--feature-noise and --weight-decay must not be negative")
-        if (
-            self.block_size < 2
-            or self.drafter_layers < 1
-            or self.block_decay <= 0
-            or self.anchor_stride < 1
-        ):
-            raise ValueError(
-                "--block-size must be at least 2, --drafter-layers at least 1, --block-decay positive"
-            )
-        if self.align_topk < 0:
-            raise ValueError(f"--align-topk must not be negative, got {self.align_topk}")
-        for name, off in (("align_topk", 0), ("layer_init", "random")):
-            if getattr(self, name) != off and name not in kind(self.kind).own_options:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} is not an option of --kind {self.kind}"
+            raise UsageError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        cls, given = options_class(self.kind), self.options
+        if isinstance(given, cls):
+            return
+        if given is not None and not isinstance(given, dict):
+            raise UsageError(f"--kind {self.kind}: options {given!r} are another kind's")
+        given = dict(given or {})
+        own = {f.name for f in dataclasses.fields(cls)}
+        owners = option_owners()
+        for name in given.keys() - own:
+            flag = f"--{name.replace('_', '-')}"
+            if name in owners:
+                raise UsageError(
+                    f"{flag} is an option of --kind {' and '.join(owners[name])}, "
+                    f"not of --kind {self.kind}"
                 )
-        if self.ttt_steps < 1 or self.epochs < 1 or self.grad_accum < 1:
-            raise ValueError("--ttt-steps, --epochs and --grad-accum must be at least 1")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"--val-fraction must lie in [0, 1), got {self.val_fraction}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.attention not in ("auto", *ATTENTIONS):
-            raise ValueError(
-                f"--attention must be auto, {', '.join(ATTENTIONS)}; got {self.attention!r}"
-            )
+            raise UsageError(f"{flag} is not an option of eyas train")
+        object.__setattr__(self, "options", cls(**given))
+
+    # ------------------------------------------------------------ the flat form
+
+    @classmethod
+    def of(cls, **flat) -> TrainConfig:
+        """A config from its flat form: the shared fields, and the kind's options beside
+        them (what `flat()`, train.json and the command line hold)."""
+        shared = {f.name for f in dataclasses.fields(cls)} - {"options"}
+        own = {k: v for k, v in flat.items() if k not in shared}
+        return cls(**{k: v for k, v in flat.items() if k in shared}, options=own or None)
+
+    def flat(self) -> dict:
+        """The shared fields and the kind's options side by side."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        own = dataclasses.asdict(shared.pop("options"))
+        return {**shared, **own}
+
+    def replace(self, **changes) -> TrainConfig:
+        """This config with `changes` (flat names); a change of kind keeps the shared fields
+        alone."""
+        base = self.flat()
+        if changes.get("kind", self.kind) != self.kind:
+            base = {k: v for k, v in base.items() if k not in self.own_fields()}
+        return TrainConfig.of(**{**base, **changes})
+
+    def own_fields(self) -> set[str]:
+        """The names of the kind's own options."""
+        return {f.name for f in dataclasses.fields(self.options)}
+
+
+def resume_rule(kind: str | None) -> ResumeRule:
+    """The resume rule of a training of that kind: the shared one and the kind's own."""
+    from eyas.drafters import options_class
+
+    own = options_class(kind)
+    return ResumeRule(
+        may_change=SHARED_RULE.may_change | own.may_change,
+        before={**SHARED_RULE.before, **own.before},
+    )
+
+
+def saved_flat(config: dict) -> dict:
+    """A saved train.json config as this version reads it (the resume rule's `saved`),
+    without the options of other kinds (a training saved before kinds owned their options
+    wrote every kind's)."""
+    from eyas.drafters import option_owners, options_class
+
+    kind = config.get("kind", SHARED_RULE.before["kind"])
+    mine = {f.name for f in dataclasses.fields(options_class(kind))}
+    foreign = set(option_owners()) - mine
+    return {k: v for k, v in resume_rule(kind).saved(config).items() if k not in foreign}

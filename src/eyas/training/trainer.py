@@ -123,15 +123,6 @@ class Trainer:
         self.drafter, lm_head = build_drafter(cfg, meta)
         if cfg.init_from:
             initial_weights(Path(cfg.init_from), self.drafter, self.kind)
-        self.drafter.attention = (
-            cfg.attention
-            if cfg.attention != "auto"
-            else ("flex" if device.type == "cuda" else "chunked")
-        )
-        if self.drafter.attention == "flex" and device.type != "cuda":
-            raise ValueError(
-                "--attention flex trains on a GPU only (no backward pass on a CPU); use chunked"
-            )
         self.drafter.to(device)
         self.lm_head = lm_head.to(device) if lm_head is not None else None
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]

@@ -11,6 +11,7 @@ from eyas.drafters import decoder_fields
 from eyas.drafters.blocks import load_weights
 from eyas.drafters.dflash.model import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
 from eyas.drafters.loss import Chain, add_targets, counted, divergence, on_policy, sample_ids
+from eyas.errors import UsageError
 from eyas.targets.weights import embed_weight, lm_head_weight
 
 ARCH = "DFlashDraftModel"
@@ -40,9 +41,13 @@ class DFlash:
     name = "dflash"
     export_formats = ("vllm", "sglang")
     position_name = "block position"  # what the metrics' positions are called
-    own_options: frozenset[str] = frozenset()
+    demo_options: dict = {}  # `eyas demo` trains the defaults
 
     vllm_method, sglang_algorithm = "dflash", "DFLASH"
+    config_class, model_class = DFlashConfig, DFlashDrafter
+    # The first block slot that predicts: 1, slot j predicting the token at anchor + j (the
+    # anchor's own slot holds the verified token and predicts nothing).
+    first_slot = 1
 
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         # A block of B drafts B - 1 tokens: the export's block, not the tokens asked for.
@@ -50,11 +55,6 @@ class DFlash:
 
     def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
         return []  # the block is in the drafter's own config
-
-    def recipe_defaults(self, serve_with: str) -> dict:
-        # Its head is always the target's (head_init is EAGLE-3's); every position scored
-        # led on MT-Bench as for EAGLE-3 (docs/recipe.md).
-        return {"head_init": "random", "loss_positions": "all"}
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         from eyas.data.dataset import PreparedDataset
@@ -68,17 +68,16 @@ class DFlash:
         H, heads = t.hidden_size, t.num_attention_heads
         kv = getattr(t, "num_key_value_heads", None) or heads
         ds = PreparedDataset.open(meta["dataset_path"], check=False)
-        c = DFlashConfig(
+        c = self.config_class(
+            **self.own_config(cfg, t, len(draft_ids)),
             hidden_size=H,
             intermediate_size=cfg.intermediate_size or getattr(t, "intermediate_size", 4 * H),
-            num_hidden_layers=cfg.drafter_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv if heads % kv == 0 else heads,
             head_dim=getattr(t, "head_dim", None) or H // heads,
             vocab_size=t.vocab_size,
             draft_vocab_size=len(draft_ids),
             target_layers=len(meta["aux_layers"]),
-            block_size=cfg.block_size,
             attention_window=cfg.attention_window,
             mask_token_id=choose_mask_token(
                 model_dir, ds.vocab_counts(), bool(meta.get("trust_remote_code_required"))
@@ -93,53 +92,61 @@ class DFlash:
             hidden_act=getattr(t, "hidden_act", "silu"),
         )
         torch.manual_seed(cfg.seed)
-        model = DFlashDrafter(c)
+        model = self.model_class(c)
         model.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
         head = lm_head_weight(model_dir).float()
         model.lm_head.weight.data.copy_(head[draft_ids])
         model.set_draft_vocab(draft_ids)
         return model, head
 
+    def own_config(self, cfg, target_config, draft_vocab: int) -> dict:
+        """The drafter config's fields that come from the kind's own options."""
+        return {
+            "num_hidden_layers": cfg.options.drafter_layers,
+            "block_size": cfg.options.block_size,
+        }
+
     def config_dict(self, model: DFlashDrafter) -> dict:
         return model.config.to_dict()
 
     def from_config(self, cdict: dict) -> DFlashDrafter:
-        return DFlashDrafter(DFlashConfig(**cdict))
+        return self.model_class(self.config_class(**cdict))
 
     def describe(self, cfg) -> str:
         window = f", attention window {cfg.attention_window}" if cfg.attention_window else ""
-        return f"DFlash, blocks of {cfg.block_size}, {cfg.drafter_layers} layer(s){window}"
+        o = cfg.options
+        return f"DFlash, blocks of {o.block_size}, {o.drafter_layers} layer(s){window}"
 
     def positions(self, cfg) -> int:
-        return cfg.block_size - 1
+        return cfg.options.block_size - self.first_slot
 
     def prepare_batch(self, model: DFlashDrafter, batch: dict, lm_head, cfg=None) -> None:
         add_targets(batch, model, lm_head)
-        stride = getattr(cfg, "anchor_stride", 1)
+        stride = cfg.options.anchor_stride if cfg is not None else 1
         key = batch.get("_key")
         phase = int(key) % stride if key is not None else 0
         batch["anchors"] = choose_anchors(batch["loss_mask"], batch["valid"], stride, phase)
 
     def _masks(self, batch: dict, S: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per block position j = 1..S-1: (position a+j-1 of the target's distribution,
-        scored, loss mask), each (B, N)."""
+        """Per predicting block slot (the n-th predicting the token at a+n, n = 1, 2, ...):
+        (position a+n-1 of the target's distribution, scored, loss mask), each (B, N)."""
         a = batch["anchors"]
         T = batch["input_ids"].shape[1]
         m = batch["valid"] & batch["loss_mask"]
         seg = batch.get("segments")  # packed rows: a block never predicts the next sample
         out = []
-        for j in range(1, S):
-            at = (a + j).clamp(max=T - 1)
-            scored = (a >= 0) & (a + j < T) & m.gather(1, at)
+        for n in range(1, S - self.first_slot + 1):
+            at = (a + n).clamp(max=T - 1)
+            scored = (a >= 0) & (a + n < T) & m.gather(1, at)
             if seg is not None:
                 scored = scored & (seg.gather(1, at) == seg.gather(1, a.clamp(min=0)))
-            src = (a + j - 1).clamp(min=0, max=T - 1)
+            src = (a + n - 1).clamp(min=0, max=T - 1)
             out.append((src, scored, scored & batch["in_vocab"].gather(1, src)))
         return out
 
     def counts(self, batch: dict, cfg) -> list[float]:
         ids = self._sample_ids(batch, cfg)
-        return [counted(lm, ids) for _, _, lm in self._masks(batch, cfg.block_size)]
+        return [counted(lm, ids) for _, _, lm in self._masks(batch, cfg.options.block_size)]
 
     def _sample_ids(self, batch: dict, cfg) -> torch.Tensor | None:
         """The sample of each block's anchor (B, N), where the loss is averaged per sample."""
@@ -147,30 +154,36 @@ class DFlash:
             return None
         return sample_ids(batch).gather(1, batch["anchors"].clamp(min=0))
 
+    def outputs(self, model: DFlashDrafter, batch: dict) -> dict:
+        """The training forward's outputs: logits (B, N, S, D) of every block slot."""
+        args = (batch["input_ids"], batch["aux"], batch["anchors"])
+        return {
+            "logits": model.forward_blocks(*args, batch.get("segments"), batch.get("positions"))
+        }
+
+    def slot_loss(self, out: dict, slot: int, logq, logp, lmask, chain: Chain, i: int, cfg):
+        """The loss (B, N) of block slot `slot`, the i-th predicting one, from the drafter's
+        and the target's log-probabilities (B, N, D)."""
+        if cfg.loss == "opd":
+            return on_policy(logq, logp, chain.all_right, chain.since(i))
+        return divergence(logq, logp, cfg.loss, lmask)
+
     def loss(self, model: DFlashDrafter, batch: dict, cfg, norm):
         S = model.config.block_size
-        logits = model.forward_blocks(
-            batch["input_ids"],
-            batch["aux"],
-            batch["anchors"],
-            batch.get("segments"),
-            batch.get("positions"),
-        )  # (B, N, S, D)
-        w = block_weights(S, cfg.block_decay)
+        out = self.outputs(model, batch)
+        w = block_weights(S - self.first_slot + 1, cfg.options.block_decay)
         dids = model.draft_ids
         ids = self._sample_ids(batch, cfg)
         chain = Chain(batch["anchors"], ids)
-        for j, (src, scored, lmask) in enumerate(self._masks(batch, S), start=1):
-            lj = logits[:, :, j].float()  # (B, N, D)
+        for i, (src, scored, lmask) in enumerate(self._masks(batch, S)):
+            slot = self.first_slot + i
+            lj = out["logits"][:, :, slot].float()  # (B, N, D)
             tgt = batch["tgt_logits"].gather(1, src[..., None].expand(-1, -1, lj.shape[-1])).float()
             logq, logp = F.log_softmax(lj, -1), F.log_softmax(tgt, -1)  # (B, N, D)
             right = dids[lj.argmax(-1)] == batch["tgt_top"].gather(1, src)
-            if cfg.loss == "opd":
-                per = on_policy(logq, logp, chain.all_right, chain.since(j - 1))  # (B, N)
-            else:
-                per = divergence(logq, logp, cfg.loss, lmask)  # (B, N)
-            n = norm[j - 1] if norm is not None else counted(lmask, ids)
-            chain.add(j - 1, per, lmask, scored, right, float(w[j - 1]), n)
+            per = self.slot_loss(out, slot, logq, logp, lmask, chain, i, cfg)  # (B, N)
+            n = norm[i] if norm is not None else counted(lmask, ids)
+            chain.add(i, per, lmask, scored, right, float(w[i]), n)
         return chain.result()
 
     # ---------------------------------------------------------------- export
@@ -264,8 +277,9 @@ class DFlash:
 
     def trained_drafts(self, model: DFlashDrafter, input_ids, states, at: int, k: int) -> list[int]:
         # the block anchored at `at`: x_at, then MASKs at at+1 .. at+S-1
-        logits = model.forward_blocks(input_ids, states, torch.tensor([[at]]))[0, 0, 1 : k + 1]
-        return model.draft_ids[logits.argmax(-1)].tolist()
+        first = self.first_slot
+        logits = model.forward_blocks(input_ids, states, torch.tensor([[at]]))[0, 0]
+        return model.draft_ids[logits[first : first + k].argmax(-1)].tolist()
 
 
 class BlockProposer:
@@ -284,10 +298,10 @@ class BlockProposer:
         self.kv, self.n = self._kv(states, 0), states.shape[1]
 
     def propose(self, next_token: int, k: int) -> list[int]:
-        if k > self.m.config.block_size - 1:
-            raise ValueError(
-                f"a DFlash block of {self.m.config.block_size} drafts {self.m.config.block_size - 1} "
-                f"tokens a round, not {k}: give --draft-tokens {self.m.config.block_size - 1} or fewer"
+        if k > (most := self.m.drafts_per_block()):
+            raise UsageError(
+                f"a block of {self.m.config.block_size} drafts {most} tokens a round, not {k}: "
+                f"give --draft-tokens {most} or fewer"
             )
         return self.m.draft_block(self.kv, self.n, next_token)[:k]
 

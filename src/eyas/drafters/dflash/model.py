@@ -178,12 +178,17 @@ class DFlashDrafter(nn.Module):
         """Per layer, the context's keys and values (B, kv, T, d) at positions pos (B, T)."""
         return [layer.self_attn.keys(ctx, pos) for layer in self.layers]
 
-    def blocks(self, ids: torch.Tensor, pos: torch.Tensor, kv, mask) -> torch.Tensor:
-        """Block tokens ids (B, Q) at pos (B, Q) over the context's `kv` -> logits (B, Q, D)."""
+    def block_states(self, ids: torch.Tensor, pos: torch.Tensor, kv, mask) -> torch.Tensor:
+        """Block tokens ids (B, Q) at pos (B, Q) over the context's `kv` -> the final normed
+        states (B, Q, H) the head reads."""
         h = self.embed_tokens(ids)  # (B, Q, H)
         for layer, (k, v) in zip(self.layers, kv, strict=True):
             h = layer(h, pos, k, v, mask)
-        return self.lm_head(self.norm(h))
+        return self.norm(h)
+
+    def blocks(self, ids: torch.Tensor, pos: torch.Tensor, kv, mask) -> torch.Tensor:
+        """Block tokens ids (B, Q) at pos (B, Q) over the context's `kv` -> logits (B, Q, D)."""
+        return self.lm_head(self.block_states(ids, pos, kv, mask))
 
     # -------------------------------------------------------------- training
 
@@ -200,6 +205,20 @@ class DFlashDrafter(nn.Module):
         context of the positions before its anchor and its whole self. In packed rows
         (`segments`, `positions`: each position's sample and its position in it) a block sees
         its own sample's context alone, at that sample's positions."""
+        B, N, S = *anchors.shape, self.config.block_size
+        inputs = self.training_blocks(input_ids, states, anchors, segments, positions)
+        return self.blocks(*inputs).view(B, N, S, -1)
+
+    def training_blocks(
+        self,
+        input_ids: torch.Tensor,
+        states: torch.Tensor,
+        anchors: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple:
+        """`forward_blocks`' blocks as `blocks` takes them: ids and positions (B, N*S), the
+        context's keys/values per layer, and the mask (B, 1, N*S, T + N*S)."""
         B, T = input_ids.shape
         N, S = anchors.shape[1], self.config.block_size
         dev = input_ids.device
@@ -224,14 +243,24 @@ class DFlashDrafter(nn.Module):
             :, :, None
         ]  # padded blocks see themselves only
         mask = torch.cat([sees_ctx & live, sees_blk], -1)[:, None]  # (B, 1, N*S, T + N*S)
-        return self.blocks(ids.view(B, N * S), pos, kv, mask).view(B, N, S, -1)
+        return ids.view(B, N * S), pos, kv, mask
 
     # -------------------------------------------------------------- inference
+
+    def drafts_per_block(self) -> int:
+        """Tokens one block drafts: its masked positions."""
+        return self.config.block_size - 1
 
     @torch.no_grad()
     def draft_block(self, kv, n_ctx: int, first_token: int) -> list[int]:
         """The S-1 tokens drafted after `first_token` at position n_ctx, over the cached
         context keys/values `kv` of positions 0..n_ctx-1 (a list per layer)."""
+        logits = self.blocks(*self.inference_block(kv, n_ctx, first_token))[0, 1:]  # (S-1, D)
+        return self.draft_ids[logits.argmax(-1)].tolist()
+
+    def inference_block(self, kv, n_ctx: int, first_token: int) -> tuple:
+        """The block [first_token, MASK...] at position n_ctx over the cached context `kv`, as
+        `blocks` takes it (a batch of one)."""
         S, dev = self.config.block_size, self.fc.weight.device
         ids = torch.full((1, S), self.config.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0] = first_token
@@ -243,8 +272,7 @@ class DFlashDrafter(nn.Module):
             ctx_pos = torch.arange(n_ctx - keep, n_ctx, device=dev)
             sees_ctx = ctx_pos[None, :] > pos[0, :, None] - w  # (S, keep)
         mask = torch.cat([sees_ctx, torch.ones(S, S, dtype=torch.bool, device=dev)], -1)
-        logits = self.blocks(ids, pos, kv, mask[None, None])[0, 1:]  # (S-1, D)
-        return self.draft_ids[logits.argmax(-1)].tolist()
+        return ids, pos, kv, mask[None, None]
 
 
 def block_weights(size: int, gamma: float) -> torch.Tensor:

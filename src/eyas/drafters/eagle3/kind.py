@@ -9,14 +9,13 @@ import torch
 from eyas.drafters import decoder_fields
 from eyas.drafters.blocks import load_weights
 from eyas.drafters.eagle3.model import Drafter, DrafterConfig
+from eyas.drafters.eagle3.options import SGLANG_LACKS
 from eyas.drafters.loss import add_targets, counted, loss_masks, sample_ids, ttt_loss
+from eyas.errors import UsageError
 from eyas.targets.weights import embed_weight, final_norm_weight, layer_weights, lm_head_weight
 
 _ARCHS = {"vllm": "Eagle3Speculator", "sglang": "LlamaForCausalLMEagle3"}
 _LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
-# SGLang's EAGLE-3 model has none of these: its residual and next-step input are the raw
-# states, and nothing norms the target states before fc.
-_SGLANG_LACKS = ("norm_before_fc", "norm_before_residual", "norm_output")
 # Fields of a speculators config that change the network, and the values eyas's drafter runs.
 _ARCH_FIELDS = {"fc_norm": (False, None), "norm_before_fc": (False, True, None),
                 "norm_before_residual": (False, True, None), "norm_output": (False, True, None)}  # fmt: skip
@@ -26,7 +25,8 @@ class Eagle3:
     name = "eagle3"
     export_formats = ("vllm", "sglang")
     position_name = "TTT step"  # what the metrics' positions are called
-    own_options = frozenset({"align_topk", "layer_init"})
+    # `eyas demo`'s recipe: 5 TTT steps, the target's head trained on (docs/recipe.md)
+    demo_options = {"ttt_steps": 5, "head_init": "target"}
 
     vllm_method, sglang_algorithm = "eagle3", "EAGLE3"
 
@@ -48,20 +48,18 @@ class Eagle3:
 
     # ---------------------------------------------------------------- training
 
-    def recipe_defaults(self, serve_with: str) -> dict:
-        # Every position scored led on both networks (vLLM's with its three norms at 300 and
-        # 1,000 conversations and at long context; SGLang's at 300, two seeds); the target's
-        # head, frozen, led on vLLM's network and lost on SGLang's.
-        head = "random" if serve_with == "sglang" else "target-frozen"
-        return {"head_init": head, "loss_positions": "all"}
-
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         """Drafter sized from the target, with its frozen embeddings; the target's lm_head
         too (None when the run stores the target's top-K: the loss needs no head then)."""
-        from eyas.targets.target import text_config
+        from eyas.targets.target import resolve_device, text_config
 
+        o = cfg.options
+        if o.attention == "flex" and not resolve_device(cfg.device).startswith("cuda"):
+            raise UsageError(
+                "--attention flex trains on a GPU only (no backward pass on a CPU); use chunked"
+            )
         over = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
-        norms = {k: getattr(cfg, k) for k in _SGLANG_LACKS}
+        norms = {k: getattr(o, k) for k in SGLANG_LACKS}
         dcfg = DrafterConfig.from_target(
             text_config(model_dir),
             len(draft_ids),
@@ -72,10 +70,11 @@ class Eagle3:
         )
         torch.manual_seed(cfg.seed)
         drafter = Drafter(dcfg)
+        drafter.attention = o.attention
         drafter.embed_tokens.weight.data.copy_(embed_weight(model_dir).float())
         drafter.set_draft_vocab(draft_ids)
         topk = "topk" in str(meta.get("layout", ""))
-        from_target = cfg.head_init.startswith("target")
+        from_target = o.head_init.startswith("target")
         head = lm_head_weight(model_dir).float() if from_target or not topk else None
         if from_target:
             # The drafter's last state stands in for the target's pre-norm state, so the
@@ -85,8 +84,8 @@ class Eagle3:
                 # With norm_output the normed state is the next step's input too, so the
                 # norm starts at one, as every other norm of the drafter does.
                 drafter.norm.weight.data.copy_(final_norm_weight(model_dir).float())  # (H,)
-            drafter.lm_head.weight.requires_grad_(cfg.head_init != "target-frozen")
-        if cfg.layer_init == "target":
+            drafter.lm_head.weight.requires_grad_(o.head_init != "target-frozen")
+        if o.layer_init == "target":
             start_from_target_layer(
                 drafter, model_dir, text_config(model_dir).num_hidden_layers - 1
             )
@@ -100,11 +99,11 @@ class Eagle3:
 
     def describe(self, cfg) -> str:
         window = f", attention window {cfg.attention_window}" if cfg.attention_window else ""
-        return f"EAGLE-3, {cfg.ttt_steps} TTT steps{window}"
+        return f"EAGLE-3, {cfg.options.ttt_steps} TTT steps{window}"
 
     def positions(self, cfg) -> int:
         """Predictions per root that the loss and the metrics count: the TTT steps."""
-        return cfg.ttt_steps
+        return cfg.options.ttt_steps
 
     def prepare_batch(self, model: Drafter, batch: dict, lm_head, cfg=None) -> None:
         """The target's view (soft labels, argmax) added before the loss and its counts."""
@@ -112,25 +111,25 @@ class Eagle3:
 
     def counts(self, batch: dict, cfg) -> list[float]:
         ids = sample_ids(batch) if cfg.loss_average == "sequence" else None
-        return [counted(lm, ids) for _, lm in loss_masks(batch, cfg.ttt_steps)]
+        return [counted(lm, ids) for _, lm in loss_masks(batch, cfg.options.ttt_steps)]
 
     def loss(self, model: Drafter, batch: dict, cfg, norm):
         return ttt_loss(
             model,
             batch,
-            cfg.ttt_steps,
-            cfg.step_decay,
+            cfg.options.ttt_steps,
+            cfg.options.step_decay,
             norm,
             cfg.loss,
             cfg.loss_average,
-            cfg.align_topk,
+            cfg.options.align_topk,
         )
 
     # ---------------------------------------------------------------- export
 
     def export(self, fmt: str, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int):
         c = DrafterConfig(**cdict)
-        if fmt == "sglang" and (on := [n for n in _SGLANG_LACKS if getattr(c, n)]):
+        if fmt == "sglang" and (on := [n for n in SGLANG_LACKS if getattr(c, n)]):
             raise ValueError(
                 f"the drafter was trained with {', '.join(on)}, which SGLang's EAGLE-3 model does "
                 "not have: it would run another network than the one trained. Export --format vllm, "

@@ -183,7 +183,8 @@ class Drafter(nn.Module):
         self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
-        self.attention = "reference"  # TTT attention: reference | chunked | flex (ttt_attention)
+        # TTT attention: reference | chunked | flex (ttt_attention); auto: flex on a GPU, else chunked
+        self.attention = "reference"
 
     def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
         """draft_ids ascending (D,): d2t[i] = draft_ids[i] - i; t2d marks draft ids in V."""
@@ -232,7 +233,8 @@ class Drafter(nn.Module):
             else torch.arange(T, device=input_ids.device).expand(B, T)
         )
         causal, window = None, self.config.attention_window
-        if self.attention == "reference":
+        attention = self._attention(input_ids.device)
+        if attention == "reference":
             causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()  # (T, T)
             if window is not None:
                 causal = causal.triu(-(window - 1))  # keys of the W latest roots only
@@ -254,16 +256,22 @@ class Drafter(nn.Module):
             else:
                 chain_k.append(k)
                 chain_v.append(v)
-            if self.attention == "reference":
+            if attention == "reference":
                 a = attn.attend(q, prefix_k, prefix_v, chain_k, chain_v, causal)
             else:
-                impl = getattr(ttt_attention, self.attention)
+                impl = getattr(ttt_attention, attention)
                 a = attn.project(
                     impl(q, prefix_k, prefix_v, chain_k, chain_v, segments=segments, window=window)
                 )  # never (T, T) at once
             logits, hidden = self.head(layer.finish(a, residual))  # (B, T, D), (B, T, H)
             out.append((logits, hidden))
         return out
+
+    def _attention(self, device: torch.device) -> str:
+        """The TTT attention implementation that runs on `device` (auto: flex on a GPU)."""
+        if self.attention == "auto":
+            return "flex" if device.type == "cuda" else "chunked"
+        return self.attention
 
     # -------------------------------------------------------------- inference
 
