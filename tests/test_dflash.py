@@ -8,7 +8,7 @@ import json
 import torch
 from conftest import eyas
 
-from eyas.drafters.dflash.model import DFlashConfig, DFlashDrafter, choose_anchors
+from eyas.drafters.block_drafter import DFlashConfig, DFlashDrafter, choose_anchors
 
 
 def _model(seed=0, layers=2, S=4, window=None) -> DFlashDrafter:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import eyas, mounted_tmpfs
 
+from eyas.drafters import KINDS
 from eyas.run.journal import ledger, read_journal
 from eyas.run.store import bytes_on_disk
 from eyas.training.train_data import split_samples
@@ -373,7 +374,7 @@ def test_two_extractor_ranks_under_one_budget(targets, llama_dataset, tmp_path):
     assert v["clean"], v
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_follow_without_a_budget_under_torchrun(targets, llama_dataset, tmp_path, kind):
     """No --max-store, two ranks: epoch 1 follows the extraction (rank 0 decides every window
     and sends it to rank 1, and both wait together), epoch 2 reads the full store; nothing is

@@ -17,6 +17,7 @@ from conftest import eyas
 from safetensors.torch import load_file
 
 from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.drafters import KINDS
 from eyas.errors import UsageError
 from eyas.stages.export import load_export
 from eyas.stages.extract import ExtractConfig, extract
@@ -169,7 +170,7 @@ def test_progress_lines_show_values_once(demo_run, tmp_path):
     assert "loss0" in lines[0] and len(lines) == len(set(lines))  # the last line is not repeated
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_data_parallel_matches_single_process(demo_run, tmp_path, kind):
     single, multi = tmp_path / "single", tmp_path / "ddp"
     args = ["--epochs", "1", "--kind", kind]
@@ -718,7 +719,7 @@ def test_layer_init_target_starts_the_decoder_layer_as_the_targets_last(demo_run
         base.replace(kind="dflash", layer_init="target")
 
 
-@pytest.mark.parametrize("name", ["eagle3", "dflash"])
+@pytest.mark.parametrize("name", sorted(KINDS))
 def test_loss_averaged_per_sample_weighs_every_sample_the_same(name, demo_run, tmp_path):
     """Per drafter kind: packed rows give the loss padded rows give; and with --loss-average
     sequence the loss of a batch is the mean of its samples' own losses (each alone in a
@@ -780,7 +781,7 @@ def test_the_default_recipe_follows_the_kind_and_the_engine():
     assert pick(serve_with="sglang", loss_positions="assistant") == ("random", "assistant")
 
 
-@pytest.mark.parametrize("name", ["eagle3", "dflash"])
+@pytest.mark.parametrize("name", sorted(KINDS))
 def test_loss_positions_all_scores_every_position_in_training_only(name, demo_run, tmp_path):
     """--loss-positions all: a training micro-batch scores the system's and user's positions
     too (more positions counted at every TTT step or block position than the assistant's

@@ -40,7 +40,11 @@ __all__ = [
 DEFAULT = "eagle3"
 # name -> the kind's package (its `kind` module defines `KIND`, its `options` module
 # `Options`), imported on first use.
-KINDS = {"eagle3": "eyas.drafters.eagle3", "dflash": "eyas.drafters.dflash"}
+KINDS = {
+    "eagle3": "eyas.drafters.eagle3",
+    "dflash": "eyas.drafters.dflash",
+    "dspark": "eyas.drafters.dspark",
+}
 
 
 class Proposer(Protocol):

@@ -364,7 +364,7 @@ class DemoConfig:
     ttt_steps: int | None = None
     """TTT steps of the demo's EAGLE-3 drafter; default: the kind's demo recipe (5)."""
     kind: str = "eagle3"
-    """The drafter kind (eagle3 or dflash)."""
+    """The drafter kind (eagle3, dflash or dspark)."""
     eval_prompts: int = 1000
     """Held-out conversations the drafter is evaluated on."""
 

@@ -47,9 +47,10 @@ class TrainConfig:
     """Target model directory for lm_head/embeddings; default: the run's recorded model."""
     kind: str = "eagle3"
     """The drafter kind: eagle3 (a chain drafter: one decoder layer over the target layers,
-    unrolled over TTT steps) or dflash (a block drafter: a few layers that propose
-    --block-size - 1 tokens in one pass). Each kind has options of its own, refused on
-    another."""
+    unrolled over TTT steps), dflash (a block drafter: a few layers that propose
+    --block-size - 1 tokens in one pass) or dspark (DFlash's blocks, every slot drafting,
+    with a Markov head over the token before each slot and a confidence head). Each kind has
+    options of its own, refused on another."""
     options: Any = None
     """The kind's own options: its `Options` dataclass, or a dict of its fields; None: its
     defaults."""

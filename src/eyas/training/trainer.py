@@ -255,13 +255,19 @@ def build_optimizer(drafter: torch.nn.Module, cfg) -> torch.optim.Optimizer | Op
     """AdamW over every trainable parameter, or with `--optimizer muon` Muon over the 2-D
     matrices of `fc` and the decoder layer (momentum 0.95, weight decay 0.1, its update
     scaled to the RMS of AdamW's so one learning rate serves both; `--muon-lr-scale` times
-    it) and AdamW over the rest: norms and the head, whose rows are per-token vectors, not a
-    map Muon should orthogonalise."""
+    it) and AdamW over the rest: norms, the head and any embedding table, whose rows are
+    per-token vectors, not a map Muon should orthogonalise."""
     adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW([p for _, p in named], **adamw)
-    matrices = [p for n, p in named if p.ndim == 2 and min(p.shape) > 1 and "lm_head" not in n]
+    # A linear map's weight; not a table of per-token rows (an embedding, the head).
+    maps = {
+        id(m.weight)
+        for n, m in drafter.named_modules()
+        if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")
+    }
+    matrices = [p for _, p in named if id(p) in maps and min(p.shape) > 1]
     rest = [p for n, p in named if not any(p is q for q in matrices)]
     muon = Muon(
         [{"params": matrices, "lr_scale": cfg.muon_lr_scale}],

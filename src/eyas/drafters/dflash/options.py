@@ -1,38 +1,14 @@
-"""DFlash's own `train` options: the block, the drafter's depth, the block's loss decay and
-where blocks start. Imports nothing heavy, so the command line can offer them without loading
-torch. `TrainConfig.options` holds one of these when `--kind dflash`; another kind refuses
-them (a kind built on DFlash's blocks extends this class)."""
+"""DFlash's own `train` options: the block drafter's (`drafters.block_options`), nothing
+more. `TrainConfig.options` holds one of these when `--kind dflash`; another kind refuses
+them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
-from eyas.errors import UsageError
+from eyas.drafters.block_options import BlockOptions
 
 
 @dataclass(frozen=True, kw_only=True)
-class Options:
-    block_size: int = 4
-    """The block's length S (the last verified token and S-1 drafts)."""
-    drafter_layers: int = 2
-    """Decoder layers of the drafter."""
-    block_decay: float = 4.0
-    """Loss weight of block position j is exp(-(j-1)/block_decay)."""
-    anchor_stride: int = 1
-    """A training block starts at every this many positions of a trainable span (1: at each;
-    --block-size: each position is predicted once per step, at one block position)."""
-
-    may_change: ClassVar[frozenset[str]] = frozenset()
-    before: ClassVar[dict] = {"block_size": 4, "drafter_layers": 2, "block_decay": 4.0,
-                              "anchor_stride": 1}  # fmt: skip
-
-    def __post_init__(self) -> None:
-        if self.block_size < 2:
-            raise UsageError(f"--block-size must be at least 2, got {self.block_size}")
-        if self.drafter_layers < 1:
-            raise UsageError(f"--drafter-layers must be at least 1, got {self.drafter_layers}")
-        if self.block_decay <= 0:
-            raise UsageError(f"--block-decay must be positive, got {self.block_decay}")
-        if self.anchor_stride < 1:
-            raise UsageError(f"--anchor-stride must be at least 1, got {self.anchor_stride}")
+class Options(BlockOptions):
+    pass

@@ -1,5 +1,6 @@
-"""The DFlash drafter, top to bottom: config, blocks, the model, training over many blocks
-at once, and drafting a block at inference.
+"""The block drafter, top to bottom: config, blocks, the model, training over many blocks
+at once, and drafting a block at inference. DFlash is this network; DSpark adds its heads to
+it (`drafters.dspark.model`).
 
 Shapes: B batch, T tokens, H hidden size, L target layers read, N blocks (anchors) per row,
 S block size, D draft vocabulary, V target vocabulary.

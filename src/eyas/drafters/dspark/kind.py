@@ -1,0 +1,174 @@
+"""DSpark, the block drafter with a Markov head and a confidence head: the block drafter's
+kind (`drafters.block_kind`) with every block slot drafting, its heads in the loss, and the
+speculators format vLLM loads (`method: dspark`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eyas.drafters import decoder_fields
+from eyas.drafters.block_kind import BlockKind
+from eyas.drafters.blocks import load_weights
+from eyas.drafters.dspark.model import DSparkConfig, DSparkDrafter
+from eyas.errors import UsageError
+
+ARCH = "DSparkSpeculator"
+# Fields of a speculators DSpark config and the values eyas's drafter runs.
+_RUNS = {"sample_from_anchor": (True,), "sliding_window_non_causal": (False, None),
+         "markov_head_type": ("vanilla", "gated")}  # fmt: skip
+
+
+class DSpark(BlockKind):
+    name = "dspark"
+    export_formats = ("vllm",)
+    vllm_method, sglang_algorithm = "dspark", "DSPARK"
+    config_class, model_class = DSparkConfig, DSparkDrafter
+    first_slot = 0  # the anchor's slot drafts too: slot j predicts the token at anchor + j + 1
+
+    def own_config(self, cfg, target_config, draft_vocab: int) -> dict:
+        o = cfg.options
+        return {
+            **super().own_config(cfg, target_config, draft_vocab),
+            "markov_rank": o.markov_rank,
+            "markov_head": o.markov_head,
+            "confidence_head": o.confidence_weight > 0,
+        }
+
+    def describe(self, cfg) -> str:
+        o = cfg.options
+        heads = (
+            f"Markov head rank {o.markov_rank} ({o.markov_head})"
+            if o.markov_rank
+            else "no Markov head"
+        )
+        conf = f", confidence head x{o.confidence_weight:g}" if o.confidence_weight else ""
+        window = f", attention window {cfg.attention_window}" if cfg.attention_window else ""
+        return (
+            f"DSpark, blocks of {o.block_size}, {o.drafter_layers} layer(s), {heads}{conf}{window}"
+        )
+
+    def drafts_per_round(self, export_config: dict, tokens: int) -> int:
+        return int(export_config.get("block_size", tokens))  # every slot drafts
+
+    def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
+        return []
+
+    def outputs(self, model: DSparkDrafter, batch: dict) -> dict:
+        args = (batch["input_ids"], batch["aux"], batch["anchors"])
+        logits, conf = model.forward_heads(*args, batch.get("segments"), batch.get("positions"))
+        return {"logits": logits, "confidence": conf}
+
+    def slot_loss(self, out: dict, slot: int, logq, logp, lmask, chain, i: int, cfg):
+        """The block loss of the slot, plus the confidence head's: the binary cross-entropy
+        of its logit against the slot's acceptance, 1 - TV = sum(min(p, q)), not
+        differentiated."""
+        loss = super().slot_loss(out, slot, logq, logp, lmask, chain, i, cfg)
+        if out["confidence"] is None or not cfg.options.confidence_weight:
+            return loss
+        accept = torch.minimum(logp.exp(), logq.exp()).sum(-1).detach().clamp(0, 1)  # (B, N)
+        conf = out["confidence"][:, :, slot].float()
+        bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
+        return loss + cfg.options.confidence_weight * bce
+
+    # ---------------------------------------------------------------- export
+
+    def export(self, fmt: str, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int):
+        from eyas import __version__
+        from eyas.targets.layers import hf_indices
+
+        c = DSparkConfig(**cdict)
+        if c.attention_window:
+            raise UsageError(
+                f"the drafter was trained with --attention-window {c.attention_window}; eyas "
+                "writes DSpark's speculators format with full attention only: train without it"
+            )
+        tensors = {}
+        for name, t in state.items():
+            if name in ("d2t", "t2d") and c.draft_vocab_size == c.vocab_size:
+                continue  # no map for the whole vocabulary
+            t = t.to(dtype) if t.is_floating_point() else t
+            tensors[name] = (
+                t.bool() if name == "t2d" else t.long() if name == "d2t" else t
+            ).contiguous()
+        dtype_name = str(dtype).removeprefix("torch.")
+        config = {
+            "architectures": [ARCH],
+            "speculators_model_type": "dspark",
+            "speculators_version": "0.1.0",
+            "transformer_layer_config": {**decoder_fields(c, "qwen3", c.num_hidden_layers),
+                                         "torch_dtype": dtype_name},
+            "draft_vocab_size": c.draft_vocab_size,
+            "block_size": c.block_size,
+            "target_hidden_size": c.hidden_size,
+            "aux_hidden_state_layer_ids": hf_indices(info["aux_layers"]),
+            "mask_token_id": c.mask_token_id,
+            "sliding_window_non_causal": False,
+            # Written whatever a loader's default: served without it, a DSpark export has
+            # drafted at about 1% acceptance (the slots shift by one).
+            "sample_from_anchor": True,
+            "markov_rank": c.markov_rank,
+            "markov_head_type": c.markov_head,
+            "enable_confidence_head": c.confidence_head,
+            "confidence_head_with_markov": c.confidence_head and c.markov_rank > 0,
+            "speculators_config": {
+                "algorithm": "dspark",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size}],
+                "verifier": {"name_or_path": target["path"], "architectures": target["architectures"]},
+            },
+            "torch_dtype": dtype_name,
+            "eyas_version": __version__,
+        }  # fmt: skip
+        return tensors, config
+
+    def reads_export(self, cfg: dict) -> bool:
+        return (cfg.get("architectures") or [None])[0] == ARCH or cfg.get(
+            "speculators_model_type"
+        ) == "dspark"
+
+    def load_export(self, cfg: dict, raw: dict, cfg_file) -> tuple[DSparkDrafter, list[int]]:
+        for key, runs in _RUNS.items():
+            if cfg.get(key, runs[0]) not in runs:
+                raise UsageError(
+                    f"{cfg_file}: {key} = {cfg.get(key)!r}; eyas's DSpark drafter runs "
+                    f"{' or '.join(map(str, runs))}, so it cannot evaluate this export"
+                )
+        layer = cfg["transformer_layer_config"]
+        if [t for t in layer.get("layer_types") or [] if t != "full_attention"]:
+            raise UsageError(
+                f"{cfg_file}: layer_types {layer['layer_types']}: sliding-window layers, which "
+                "eyas's DSpark drafter does not have"
+            )
+        ids = list(cfg["aux_hidden_state_layer_ids"])  # HF `hidden_states` indices
+        rope = layer.get("rope_theta") or (layer.get("rope_parameters") or {}).get("rope_theta")
+        c = DSparkConfig(
+            hidden_size=layer["hidden_size"],
+            intermediate_size=layer["intermediate_size"],
+            num_hidden_layers=layer["num_hidden_layers"],
+            num_attention_heads=layer["num_attention_heads"],
+            num_key_value_heads=layer["num_key_value_heads"],
+            head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+            vocab_size=layer["vocab_size"],
+            draft_vocab_size=cfg.get("draft_vocab_size") or layer["vocab_size"],
+            target_layers=len(ids),
+            block_size=cfg["block_size"],
+            mask_token_id=cfg["mask_token_id"],
+            rms_norm_eps=layer["rms_norm_eps"],
+            rope_theta=float(rope or 10000.0),
+            max_position_embeddings=layer["max_position_embeddings"],
+            hidden_act=layer.get("hidden_act", "silu"),
+            markov_rank=cfg.get("markov_rank", 256),
+            markov_head=cfg.get("markov_head_type", "vanilla"),
+            confidence_head=cfg.get("enable_confidence_head", True),
+        )
+        model = DSparkDrafter(c)
+        state = {n: v.float() if v.is_floating_point() else v for n, v in raw.items()}
+        if c.draft_vocab_size == c.vocab_size and "d2t" not in state:
+            state["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
+            state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
+        load_weights(model, state, f"{cfg_file.parent}/model.safetensors")
+        return model.eval(), ids
+
+
+KIND = DSpark()
