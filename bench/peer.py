@@ -9,8 +9,9 @@ are prepared (`--max-length 448`, draft vocabulary 8,192) and extracted once (or
 gives an extraction); then, for every seed, EAGLE-3 drafters are trained on it and judged
 together:
 
-- **eyas**: `eyas train --ttt-steps 3 --epochs 3 --seed S` with what eyas chooses, and any
-  other configuration given by `--eyas NAME=OPTIONS`.
+- **eyas**: `eyas train --epochs 3 --seed S` with what eyas chooses (an EAGLE-3 drafter of 3
+  TTT steps), and any other configuration given by `--eyas NAME=OPTIONS` (another kind's with
+  `--kind`).
 - **the peer**: speculators 0.9's own `Eagle3DraftModel` as its CLI builds it (Muon with
   AdamW, `norm_before_fc`, `norm_before_residual`, `norm_output`, the target's head frozen),
   its KL loss, TTT alignment, packed collation, step decay 1.0 and grad clip 1.0, in a
@@ -398,7 +399,7 @@ def run_jobs(jobs: list[Job], at_once: int) -> None:
 
 def eyas_job(run: Path, out: Path, options: str, seed: int) -> Job:
     cmd = [sys.executable, "-m", "eyas.cli", "train", "--data", str(run), "--out", str(out),
-           "--ttt-steps", "3", "--epochs", "3", "--seed", str(seed), *shlex.split(options)]  # fmt: skip
+           "--epochs", "3", "--seed", str(seed), *shlex.split(options)]  # fmt: skip
     if (out / "train.json").is_file():
         cmd.append("--resume")
     # A fine-tune (--init-from a training of this comparison) starts once that one has ended.
