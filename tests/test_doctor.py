@@ -194,3 +194,28 @@ def test_doctor_moved_model_and_missing_run(tmp_path, targets, llama_dataset):
     p = eyas("doctor", run, tmp_path / "no-such-run", env=smi_env("idle"))
     assert p.returncode == 1
     assert f"put the target model back at {model}" in p.stdout and "no such directory" in p.stdout
+
+
+def test_a_pid_from_another_namespace_is_never_planned_to_be_killed(use_smi, tmp_path):
+    """Inside a container the driver reports host PIDs. A PID missing here, one that is
+    another process here (its command is not what the driver names), and PID 1 are said to
+    live elsewhere, to be stopped where they run: no kill, no unit or container read from
+    the wrong process; one step per process however many GPUs it holds."""
+    use_smi("other_namespace")
+    procs = {p.pid: p for g in query_gpus().gpus for p in g.processes}
+    assert set(procs) == {3177, 4242, 1}
+    assert not any(p.here or p.stop_command() or p.unit or p.container for p in procs.values())
+    assert "PID 3177 here is python3 -m sglang" in procs[3177].owner()
+    assert "no PID 4242 here" in procs[4242].owner()
+    use_smi("busy_systemd")  # the same driver names matching this machine's processes
+    assert all(p.here for g in query_gpus().gpus for p in g.processes)
+    r = eyas("doctor", "--json", env=smi_env("other_namespace"))
+    plan = json.loads(r.stdout)["plan"]
+    assert r.returncode == 1 and len(plan) == 3, plan
+    assert not any(s["command"] for s in plan), plan
+    texts = " | ".join(s["text"] for s in plan)
+    for said in ("PID 3177 (VLLM::EngineCore)", "on GPU 0-3", "PID 4242", "on GPU 4, 5",
+                 "PID 1 (python3)", "another PID namespace or container"):  # fmt: skip
+        assert said in texts, texts
+    r = eyas("doctor", env=smi_env("other_namespace"))
+    assert "$ kill" not in r.stdout, r.stdout

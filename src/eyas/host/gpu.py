@@ -4,6 +4,12 @@ Reads NVML (nvidia-ml-py) where it works, else the CSV of `nvidia-smi --query-gp
 `--query-compute-apps`. With no driver or no GPU it says so and returns nothing; callers
 carry on. The owner of a process comes from `/proc/PID/cgroup` (cgroup v1 or v2), so that
 the report can print the exact command that stops it and keeps it from starting at boot.
+
+The driver reports PIDs as the host numbers them. Inside a container or a Kubernetes pod
+they are another PID namespace's: /proc/PID here is missing or another process. A process
+whose /proc/PID here does not run what the driver names is said to live elsewhere; nothing
+read from this machine's /proc/PID is used for it, and no command that stops it is given
+(never `kill` of a PID whose command does not match, never of PID 1).
 """
 
 from __future__ import annotations
@@ -30,8 +36,16 @@ class GpuProcess:
     user_unit: bool = False
     container: str | None = None
     container_runtime: str | None = None
+    here: bool = True
+    """Whether /proc/PID on this machine is the process the driver names."""
+    here_is: str = ""
+    """What PID is on this machine where it is another process ('' where there is none)."""
 
     def stop_command(self) -> str | None:
+        """The command that stops it (and keeps it from starting at boot), or None where
+        this machine cannot stop it safely."""
+        if not self.here:
+            return None
         if self.container:
             rt = self.container_runtime or "docker"
             return (
@@ -39,14 +53,21 @@ class GpuProcess:
             )
         if self.unit:
             return f"systemctl {'--user ' if self.user_unit else ''}disable --now {self.unit}"
-        return None
+        return f"kill {self.pid}" if self.pid > 1 else None
 
     def owner(self) -> str:
+        if not self.here:
+            now = (
+                f"PID {self.pid} here is {self.here_is}"
+                if self.here_is
+                else f"no PID {self.pid} here"
+            )
+            return f"another PID namespace or container ({now})"
         if self.container:
             return f"container {self.container[:12]} ({self.container_runtime or 'docker'})"
         if self.unit:
             return f"{'user ' if self.user_unit else ''}systemd unit {self.unit}"
-        return "no unit (started by hand?)"
+        return "started by hand: no systemd unit or container"
 
 
 @dataclass
@@ -100,6 +121,17 @@ def owner_from_cgroup(text: str) -> tuple[str | None, bool, str | None, str | No
     return None, False, None, None
 
 
+def same_process(name: str, cmdline: str, comm: str = "") -> bool:
+    """Whether a process the driver names `name` can be the one whose /proc says `cmdline`
+    (and `comm`): the same program (the basename of its path or of argv[0]), or the name a
+    process gave itself. An unnamed one (NVML without names) is taken as it is."""
+    if not name:
+        return True
+    base = name.rsplit("/", 1)[-1]
+    argv0 = cmdline.split(" ", 1)[0].rsplit("/", 1)[-1] if cmdline else ""
+    return base in (argv0, comm) or base[:15] == comm or (bool(cmdline) and name in cmdline)
+
+
 def describe_process(
     pid: int, proc_root: Path = Path("/proc")
 ) -> tuple[str, str | None, bool, str | None, str | None]:
@@ -144,7 +176,12 @@ def _from_nvml() -> list[Gpu] | None:
                 util,
             )
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                g.processes.append(GpuProcess(p.pid, i, p.usedGpuMemory or 0, ""))
+                try:
+                    pname = pynvml.nvmlSystemGetProcessName(p.pid)
+                    pname = pname if isinstance(pname, str) else pname.decode(errors="replace")
+                except Exception:
+                    pname = ""
+                g.processes.append(GpuProcess(p.pid, i, p.usedGpuMemory or 0, pname))
             gpus.append(g)
         return gpus
     finally:
@@ -230,18 +267,41 @@ def query_gpus(proc_root: Path | None = None) -> GpuReport:
                     gpus[p.gpu_index].processes.append(p)
     for g in gpus:
         for p in g.processes:
-            p.cmdline, p.unit, p.user_unit, p.container, p.container_runtime = describe_process(
-                p.pid, proc_root
-            )
-            if not p.cmdline:
-                p.cmdline = p.name
+            _place(p, proc_root)
     if not gpus:
         return GpuReport([], source, "the driver reports no GPUs")
     return GpuReport(gpus, source)
 
 
+def _place(p: GpuProcess, proc_root: Path) -> None:
+    """Fill in what this machine's /proc says of p, where it is p (else mark it elsewhere)."""
+    cmd, unit, user, cont, rt = describe_process(p.pid, proc_root)
+    try:
+        comm = (proc_root / str(p.pid) / "comm").read_text().strip()
+    except OSError:
+        comm = ""
+    exists = (proc_root / str(p.pid)).is_dir()
+    if not exists or p.pid == 1 or not same_process(p.name, cmd, comm):
+        p.here, p.here_is, p.cmdline = False, (cmd or comm) if exists else "", p.name
+        return
+    p.cmdline, p.unit, p.user_unit, p.container, p.container_runtime = (
+        cmd or p.name,
+        unit,
+        user,
+        cont,
+        rt,
+    )
+
+
 class GpuBusy(EyasError, RuntimeError):
     """Another process holds memory on a GPU this run needs."""
+
+
+def stop_advice(p: GpuProcess) -> str:
+    """One line on how to stop p: its command, or where it must be stopped."""
+    if cmd := p.stop_command():
+        return f"stop it with: {cmd}"
+    return "stop it where it runs (its host or container): this machine cannot stop it"
 
 
 def gpus_for_device(device: str, count: int, use: int | None = None) -> list[int]:
@@ -296,11 +356,7 @@ def gpu_preflight(
         return
     lines = [
         f"  GPU {p.gpu_index}: PID {p.pid} holds {p.used_bytes / (1 << 30):.1f} GiB: {p.cmdline or p.name} [{p.owner()}]"
-        + (
-            f"\n    stop it with: {p.stop_command()}"
-            if p.stop_command()
-            else f"\n    stop it with: kill {p.pid}"
-        )
+        + f"\n    {stop_advice(p)}"
         for p in busy
     ]
     msg = "other processes hold memory on the GPUs this run needs:\n" + "\n".join(lines)

@@ -103,25 +103,40 @@ def doctor(
     runs: list[str | Path], *, deep: bool = False, proc_root: Path | None = None
 ) -> DoctorReport:
     gpus = query_gpus(proc_root)
-    actions: list[Action] = []
-    seen_units: set[str] = set()
-    for g in gpus.gpus:
-        for p in g.processes:
-            if p.used_bytes < FOREIGN_GPU_BYTES:
-                continue
-            key = p.unit or p.container or str(p.pid)
-            if key in seen_units:
-                continue
-            seen_units.add(key)
-            cmd = p.stop_command() or f"kill {p.pid}"
-            actions.append(
-                Action(
-                    f"stop {p.owner()} (PID {p.pid}, {p.cmdline or p.name}), which holds GPU memory",
-                    cmd,
-                )
-            )
+    actions = _gpu_actions(gpus)
     reports = [_check_run(Path(r), deep, actions) for r in runs]
     return DoctorReport(gpus, reports, actions)
+
+
+def _gpu_actions(gpus) -> list[Action]:
+    """One step per owner (a unit, a container, a process) holding GPU memory, however many
+    GPUs it holds; a process of another PID namespace is to be stopped where it runs."""
+    held: dict[str, list] = {}
+    for g in gpus.gpus:
+        for p in g.processes:
+            if p.used_bytes >= FOREIGN_GPU_BYTES:
+                key = (p.unit or p.container or str(p.pid)) if p.here else f"elsewhere {p.pid}"
+                held.setdefault(key, []).append(p)
+    actions = []
+    for procs in held.values():
+        p = procs[0]
+        where = f"{human_bytes(sum(q.used_bytes for q in procs))} on GPU {_gpu_list(procs)}"
+        if p.here:
+            text = f"stop {p.owner()} (PID {p.pid}, {p.cmdline or p.name}), which holds {where}"
+        else:
+            text = (
+                f"stop the process the driver reports as PID {p.pid} ({p.name or 'unnamed'}), which "
+                f"holds {where}, where it runs: it lives in {p.owner()}, so no command here stops it"
+            )
+        actions.append(Action(text, p.stop_command()))
+    return actions
+
+
+def _gpu_list(procs) -> str:
+    ids = sorted({q.gpu_index for q in procs})
+    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ", ".join(map(str, ids))
 
 
 def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
