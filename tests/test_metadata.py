@@ -377,3 +377,62 @@ def test_train_never_trains_on_damaged_samples(tmp_path, reference):
     r = eyas("train", "--data", run, "--out", tmp_path / "t2", "--epochs", "1", "--ttt-steps", "2",
              "--batch-tokens", "1024", "--val-fraction", "0", "--no-verify-data")  # fmt: skip
     assert r.returncode == 0 and all(str(path(i)) in r.stderr for i in (3, 4, 5, 6)), r.stderr
+
+
+_BLOCKED_LOAD = (
+    "import os, eyas.targets.target as t\n"
+    "real = t.load_causal_lm\n"
+    "def load(*a, **k):\n"
+    "    open(os.environ['EYAS_TEST_LOAD_GATE']).read()  # a FIFO nobody writes: loading never ends\n"
+    "    return real(*a, **k)\n"
+    "t.load_causal_lm = load\n"
+    "from eyas.cli import main\n"
+    "main()\n"
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_target_loads_stops_cleanly_and_resumes(
+    sig, tmp_path, targets, llama_dataset, reference
+):
+    """A scheduler's SIGTERM (or a Ctrl-C) while the target loads, the longest silent phase
+    of a big target: exit 75 and one `stopped:` line naming the command that continues, the
+    lock released; that command then finishes the run to the files an uninterrupted one
+    writes. The load blocks on a FIFO until the signal, so the signal lands inside it."""
+    run, gate = tmp_path / "run", tmp_path / "gate"
+    os.mkfifo(gate)
+    cmd = [sys.executable, "-c", _BLOCKED_LOAD, "extract", "--model", str(targets["llama"]),
+           "--data", str(llama_dataset), "--out", str(run)]  # fmt: skip
+    env = {**os.environ, "EYAS_TEST_LOAD_GATE": str(gate)}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    while p.poll() is None and _phase(run) != "loading the model":
+        time.sleep(0.01)
+    assert _phase(run) == "loading the model", p.communicate()
+    os.kill(p.pid, sig)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 75, err
+    stopped = [x for x in err.splitlines() if x.startswith("stopped:")]
+    assert stopped and f"stopped by {sig.name}" in stopped[0], err
+    assert f"Continue with: eyas extract --resume {run}" in err, err
+    assert "Traceback" not in err and _phase(run) is None  # the lock is gone with the process
+    r = eyas("extract", "--resume", run)
+    assert r.returncode == 0, r.stderr
+    assert _files(run) == _files(reference) and verify(run).clean
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # that is the point
+def test_a_stop_swallowed_at_start_up_stops_the_next_loop():
+    """A signal whose exception Python swallows (raised inside a `__del__`: "Exception
+    ignored in ...") is not lost: the stage's loop, entered next, starts stopped."""
+    from eyas.stop import StopSignals, stop_at_once
+
+    class Dropped:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)  # its handler runs, and raises, in here
+
+    with stop_at_once("eyas extract --resume run"):
+        Dropped()
+        with StopSignals() as loop:
+            assert loop.requested and loop.name == "SIGINT"
+    with StopSignals() as later:  # gone with the command
+        assert not later.requested

@@ -130,9 +130,13 @@ def _exits(then: str | None = None, also: tuple[type[Exception], ...] = ()):
     """A stage's error as one line and its exit code, by the one rule of `eyas.errors`: a
     clean stop 75, a usage error or missing file 2, anything the stage found 1. With `then`,
     the command that continues, a full disk is a clean stop that names it. `also`: more
-    exception types the stage raises for damaged input (others keep their traceback)."""
+    exception types the stage raises for damaged input (others keep their traceback). A
+    signal outside the stage's own loops stops it at once (75), naming `then` too."""
+    from eyas.stop import stop_at_once
+
     try:
-        yield
+        with stop_at_once(then or "the same command again"):
+            yield
     except (EyasError, ValueError, OSError, *also) as exc:
         if then is not None:
             _disk_full(exc, then)
@@ -280,7 +284,7 @@ def extract(
     _quiet_transformers()
     _need(resume, "run")
     _need(data, "dataset")
-    with _exits():
+    with _exits(then=f"eyas extract --resume {resume or out}"):
         if resume is not None:
             if model or data or out:
                 raise fail(

@@ -11,6 +11,13 @@ nothing is installed and the stage runs to its end.
 
 The stage then raises its own error with exit code 75 (errors.EXIT_STOPPED) naming the
 command that resumes.
+
+Outside a stage's loops (starting up, loading a model of hundreds of GB, finishing) the
+command line runs the stage inside `stop_at_once(then)`: there the first signal raises
+`Stopped` at once (exit 75, naming `then`), which unwinds like any error: locks released,
+nothing half-written published (the store's commits survive even SIGKILL). A signal whose
+exception Python swallows (one raised inside a `__del__`) is not lost: it stays pending, and
+the next `StopSignals` starts as requested, so the stage's loop stops at its first check.
 """
 
 from __future__ import annotations
@@ -20,9 +27,12 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["StopSignals", "SIGNALS"]
+from eyas.errors import Stopped
+
+__all__ = ["SIGNALS", "StopSignals", "stop_at_once"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_pending: list[str] = []  # a signal `stop_at_once` took, until it ends
 
 
 class StopSignals:
@@ -47,6 +57,11 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if self._enabled and threading.current_thread() is threading.main_thread():
             self._old = {s: signal.signal(s, self._on) for s in SIGNALS}
+            if _pending and self.name is None:  # taken at start-up, its exception swallowed
+                self.name = _pending[0]
+                if self._on_first is not None:
+                    self._on_first(self.name)
+                self.event.set()
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -85,3 +100,30 @@ class StopSignals:
             yield
         finally:
             self._abandon = None
+
+
+@contextmanager
+def stop_at_once(then: str) -> Iterator[None]:
+    """While the block runs (and no `StopSignals` of a stage's loop is active), the first
+    SIGINT or SIGTERM raises `Stopped` naming `then`, the command that continues; later
+    ones, while that unwinds, are ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on(signum: int, _frame) -> None:
+        if _pending:
+            return
+        _pending.append(signal.Signals(signum).name)
+        raise Stopped(
+            f"stopped by {_pending[0]} outside the work's own loop (starting up, loading, or "
+            f"finishing); everything committed is kept. Continue with: {then}"
+        )
+
+    old = {s: signal.signal(s, on) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        _pending.clear()
