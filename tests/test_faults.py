@@ -157,8 +157,15 @@ def test_disk_full_watchdog_and_refusal(tmpfs, targets, llama_dataset, reference
     p = eyas(*_cmd(targets, llama_dataset, run)[3:], "--min-free", "1M", "--allow-partial")
     assert p.returncode == 75, p.stderr
     assert "fell below the --min-free floor" in p.stderr and "samples are committed" in p.stderr
+    assert "free space first" in p.stderr
     rep = verify(run)
     assert rep.clean and 0 < rep.checked < 120
+    # Resumed with the disk still full: refused before the target loads, naming what to free.
+    p = eyas("extract", "--resume", run)
+    assert p.returncode == 75, p.stderr
+    assert "no room for even one batch" in p.stderr and "free at least" in p.stderr, p.stderr
+    assert "was not loaded" in p.stderr and "loading the target" not in p.stderr, p.stderr
+    assert verify(run).checked == rep.checked
     grow(tmpfs, "16m")
     # A plain resume remembers --min-free and --allow-partial (2% of 16 MiB would be 5%: 0.8 MiB).
     p = eyas("extract", "--resume", run)

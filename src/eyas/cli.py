@@ -126,16 +126,18 @@ def _this_command(verb: str, otherwise: str) -> str:
 
 
 @contextlib.contextmanager
-def _exits(then: str | None = None, also: tuple[type[Exception], ...] = ()):
+def _exits(
+    then: str | None = None, also: tuple[type[Exception], ...] = (), resume: str | None = None
+):
     """A stage's error as one line and its exit code, by the one rule of `eyas.errors`: a
     clean stop 75, a usage error or missing file 2, anything the stage found 1. With `then`,
     the command that continues, a full disk is a clean stop that names it. `also`: more
     exception types the stage raises for damaged input (others keep their traceback). A
-    signal outside the stage's own loops stops it at once (75), naming `then` too."""
+    signal outside the stage's own loops stops it at once (75), naming `resume` (or `then`)."""
     from eyas.stop import stop_at_once
 
     try:
-        with stop_at_once(then or "the same command again"):
+        with stop_at_once(resume or then or "the same command again"):
             yield
     except (EyasError, ValueError, OSError, *also) as exc:
         if then is not None:
@@ -284,7 +286,10 @@ def extract(
     _quiet_transformers()
     _need(resume, "run")
     _need(data, "dataset")
-    with _exits(then=f"eyas extract --resume {resume or out}"):
+    again = f"eyas extract --resume {resume or out}"
+    # A resume on a disk still full is a clean stop that names itself; a new run's refusal
+    # for lack of space is not (there is no run to resume yet).
+    with _exits(then=again if resume else None, resume=again):
         if resume is not None:
             if model or data or out:
                 raise fail(

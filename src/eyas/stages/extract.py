@@ -317,7 +317,7 @@ def extract(
     if not meta:  # a new run: checked before anything is written (a resume checks under its lock)
         try:
             need = sum(lengths[i] for i in mine) * bpt + 4096 * len(mine)
-            _check_disk(run, cfg, _store_need(cfg, need, run, bpt))
+            _check_disk(run, cfg, _store_need(cfg, need, run, bpt), bpt)
         except DiskFullError:
             if new_dir:
                 shutil.rmtree(run, ignore_errors=True)  # a refusal leaves nothing behind
@@ -413,7 +413,7 @@ def _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device) -> Ex
                 need = sum(lengths[i] for i in todo) * bpt + 4096 * len(todo)
                 if retirer is not None:
                     need = max(0, min(need, retirer.budget) - retirer.bytes)
-                _check_disk(run, cfg, need)
+                _check_disk(run, cfg, need, bpt)
             total = len(mine) * cfg.passes
             if all(i in led.pass_commits(p) for p in range(cfg.passes) for i in mine):
                 # nothing left to extract: no need to load the target
@@ -504,19 +504,31 @@ def _persist_overrides(run: Path, meta: dict, cfg: ExtractConfig) -> None:
         write_run_meta(run, meta)
 
 
-def _check_disk(run: Path, cfg: ExtractConfig, need: int) -> None:
+def _check_disk(run: Path, cfg: ExtractConfig, need: int, bpt: int) -> None:
+    """Before the target loads: refuse a run the disk cannot hold (with --allow-partial, one
+    that cannot hold even its next batch), naming how much to free."""
     fs = filesystem_info(run)
     floor = parse_size(cfg.min_free, fs.total_bytes)
     say(
         f"disk: this run needs ~{human_bytes(need)} more; {human_bytes(fs.free_bytes)} free on "
         f"{fs.mount_point} ({fs.fs_type}), --min-free floor {human_bytes(floor)}"
     )
-    if need > fs.free_bytes - floor and not cfg.allow_partial:
+    room = fs.free_bytes - floor
+    if need > room and not cfg.allow_partial:
         raise DiskFullError(
             28,
             f"not enough space: the run needs ~{human_bytes(need)} but {fs.mount_point} has "
             f"{human_bytes(fs.free_bytes)} free, of which --min-free keeps {human_bytes(floor)} spare. "
             "Free space, use another --out, lower --min-free, or pass --allow-partial to extract what fits",
+        )
+    batch = min(need, cfg.batch_tokens * bpt)
+    if need > 0 and room < batch:  # not one batch fits: loading the target would be for nothing
+        raise DiskFullError(
+            28,
+            f"no room for even one batch: {fs.mount_point} has {human_bytes(fs.free_bytes)} free and "
+            f"--min-free keeps {human_bytes(floor)} spare; free at least {human_bytes(batch - room)} "
+            f"first (~{human_bytes(need - room)} for the whole run), or lower --min-free. The target "
+            "was not loaded",
         )
 
 
@@ -692,7 +704,7 @@ class _Extraction:
             if free_bytes(self.run_dir) < self.floor:
                 self.stop_reason.append(
                     f"free space on {self.run_dir} fell below the --min-free floor of "
-                    f"{human_bytes(self.floor)} (lower it with --min-free)"
+                    f"{human_bytes(self.floor)}: free space first (or lower --min-free)"
                 )
                 break
             self.queue.put((p, batch, self.backend.run([self.ds.sample(i)[0] for i in batch])))
