@@ -227,3 +227,13 @@ def test_orphan_with_lost_journal_entry_is_adopted(tmp_path, reference):
     p = eyas("extract", "--resume", run)
     assert p.returncode == 0 and "adopted 3" in p.stderr, p.stderr
     _assert_identical(run, reference)
+
+
+def test_verify_says_how_far_it_is_while_it_reads(reference):
+    """A verify of terabytes is minutes to hours of reading: it says, as it goes, the samples
+    checked of all, the rate, the problems so far and the time left (here a line each)."""
+    r = eyas("verify", reference, env={**os.environ, "EYAS_LOG_EVERY": "0"})
+    lines = [x for x in r.stderr.splitlines() if x.startswith("verify: ")]
+    assert r.returncode == 0 and len(lines) == 120, r.stderr[-2000:]
+    assert lines[0].startswith("verify: 1/120 samples") and lines[-1].startswith("verify: 120/120")
+    assert all("MB/s" in x and "0 problem(s) so far" in x and "ETA" in x for x in lines), lines[:3]

@@ -344,7 +344,7 @@ def verify(
 
     _need(run, "run", eyas_only=True)
     with _exits():
-        rep = run_verify(run, quick=quick, repair=repair)
+        rep = run_verify(run, quick=quick, repair=repair, progress=True)
     if as_json:
         _print_json(rep.to_dict())
     else:

@@ -343,7 +343,7 @@ def _check_integrity(run: Path, st, deep: bool, rep: RunReport, actions: list[Ac
     them; the count of each kind of problem."""
     from eyas.stages.verify import verify
 
-    v = verify(run, quick=not deep)
+    v = verify(run, quick=not deep, progress=deep)  # a deep check reads every byte: minutes
     kinds = {
         k: v.count(k)
         for k in ("missing", "corrupt", "orphan", "duplicate", "temp", "journal", "meta")

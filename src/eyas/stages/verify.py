@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eyas.host.ui import Reporter
 from eyas.run.fsutil import fsync_dir, is_temp_file
 from eyas.run.journal import (
     journal_files,
@@ -104,26 +105,34 @@ class VerifyReport:
 
 
 def verify(
-    run: str | Path, *, quick: bool = False, repair: bool = False, workers: int | None = None
+    run: str | Path,
+    *,
+    quick: bool = False,
+    repair: bool = False,
+    workers: int | None = None,
+    progress: bool = False,
 ) -> VerifyReport:
     """Check a run; with `repair`, hold the whole run's writer lock from before the check
-    until the repair is done, so no writer can append to what the repair rewrites."""
+    until the repair is done, so no writer can append to what the repair rewrites. With
+    `progress`, the samples checked so far, the rate and the time left, as extract shows."""
     if not repair:
-        return _verify(Path(run), quick, False, workers)
+        return _verify(Path(run), quick, False, workers, progress)
     if not (Path(run) / "run.json").exists() and not (Path(run) / "run.backup.json").exists():
-        return _verify(Path(run), quick, False, workers)  # raises: not a run
+        return _verify(Path(run), quick, False, workers, progress)  # raises: not a run
     try:
         lock = WriterLock(Path(run), 0, 1, what="verify --repair").acquire()
     except LockHeld as exc:
         raise StoreError(f"cannot repair while a writer holds the run: {exc}") from None
     try:
         lock.set_phase("repairing")
-        return _verify(Path(run), quick, True, workers)
+        return _verify(Path(run), quick, True, workers, progress)
     finally:
         lock.release()
 
 
-def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> VerifyReport:
+def _verify(
+    run: Path, quick: bool, repair: bool, workers: int | None, progress: bool
+) -> VerifyReport:
     rep = VerifyReport(str(run), quick=quick)
     meta = _check_meta(run, rep)
     H, layout, total = meta["hidden_size"], Layout.parse(meta.get("layout")), meta["samples"]
@@ -134,7 +143,7 @@ def _verify(run: Path, quick: bool, repair: bool, workers: int | None) -> Verify
     # The samples whose files should exist: each with its pass's journal lines.
     by_index = {i: refs[(pass_of(e), i)] for i, e in led.present.items() if i < total}
     retired_files = {i for r in led.retired for i in r} - set(led.present)
-    bad = _check_samples(run, rep, by_index, H, layout, quick, workers)
+    bad = _check_samples(run, rep, by_index, H, layout, quick, workers, progress)
     _check_strays(run, rep, by_index, retired_files, H, layout, total, quick)
     if repair and rep.problems:
         _repair(run, rep, scans, led, bad, total)
@@ -181,9 +190,17 @@ def _journal_refs(rep: VerifyReport, scans, total: int) -> dict[tuple[int, int],
     return refs
 
 
-def _check_samples(run: Path, rep, by_index, H: int, layout, quick: bool, workers) -> set[int]:
+def _check_samples(
+    run: Path, rep, by_index, H: int, layout, quick: bool, workers, progress: bool
+) -> set[int]:
     """Read every journaled sample (in threads); returns the indices found missing or corrupt."""
     t0 = time.monotonic()
+
+    def speed() -> str:
+        hashed = (
+            "" if quick else f"{rep.bytes_read / max(time.monotonic() - t0, 1e-9) / 1e6:.0f} MB/s, "
+        )
+        return f"{hashed}{len(rep.problems)} problem(s) so far"
 
     def check(item):
         idx, refs = item
@@ -197,8 +214,10 @@ def _check_samples(run: Path, rep, by_index, H: int, layout, quick: bool, worker
         )
 
     bad: set[int] = set()
-    with ThreadPoolExecutor(workers or min(8, (os.cpu_count() or 2))) as ex:
+    shown = Reporter("verify", len(by_index), enabled=progress, extra=speed)
+    with shown, ThreadPoolExecutor(workers or min(8, (os.cpu_count() or 2))) as ex:
         for idx, refs, c in ex.map(check, sorted(by_index.items())):
+            shown.advance()
             rep.checked += 1
             rep.bytes_read += c.nbytes if not quick else 0
             if c.ok:
