@@ -193,7 +193,60 @@ def test_doctor_moved_model_and_missing_run(tmp_path, targets, llama_dataset):
     shutil.move(model, tmp_path / "elsewhere")
     p = eyas("doctor", run, tmp_path / "no-such-run", env=smi_env("idle"))
     assert p.returncode == 1
-    assert f"put the target model back at {model}" in p.stdout and "no such directory" in p.stdout
+    assert f"the target moved: found at {tmp_path / 'elsewhere'}" in p.stdout, p.stdout
+    assert f"eyas extract --resume {run} --model {tmp_path / 'elsewhere'}" in p.stdout
+    assert "no such directory" in p.stdout
+
+
+def test_a_run_moved_to_a_new_disk_with_its_dataset_and_target_resumes_from_there(
+    tmp_path, targets, llama_dataset
+):
+    """The run, its dataset and its target copied to a new disk, the old ones gone: status
+    says so and what to run; a plain resume is a usage error (2) saying how to point to
+    them; doctor finds them beside the run and plans that command; an input of another
+    fingerprint is refused naming both; pointed to the right ones, the resume goes on,
+    run.json says where they are now, and train reads them there."""
+    old, new = tmp_path / "old", tmp_path / "newdisk"
+    shutil.copytree(targets["llama"], old / "model")
+    shutil.copytree(llama_dataset, old / "ds")
+    run = old / "run"
+    assert (
+        eyas("extract", "--model", old / "model", "--data", old / "ds", "--out", run).returncode
+        == 0
+    )
+    new.mkdir()
+    for name in ("run", "ds", "model"):
+        subprocess.run(["cp", "-a", str(old / name), str(new / name)], check=True)
+    shutil.rmtree(old)
+    run, files = (
+        new / "run",
+        {p: p.read_bytes() for p in (new / "run" / "samples").rglob("*.safetensors")},
+    )
+    st = eyas("status", run)
+    assert "the dataset is gone from" in st.stdout and "the target is gone from" in st.stdout
+    assert f"next       eyas extract --resume {run} --data NEW_PATH --model NEW_PATH" in st.stdout
+    r = eyas("extract", "--resume", run)
+    assert r.returncode == 2 and "is gone. If it moved, point to it" in r.stderr, r.stderr
+    assert f"eyas extract --resume {run} --data NEW_PATH" in r.stderr
+    d = json.loads(eyas("doctor", run, "--json", env=smi_env("idle")).stdout)
+    commands = [a["command"] for a in d["plan"] if a["command"]]
+    want = f"eyas extract --resume {run} --model {new / 'model'} --data {new / 'ds'}"
+    assert want in commands and not any(c == f"eyas extract --resume {run}" for c in commands)
+    other = tmp_path / "other-ds"
+    shutil.copytree(new / "ds", other)
+    (other / "dataset.json").write_text(
+        (other / "dataset.json").read_text().replace('"fingerprint": "', '"fingerprint": "0')
+    )
+    r = eyas("extract", "--resume", run, "--data", other, "--model", new / "model")
+    assert r.returncode == 2, r.stderr
+    r = eyas(*want.split()[1:])
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((run / "run.json").read_text())
+    assert (meta["dataset_path"], meta["model_path"]) == (str(new / "ds"), str(new / "model"))
+    assert {p: p.read_bytes() for p in (run / "samples").rglob("*.safetensors")} == files
+    assert "gone" not in eyas("status", run).stdout
+    r = eyas("train", "--data", run, "--out", tmp_path / "t", "--epochs", "1")
+    assert r.returncode == 0, r.stderr
 
 
 def test_a_pid_from_another_namespace_is_never_planned_to_be_killed(use_smi, tmp_path):

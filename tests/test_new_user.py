@@ -255,7 +255,7 @@ def test_prepare_refuses_to_replace_a_dataset_and_a_lost_one_is_rebuilt(
     shutil.rmtree(ds)
     # Both say exactly how to rebuild it: the same inputs give the same fingerprint.
     r = eyas("extract", "--resume", run)
-    assert r.returncode == 1 and "is gone" in r.stderr and "eyas prepare --model" in r.stderr, (
+    assert r.returncode == 2 and "is gone" in r.stderr and "eyas prepare --model" in r.stderr, (
         r.stderr
     )
     plan = json.loads(eyas("doctor", run, "--json").stdout)["plan"]

@@ -291,12 +291,14 @@ def extract(
     # for lack of space is not (there is no run to resume yet).
     with _exits(then=again if resume else None, resume=again):
         if resume is not None:
-            if model or data or out:
+            if out:
                 raise fail(
-                    "--resume takes the model, data and run directory from run.json; drop --model/--data/--out",
+                    "--resume names the run directory; drop --out (--model and --data point to a "
+                    "target or dataset that moved)",
                     EXIT_USAGE,
                 )
-            s = run_extract(resume=str(resume), overrides=given(ctx, opts))
+            moved = {k: str(Path(v).resolve()) for k, v in (("model", model), ("data", data)) if v}
+            s = run_extract(resume=str(resume), overrides={**given(ctx, opts), **moved})
         else:
             if not (model and data and out):
                 raise fail("need --model, --data and --out (or --resume RUN_DIR)", EXIT_USAGE)

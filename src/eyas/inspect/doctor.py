@@ -161,7 +161,7 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
         return rep
     if (meta := _check_meta(run, rep, actions)) is None:
         return rep
-    _check_inputs(meta, rep, actions)
+    moved = _check_inputs(run, meta, rep, actions)
     st = run_status(run)
     rep.facts = {
         "done": st.done,
@@ -196,6 +196,15 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
                 blocking=False,
             )
         )
+    elif moved:  # a resume pointing to where they are also rewrites run.json's paths
+        if all(moved.values()):
+            flags = " ".join(f"--{flag} {path}" for flag, path in moved.items())
+            actions.append(
+                Action(
+                    f"resume the extraction of {run} from where its inputs are now",
+                    f"eyas extract --resume {run} {flags}",
+                )
+            )
     elif st.remaining > 0 or any(k in kinds for k in ("missing", "corrupt", "journal", "orphan")):
         actions.append(
             Action(
@@ -233,8 +242,45 @@ def _check_meta(run: Path, rep: RunReport, actions: list[Action]) -> dict | None
     return meta
 
 
-def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:
-    """The run's target and prepared dataset: still in place, and unchanged."""
+def _beside(run: Path, marker: str, fingerprint, want: str) -> Path | None:
+    """A directory next to the run (or one level up) holding `marker` whose `fingerprint` is
+    `want`: where a dataset or target that moved with the run most likely is."""
+    looked = 0
+    for base in (run.parent, run.parent.parent):
+        try:
+            dirs = sorted(d for d in base.iterdir() if d.is_dir() and d != run)
+        except OSError:
+            continue
+        for d in dirs:
+            if looked >= 200 or not (d / marker).is_file():
+                continue
+            looked += 1
+            try:
+                if fingerprint(d) == want:
+                    return d
+            except (OSError, ValueError, KeyError):
+                continue
+    return None
+
+
+def _moved(run: Path, what: str, flag: str, path: Path, found: Path | None) -> Action:
+    if found is not None:
+        return Action(
+            f"the {what} moved: found at {found} (the same fingerprint; run.json says {path}); "
+            "the resume below points the run to it",
+            blocking=False,
+        )
+    return Action(
+        f"the {what} is gone from {path}: if it moved, point the run to it with "
+        f"`eyas extract --resume {run} --{flag} NEW_PATH`; else put it back",
+    )
+
+
+def _check_inputs(run: Path, meta: dict, rep: RunReport, actions: list[Action]) -> dict:
+    """The run's target and prepared dataset: still in place, and unchanged; one that is gone
+    is looked for beside the run (a run copied to a new disk with its inputs). Returns the
+    resume's flag for each that is gone -> where it was found (None: not found)."""
+    gone: dict = {}
     from eyas.data.dataset import PreparedDataset
     from eyas.targets.target import model_fingerprint
 
@@ -253,7 +299,12 @@ def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:
             )
     except (OSError, ValueError, KeyError) as exc:
         rep.add("error", f"model: not usable at {model} ({exc})")
-        actions.append(Action(f"put the target model back at {model} (it was moved or deleted)"))
+        if not (model / "config.json").is_file():
+            found = _beside(run, "config.json", model_fingerprint, meta["model_fingerprint"])
+            actions.append(_moved(run, "target", "model", model, found))
+            gone["model"] = found
+        else:
+            actions.append(Action(f"put the target model back at {model} (it was damaged)"))
     data = Path(meta["dataset_path"])
     try:
         ds = PreparedDataset.open(data, check=False)
@@ -282,7 +333,14 @@ def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:
         from eyas.stages.extract import rebuild_hint
 
         rep.add("error", f"dataset: not usable at {data} ({exc})")
-        if meta.get("dataset_prepare"):
+        fingerprint = lambda d: PreparedDataset.open(d, check=False).fingerprint  # noqa: E731
+        found = None
+        if not (data / "dataset.json").is_file():
+            found = _beside(run, "dataset.json", fingerprint, meta["dataset_fingerprint"])
+            gone["data"] = found
+        if found is not None:
+            actions.append(_moved(run, "prepared dataset", "data", data, found))
+        elif meta.get("dataset_prepare"):
             actions.append(
                 Action(
                     f"rebuild the prepared dataset at {data} from the same inputs (it was moved, "
@@ -292,6 +350,8 @@ def _check_inputs(meta: dict, rep: RunReport, actions: list[Action]) -> None:
             )
         else:
             actions.append(Action(f"{rebuild_hint(meta)} (it was moved, deleted or replaced)"))
+
+    return gone
 
 
 def _check_disk(run: Path, st, rep: RunReport, actions: list[Action]) -> None:

@@ -58,6 +58,7 @@ class RunStatus:
     budget: int | None = None  # --max-store
     retired: int = 0
     followers: list[dict] = field(default_factory=list)
+    gone: dict[str, str] = field(default_factory=dict)  # "dataset"/"target" -> the path it left
 
     @property
     def live_writer(self) -> bool:
@@ -207,7 +208,17 @@ def run_status(run: str | Path, window: float = RATE_WINDOW, now: float | None =
         budget=budget,
         retired=sum(len(r) for r in led.retired),
         followers=followers,
+        gone=inputs_gone(meta),
     )
+
+
+def inputs_gone(meta: dict) -> dict[str, str]:
+    """The run's dataset and target that are no longer where run.json says."""
+    where = {
+        "dataset": (meta["dataset_path"], "dataset.json"),
+        "target": (meta["model_path"], "config.json"),
+    }
+    return {what: path for what, (path, f) in where.items() if not (Path(path) / f).is_file()}
 
 
 def ago(t: float | None) -> str:
@@ -265,8 +276,16 @@ def format_status(st: RunStatus) -> str:
         lines.append(f"warning    {st.fs_warning}")
     for w in st.ignored_entries[:5]:
         lines.append(f"warning    ignored: {w}")
+    for what, path in st.gone.items():
+        lines.append(f"warning    the {what} is gone from {path} (moved or deleted)")
     if not st.live_writer:
-        if st.remaining > 0 or (st.budget and st.store_bytes and not st.followers):
+        if st.gone:  # even a finished run: train reads them from run.json
+            flags = " ".join(f"--{'data' if w == 'dataset' else 'model'} NEW_PATH" for w in st.gone)
+            lines.append(
+                f"next       eyas extract --resume {st.run} {flags}   (where the {' and '.join(st.gone)} "
+                f"now lives; `eyas doctor {st.run}` looks beside the run)"
+            )
+        elif st.remaining > 0 or (st.budget and st.store_bytes and not st.followers):
             lines.append(
                 f"next       eyas extract --resume {st.run}   (after a crash, `eyas doctor {st.run}` first)"
             )

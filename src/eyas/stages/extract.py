@@ -97,12 +97,13 @@ from eyas.targets.target import (
 # directory's code may run (security: only the current command line can allow that). A
 # resume may change the rest of the first set (the new value is kept for later resumes); a
 # changed batch_tokens regroups the remaining samples: still correct, but their files are
-# then no longer bit-identical to an uninterrupted run's.
+# then no longer bit-identical to an uninterrupted run's. The dataset and the target may be
+# given at new paths (moved to another disk): they are identified by their fingerprints.
 RESUME_RULE = ResumeRule(
     per_invocation=frozenset({"rank", "world", "trust_remote_code", "progress", "queue_depth",
                               "ignore_busy_gpus", "max_foreign_gpu_mem", "staging_dir", "out"}),
     may_change=frozenset({"batch_tokens", "device", "min_free", "allow_partial", "tensor_parallel_size",
-                          "gpu_memory_utilization", "max_model_len", "max_store"}),
+                          "gpu_memory_utilization", "max_model_len", "max_store", "data", "model"}),
 )  # fmt: skip
 
 
@@ -168,6 +169,22 @@ def resolve(cfg: ExtractConfig) -> ExtractConfig:
     )
 
 
+def _inputs_in_place(cfg: ExtractConfig, meta: dict, run: Path) -> None:
+    """A run's prepared dataset and target, where run.json says or this resume points: one
+    that is gone is a usage error saying how to point to where it moved (or rebuild it)."""
+    if not (Path(cfg.data) / "dataset.json").exists():
+        raise UsageError(
+            f"{cfg.data}: the prepared dataset of {run} is gone. If it moved, point to it: "
+            f"eyas extract --resume {run} --data NEW_PATH (its fingerprint must be "
+            f"{meta['dataset_fingerprint']}). Else: {rebuild_hint(meta)}"
+        )
+    if not (Path(cfg.model) / "config.json").exists():
+        raise UsageError(
+            f"{cfg.model}: the target of {run} is gone. If it moved, point to it: eyas extract "
+            f"--resume {run} --model NEW_PATH (its fingerprint must be {meta['model_fingerprint']})"
+        )
+
+
 def _check_same_inputs(cfg: ExtractConfig, meta: dict, run: Path, ds: PreparedDataset) -> None:
     if ds.fingerprint != meta["dataset_fingerprint"]:
         raise UsageError(
@@ -226,8 +243,8 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
             f"{run} was started with --trust-remote-code; the model's own code runs only when "
             "the current command allows it: add --trust-remote-code to resume"
         )
-    if meta and not (Path(cfg.data) / "dataset.json").exists():
-        raise ValueError(f"{cfg.data}: the prepared dataset of {run} is gone. {rebuild_hint(meta)}")
+    if meta:
+        _inputs_in_place(cfg, meta, run)
     ds = PreparedDataset.open(cfg.data)
     if meta:
         _check_same_inputs(cfg, meta, run, ds)
@@ -497,10 +514,20 @@ def _spec(cfg: ExtractConfig, meta: dict, ds: PreparedDataset, device: str, leng
 
 
 def _persist_overrides(run: Path, meta: dict, cfg: ExtractConfig) -> None:
-    """Keep a resume's changes to the overridable fields for later resumes."""
+    """Keep a resume's changes to the overridable fields for later resumes, and where the
+    dataset and the target now are (train and doctor read them from run.json)."""
     new = {k: getattr(cfg, k) for k in RESUME_RULE.may_change if k in {f.name for f in fields(cfg)}}
-    if any(meta["config"].get(k) != v for k, v in new.items()):
+    moved = {
+        "dataset_path": str(Path(cfg.data).resolve()),
+        "model_path": str(Path(cfg.model).resolve()),
+    }
+    if any(meta["config"].get(k) != v for k, v in new.items()) or any(
+        meta.get(k) != v for k, v in moved.items()
+    ):
         meta["config"].update(new)
+        meta.update(moved)
+        if meta.get("dataset_prepare"):  # a rebuild writes it where it now lives
+            meta["dataset_prepare"]["out"] = moved["dataset_path"]
         write_run_meta(run, meta)
 
 
