@@ -163,7 +163,7 @@ def test_disk_full_watchdog_and_refusal(tmpfs, targets, llama_dataset, reference
     # Resumed with the disk still full: refused before the target loads, naming what to free.
     p = eyas("extract", "--resume", run)
     assert p.returncode == 75, p.stderr
-    assert "no room for even one batch" in p.stderr and "free at least" in p.stderr, p.stderr
+    assert "no room for even one sample" in p.stderr and "free at least" in p.stderr, p.stderr
     assert "was not loaded" in p.stderr and "loading the target" not in p.stderr, p.stderr
     assert verify(run).checked == rep.checked
     grow(tmpfs, "16m")

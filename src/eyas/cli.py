@@ -287,9 +287,10 @@ def extract(
     _need(resume, "run")
     _need(data, "dataset")
     again = f"eyas extract --resume {resume or out}"
-    # A resume on a disk still full is a clean stop that names itself; a new run's refusal
-    # for lack of space is not (there is no run to resume yet).
-    with _exits(then=again if resume else None, resume=again):
+    # A run's resume on a disk still full is a clean stop that names itself; a new run's
+    # refusal for lack of space is not (there is no run to resume yet).
+    exists = resume is not None or (out is not None and (out / "run.json").exists())
+    with _exits(then=again if exists else None, resume=again):
         if resume is not None:
             if out:
                 raise fail(

@@ -334,7 +334,8 @@ def extract(
     if not meta:  # a new run: checked before anything is written (a resume checks under its lock)
         try:
             need = sum(lengths[i] for i in mine) * bpt + 4096 * len(mine)
-            _check_disk(run, cfg, _store_need(cfg, need, run, bpt), bpt)
+            smallest = min((lengths[i] for i in mine), default=0) * bpt + 4096
+            _check_disk(run, cfg, _store_need(cfg, need, run, bpt), smallest)
         except DiskFullError:
             if new_dir:
                 shutil.rmtree(run, ignore_errors=True)  # a refusal leaves nothing behind
@@ -430,7 +431,8 @@ def _extract_locked(cfg, run, meta, ds, fresh, mine, lengths, bpt, device) -> Ex
                 need = sum(lengths[i] for i in todo) * bpt + 4096 * len(todo)
                 if retirer is not None:
                     need = max(0, min(need, retirer.budget) - retirer.bytes)
-                _check_disk(run, cfg, need, bpt)
+                smallest = min((lengths[i] for i in todo), default=0) * bpt + 4096
+                _check_disk(run, cfg, need, smallest)
             total = len(mine) * cfg.passes
             if all(i in led.pass_commits(p) for p in range(cfg.passes) for i in mine):
                 # nothing left to extract: no need to load the target
@@ -531,9 +533,9 @@ def _persist_overrides(run: Path, meta: dict, cfg: ExtractConfig) -> None:
         write_run_meta(run, meta)
 
 
-def _check_disk(run: Path, cfg: ExtractConfig, need: int, bpt: int) -> None:
+def _check_disk(run: Path, cfg: ExtractConfig, need: int, smallest: int) -> None:
     """Before the target loads: refuse a run the disk cannot hold (with --allow-partial, one
-    that cannot hold even its next batch), naming how much to free."""
+    that cannot hold even its smallest sample still to do), naming how much to free."""
     fs = filesystem_info(run)
     floor = parse_size(cfg.min_free, fs.total_bytes)
     say(
@@ -548,12 +550,11 @@ def _check_disk(run: Path, cfg: ExtractConfig, need: int, bpt: int) -> None:
             f"{human_bytes(fs.free_bytes)} free, of which --min-free keeps {human_bytes(floor)} spare. "
             "Free space, use another --out, lower --min-free, or pass --allow-partial to extract what fits",
         )
-    batch = min(need, cfg.batch_tokens * bpt)
-    if need > 0 and room < batch:  # not one batch fits: loading the target would be for nothing
+    if need > 0 and room < smallest:  # not one sample fits: loading the target would be for nothing
         raise DiskFullError(
             28,
-            f"no room for even one batch: {fs.mount_point} has {human_bytes(fs.free_bytes)} free and "
-            f"--min-free keeps {human_bytes(floor)} spare; free at least {human_bytes(batch - room)} "
+            f"no room for even one sample: {fs.mount_point} has {human_bytes(fs.free_bytes)} free and "
+            f"--min-free keeps {human_bytes(floor)} spare; free at least {human_bytes(smallest - room)} "
             f"first (~{human_bytes(need - room)} for the whole run), or lower --min-free. The target "
             "was not loaded",
         )
