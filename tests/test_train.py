@@ -1051,3 +1051,29 @@ def test_an_option_of_another_kind_is_refused_naming_its_kind(demo_run, tmp_path
     assert f"{flag} is an option of --kind {owner}" in r.stderr, r.stderr
     assert f"not of --kind {kind}" in r.stderr, r.stderr
     assert not (tmp_path / "t").exists()
+
+
+def test_every_export_carries_a_model_card_that_evaluate_completes(demo_runs, tmp_path):
+    """An export's README.md says the kind, the recipe (the kind's own options too), the
+    target and data fingerprints and the serving line it prints; each complete evaluate
+    adds its figures (prompts, judge, interval), and status on the export shows them."""
+    run = demo_runs(60)
+    src = run.parent / "conv.jsonl"
+    eyas("train", "--data", run, "--out", tmp_path / "tr", "--epochs", "1", "--ttt-steps", "2",
+         "--batch-tokens", "1024", check=True)  # fmt: skip
+    r = eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex", check=True)
+    card = (tmp_path / "ex" / "README.md").read_text()
+    meta = json.loads((run / "run.json").read_text())
+    serve = r.stderr.split("serve with: ")[1].strip()
+    assert card.startswith("# A eagle3 drafter for") and serve in card
+    for said in ("| ttt-steps | 2 |", "| epochs | 1 |", "| loss | kl |", meta["model_fingerprint"],
+                 meta["dataset_fingerprint"], f"{meta['samples']} samples", "Not measured yet"):  # fmt: skip
+        assert said in card, said
+    assert "measured   not yet" in eyas("status", tmp_path / "ex").stdout
+    eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--data", src,
+         "--limit", "4", check=True)  # fmt: skip
+    card = (tmp_path / "ex" / "README.md").read_text()
+    row = [x for x in card.splitlines() if f"4 of `{src}`" in x]
+    assert len(row) == 1 and "| hf | 3 |" in row[0] and "| yes |" in row[0], card
+    st = eyas("status", tmp_path / "ex").stdout
+    assert "eagle3 in vllm's format, 3 drafts a round" in st and "on 4 prompts of" in st, st

@@ -476,13 +476,35 @@ def describe_other(path: Path) -> str | None:
             ]
         )
     if (path / "eyas-manifest.json").is_file():
-        return "\n".join(
-            [
-                f"drafter    {path} (eyas export): an exported drafter",
-                f"next       eyas evaluate --model TARGET --drafter {path} --data PROMPTS.jsonl",
-            ]
-        )
+        return _describe_export(path)
     return None
+
+
+def _describe_export(path: Path) -> str:
+    """An export: its kind, format, target, draft length, and the last figures measured."""
+    from eyas.run.fsutil import read_json
+    from eyas.stages.card import evaluations
+
+    m = read_json(path / "eyas-manifest.json")
+    target = m.get("target") or "TARGET"
+    lines = [
+        f"drafter    {path} (eyas export): {m.get('kind', 'eagle3')} in {m.get('format', '?')}'s "
+        f"format, {m.get('drafts_per_round', '?')} drafts a round",
+        f"target     {target} (fingerprint {(m.get('data') or {}).get('model_fingerprint', '?')})",
+    ]
+    if evals := evaluations(path):
+        e = evals[-1]
+        ci = e.get("tokens_per_forward_ci95") or ["?", "?"]
+        lines.append(
+            f"measured   {e.get('tokens_per_forward')} tokens per target forward [{ci[0]}, {ci[1]}], "
+            f"acceptance length {e.get('acceptance_length')} on {e.get('prompts')} prompts of "
+            f"{e.get('prompts_file')} ({e.get('judge')}, {e.get('when')}; {len(evals)} evaluation(s) "
+            "in its README.md)"
+        )
+    else:
+        lines.append("measured   not yet")
+    lines.append(f"next       eyas evaluate --model {target} --drafter {path} --data PROMPTS.jsonl")
+    return "\n".join(lines)
 
 
 def _last_val(metrics: Path) -> str | None:

@@ -27,6 +27,7 @@ from eyas.decoders.hf import AuxTap, decode_all
 from eyas.decoders.result import EvalResult
 from eyas.errors import UsageError
 from eyas.host.ui import still_working
+from eyas.stages.card import record_evaluation
 from eyas.stages.config import EvaluateConfig as _D  # the defaults, written once
 from eyas.stages.export import (
     drafts_per_round,
@@ -530,6 +531,8 @@ def judge(
     results = []
     for dr in drafters:
         results.append(j.run(model, dr, data, **kw))
+        # An eyas export's card says what was measured of it (a stopped run is not recorded).
+        record_evaluation(Path(dr), results[-1].to_dict(), data, cfg.engine)
         if results[-1].stopped_by:
             break
     return results, [paired_difference(results[0], r) for r in results[1:]]

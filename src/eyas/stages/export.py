@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from eyas import __version__
 from eyas.drafters import kind_for_export, kind_of
 from eyas.errors import UsageError
 from eyas.run.fsutil import DiskFullError, atomic_write_json, fsync_dir, is_disk_full, read_json
 from eyas.run.manifest import ManifestError, write_manifest
+from eyas.stages.card import recipe, write_card
 from eyas.stages.config import ExportConfig as _D  # the defaults, written once
 from eyas.training.checkpoint import save_safetensors
 
@@ -130,14 +132,29 @@ def export(
             rendering=info.get("rendering") or {},
             target=target["path"],
             drafts_per_round=k.drafts_per_round(config, tokens),
+            recipe=recipe(info),
+            data=_data_facts(info),
+            eyas_version=__version__,
         )
         _swap_into_place(tmp, out)
+        write_card(out)  # derived from what the manifest says
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(exc):
             raise DiskFullError(exc.errno, f"no space left writing the export to {out}") from exc
         raise
     return out
+
+
+def _data_facts(info: dict) -> dict:
+    """The training data as the card names it: its run, fingerprints, samples and tokens."""
+    facts = dict(info.get("data") or {})
+    try:
+        meta = read_json(Path(facts.get("run", "")) / "run.json")
+        facts.update(samples=meta.get("samples"), tokens=meta.get("tokens"))
+    except (OSError, ValueError):
+        pass  # the run moved or is gone: its fingerprints still say what it was
+    return facts
 
 
 def is_export(path: Path) -> bool:
