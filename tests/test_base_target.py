@@ -85,6 +85,9 @@ def test_chat_template_file_end_to_end(base):
     assert ds["chat_template"] == TEMPLATE
     rendering = json.loads((export / "eyas-manifest.json").read_text())["rendering"]
     assert rendering["chat_template"] == TEMPLATE
+    # The engine must render prompts with it too: the export carries it and its line names it.
+    assert (export / "chat_template.jinja").read_text() == TEMPLATE
+    assert f"--chat-template {export / 'chat_template.jinja'}" in (export / "README.md").read_text()
     p = eyas("evaluate", "--model", base["target"], "--drafter", export, "--data",
              base["chat_prompts"], "--max-new-tokens", "6", "--json")  # fmt: skip
     assert p.returncode == 0, p.stderr

@@ -159,6 +159,7 @@ def test_dflash_trains_exports_and_decodes_losslessly(demo_runs, tmp_path):
     r = eyas("export", tmp_path / "tr", "--format", "sglang", "--out", tmp_path / "ex2")
     assert r.returncode == 0, r.stderr
     assert "--speculative-algorithm DFLASH" in r.stderr, r.stderr
+    assert "--speculative-num-draft-tokens 4" in r.stderr  # the block, not SGLang's fallback 16
     # Two drafters judged on the same prompts in one run: here the same network in both
     # formats, so every prompt's figures agree and the paired difference is exactly zero.
     r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--drafter", tmp_path / "ex2",

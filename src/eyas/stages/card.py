@@ -72,7 +72,9 @@ def write_card(path: Path) -> None:
 
 
 def _template(manifest: dict) -> str:
-    return (manifest.get("rendering") or {}).get("chat_template") or "the target tokenizer's own"
+    if (manifest.get("rendering") or {}).get("chat_template"):
+        return "`chat_template.jinja` here (`prepare --chat-template`; the serving line passes it)"
+    return "the target tokenizer's own"
 
 
 def _vocab(path: Path) -> str:

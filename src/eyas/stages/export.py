@@ -23,7 +23,14 @@ from safetensors.torch import load_file
 from eyas import __version__
 from eyas.drafters import kind_for_export, kind_of
 from eyas.errors import UsageError
-from eyas.run.fsutil import DiskFullError, atomic_write_json, fsync_dir, is_disk_full, read_json
+from eyas.run.fsutil import (
+    DiskFullError,
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_dir,
+    is_disk_full,
+    read_json,
+)
 from eyas.run.manifest import ManifestError, write_manifest
 from eyas.stages.card import recipe, write_card
 from eyas.stages.config import ExportConfig as _D  # the defaults, written once
@@ -31,6 +38,7 @@ from eyas.training.checkpoint import save_safetensors
 
 FORMATS = ("vllm", "sglang")
 MANIFEST = "eyas-manifest.json"  # the export's files and checksums, written last
+CHAT_TEMPLATE = "chat_template.jinja"  # the template the training data was rendered with
 DEFAULT_TOKENS = 3  # a chain's draft length where nothing else says
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -123,9 +131,14 @@ def export(
         tmp.mkdir(parents=True)
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", config)
+        files = ["model.safetensors", "config.json"]
+        if template := (info.get("rendering") or {}).get("chat_template"):
+            # prepare --chat-template: the engine must render prompts with it too
+            atomic_write_bytes(tmp / CHAT_TEMPLATE, template.encode())
+            files.append(CHAT_TEMPLATE)
         write_manifest(
             tmp,
-            ["model.safetensors", "config.json"],
+            files,
             MANIFEST,
             format=fmt,
             kind=k.name,
@@ -267,6 +280,8 @@ def serve_command(path: str | Path, fmt: str, tokens: int | None = None) -> str:
     k = export_kind(path, cfg)
     target = str(export_serving(path).get("target") or "TARGET")
     n = drafts_per_round(path, tokens)
+    template = Path(path) / CHAT_TEMPLATE
+    render = ["--chat-template", str(template)] if template.is_file() else []
     if fmt == "sglang":
         return shlex.join(
             [
@@ -280,11 +295,19 @@ def serve_command(path: str | Path, fmt: str, tokens: int | None = None) -> str:
                 "--speculative-draft-model-path",
                 str(path),
                 *k.sglang_flags(cfg, n),
+                *render,
             ]
         )
     spec = {"method": k.vllm_method, "model": str(path), "num_speculative_tokens": n}
     return shlex.join(
-        ["vllm", "serve", target, "--speculative-config", json.dumps(spec, separators=(",", ":"))]
+        [
+            "vllm",
+            "serve",
+            target,
+            "--speculative-config",
+            json.dumps(spec, separators=(",", ":")),
+            *render,
+        ]  # fmt: skip
     )
 
 

@@ -24,7 +24,12 @@ class DFlash(BlockKind):
         return int((export_config.get("dflash_config") or {}).get("block_size", tokens + 1)) - 1
 
     def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
-        return []  # the block is in the drafter's own config
+        # SGLang reads the block from the drafter's config and falls back to 16 where it
+        # cannot: pinned, so the block verified is the block trained.
+        return [
+            "--speculative-num-draft-tokens",
+            str(self.drafts_per_round(export_config, tokens) + 1),
+        ]
 
     # ---------------------------------------------------------------- export
 
