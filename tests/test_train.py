@@ -1012,9 +1012,16 @@ def test_attention_window_is_trained_exported_for_sglang_and_refused_for_vllm(de
     """A drafter trained with --attention-window for SGLang (--serve-with sglang: the network its
     EAGLE-3 model runs): vLLM would ignore the window, so that export
     is refused naming the option; SGLang's export keeps it and its serving line passes it;
-    the export reads back with its window and decodes losslessly."""
+    the export reads back with its window and decodes losslessly. Asked for vLLM's network,
+    the window is refused before training (2), not after it at the export."""
     from eyas.demo_target.data import generate_conversations, write_jsonl
 
+    r = eyas("train", "--data", demo_run, "--out", tmp_path / "no", "--attention-window", 16)
+    assert r.returncode == 2 and "vLLM applies no window" in r.stderr, r.stderr
+    assert "--serve-with sglang" in r.stderr and not (tmp_path / "no").exists()
+    r = eyas("train", "--data", demo_run, "--out", tmp_path / "no", "--kind", "dspark",
+             "--attention-window", 16)  # fmt: skip
+    assert r.returncode == 2 and "full attention only" in r.stderr, r.stderr
     out = tmp_path / "tr"
     r = eyas("train", "--data", demo_run, "--out", out, "--epochs", 1, "--batch-tokens", 1024,
              "--attention-window", 16, "--serve-with", "sglang")  # fmt: skip

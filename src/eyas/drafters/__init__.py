@@ -74,6 +74,10 @@ class DrafterKind(Protocol):
     sglang_algorithm: str
     """SGLang's `--speculative-algorithm` that serves this kind."""
 
+    def unservable(self, cfg) -> str | None:
+        """Why no serving format of this kind could run a drafter trained as `cfg` asks
+        (said before the training starts, not at its export); None where one can."""
+
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         """Tokens an export (its config.json) drafts a round, asked for `tokens`."""
 

@@ -87,6 +87,9 @@ class BlockKind:
         model.set_draft_vocab(draft_ids)
         return model, head
 
+    def unservable(self, cfg) -> str | None:
+        return None  # DFlash's window is vLLM's use_swa
+
     def own_config(self, cfg, target_config, draft_vocab: int) -> dict:
         """The drafter config's fields that come from the kind's own options."""
         return {

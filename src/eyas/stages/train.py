@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from eyas.drafters import options_class
+from eyas.drafters import kind, options_class
 from eyas.drafters.loss import add_targets, loss_masks, summarize, target_view, ttt_loss
 from eyas.errors import EyasError, Stopped, UsageError
 from eyas.host.cpu import choose_threads, configure_threads
@@ -211,6 +211,8 @@ def resume_options(out: str | Path, opts: dict, given: dict) -> dict:
 
 
 def _train_rank(cfg: TrainConfig, resume: bool) -> dict:
+    if why := kind(cfg.kind).unservable(cfg):  # before hours of training, not at the export
+        raise UsageError(why)
     rank, world = _dist()
     out, run = Path(cfg.out), Path(cfg.data)
     if cfg.follow:

@@ -48,6 +48,14 @@ class DSpark(BlockKind):
             f"DSpark, blocks of {o.block_size}, {o.drafter_layers} layer(s), {heads}{conf}{window}"
         )
 
+    def unservable(self, cfg) -> str | None:
+        if cfg.attention_window:
+            return (
+                f"--attention-window {cfg.attention_window}: eyas writes DSpark's speculators "
+                "format with full attention only; train without it"
+            )
+        return None
+
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         return int(export_config.get("block_size", tokens))  # every slot drafts
 

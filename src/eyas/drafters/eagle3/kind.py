@@ -30,6 +30,16 @@ class Eagle3:
 
     vllm_method, sglang_algorithm = "eagle3", "EAGLE3"
 
+    def unservable(self, cfg) -> str | None:
+        if cfg.attention_window and cfg.options.serve_with == "vllm":
+            return (
+                f"--attention-window {cfg.attention_window}: vLLM applies no window to an EAGLE-3 "
+                "drafter (its speculative config has none), so the drafter served would attend to "
+                "more than it was trained on. Train it for SGLang (--serve-with sglang: its "
+                "--speculative-draft-window-size serves the window), or without the window"
+            )
+        return None
+
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         return tokens  # a chain drafts as many as it is asked
 
