@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -422,3 +423,96 @@ def test_every_kind_drafts_at_inference_what_its_training_forward_predicts(
             drafts = prop.propose(int(ids[0, m]), k)
             seq = torch.cat([ids[:, : m + 1], torch.tensor([drafts])], 1)
             assert kind(kname).trained_drafts(model, seq, states[:, : m + 1 + k], m, k) == drafts, m
+
+
+def _tf5(layer: dict) -> dict:
+    """A decoder-layer config as transformers 5 writes it: the rope in rope_parameters."""
+    out = {k: v for k, v in layer.items() if k not in ("rope_theta", "rope_scaling")}
+    return {**out, "rope_parameters": {"rope_type": "default", "rope_theta": layer["rope_theta"]}}
+
+
+def _speculators_block(cfg: dict, kind_name: str, aux_hf: list[int]) -> dict:
+    """eyas's DFlash export config as speculators 0.9 writes a DFlash one (speculators_model_type,
+    a transformer_layer_config, the block and layers at the top, its anchor convention)."""
+    layer = {k: v for k, v in cfg.items() if k not in ("architectures", "dflash_config", "draft_vocab_size",
+                                                       "target_hidden_size", "torch_dtype", "eyas_version")}  # fmt: skip
+    d = cfg["dflash_config"]
+    return {"architectures": ["DFlashSpeculator"], "speculators_model_type": kind_name,
+            "transformer_layer_config": _tf5(layer), "draft_vocab_size": cfg["draft_vocab_size"],
+            "block_size": d["block_size"], "aux_hidden_state_layer_ids": aux_hf,
+            "mask_token_id": d["mask_token_id"], "sample_from_anchor": False,
+            "sliding_window_non_causal": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kname, fmt, foreign",
+    [
+        ("eagle3", "vllm", "speculators-eagle3"),
+        ("eagle3", "sglang", "specforge-eagle3"),
+        ("dflash", "vllm", "zlab-dflash"),
+        ("dflash", "vllm", "speculators-dflash"),
+        ("dspark", "vllm", "speculators-dspark"),
+    ],
+)
+def test_drafters_saved_by_other_tools_are_read_as_those_tools_wrote_them(
+    kname, fmt, foreign, demo_runs, tmp_path
+):
+    """Each format other tools save (speculators' save_pretrained: Eagle3DraftModel, DFlash,
+    DSpark with its training-only verifier_norm; SpecForge's EAGLE-3; z-lab's DFlash), built
+    from its documented fields with transformers 5's rope_parameters, reads back into the
+    network eyas trained: the same logits. A field of a network eyas's drafter does not have
+    (sliding-window layers) is refused in one line naming it."""
+    from safetensors.torch import save_file
+
+    from eyas.drafters import kind
+    from eyas.run.runmeta import read_run_meta
+    from eyas.stages.export import load_export
+    from eyas.training.config import TrainConfig
+    from eyas.training.trainer import build_drafter
+
+    run = demo_runs(60)
+    meta = read_run_meta(run)
+    torch.manual_seed(0)
+    how = {"serve_with": "sglang"} if fmt == "sglang" else {}  # SGLang's EAGLE-3 network
+    model, _ = build_drafter(TrainConfig.of(data=str(run), out="unused", kind=kname, **how), meta)
+    for p in model.parameters():  # away from the initialisation, so a wrong wiring shows
+        p.data.normal_(0, 0.3) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
+    model.eval()
+    k = kind(kname)
+    tensors, cfg = k.export(fmt, model.state_dict(), k.config_dict(model), meta,
+                            {"path": "target", "architectures": []}, torch.float32, 3)  # fmt: skip
+    if foreign == "speculators-eagle3":
+        cfg = {**cfg, "architectures": ["Eagle3DraftModel"],
+               "transformer_layer_config": _tf5(cfg["transformer_layer_config"])}  # fmt: skip
+    elif foreign == "specforge-eagle3":
+        cfg = _tf5(cfg)
+    elif foreign == "zlab-dflash":
+        cfg = {**_tf5(cfg), "layer_types": ["full_attention"] * cfg["num_hidden_layers"]}
+    elif foreign == "speculators-dflash":
+        cfg = _speculators_block(cfg, "dflash", meta["aux_layers_hf"])
+    if foreign.startswith("speculators-d"):  # its copy of the target's final norm, for training
+        tensors["verifier_norm.weight"] = torch.ones(model.config.hidden_size)
+    out = tmp_path / foreign
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    back, layers = load_export(out)
+    assert layers == meta["aux_layers_hf"]
+    back.attention = getattr(model, "attention", None)  # EAGLE-3: the same TTT attention code
+    T = 20
+    ids = torch.randint(0, model.config.vocab_size, (1, T))
+    states = torch.randn(1, T, model.config.target_layers * model.config.hidden_size)
+    with torch.no_grad():
+        if kname == "eagle3":
+            want, got = model.forward_ttt(ids, states, 3), back.forward_ttt(ids, states, 3)
+            for (a, _), (b, _) in zip(want, got, strict=True):
+                torch.testing.assert_close(a, b)
+        else:
+            anchors = torch.tensor([[3, 9]])
+            torch.testing.assert_close(model.forward_blocks(ids, states, anchors),
+                                       back.forward_blocks(ids, states, anchors))  # fmt: skip
+    layer = cfg.get("transformer_layer_config", cfg)
+    layer["layer_types"] = ["sliding_attention"] * layer.get("num_hidden_layers", 1)
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="layer_types.*sliding_attention"):
+        load_export(out)

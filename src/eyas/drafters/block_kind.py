@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.drafters.block_drafter import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
+from eyas.drafters.blocks import layer_fields, load_weights
 from eyas.drafters.loss import Chain, add_targets, counted, divergence, on_policy, sample_ids
 from eyas.errors import UsageError
 from eyas.targets.weights import embed_weight, lm_head_weight
@@ -32,6 +33,54 @@ def choose_mask_token(model_dir: str, counts, trust_remote_code: bool = False) -
     raise ValueError(
         f"{model_dir}: no special token the data leaves unused to serve as DFlash's mask"
     )
+
+
+def speculators_block_fields(cfg: dict, cfg_file, anchor_drafts: bool) -> tuple[dict, list[int]]:
+    """The block drafter config's fields of a speculators-format config.json (DFlash's,
+    DSpark's) for a kind whose anchor slot drafts (`anchor_drafts`) or not, and the target
+    layers it reads (HF indices); a field of a network eyas's block drafter does not have is
+    refused in one line naming it."""
+    sample = cfg.get("sample_from_anchor", anchor_drafts)
+    if sample != anchor_drafts:
+        raise UsageError(
+            f"{cfg_file}: sample_from_anchor = {sample}: this kind's anchor slot "
+            f"{'drafts' if anchor_drafts else 'holds the verified token'}; it cannot evaluate it"
+        )
+    if cfg.get("sliding_window_non_causal"):
+        raise UsageError(
+            f"{cfg_file}: sliding_window_non_causal: sliding-window layers, which eyas's block "
+            "drafter does not have; it cannot evaluate this drafter"
+        )
+    layer = cfg["transformer_layer_config"]
+    f = layer_fields(layer, cfg_file)
+    ids = list(cfg["aux_hidden_state_layer_ids"])  # HF `hidden_states` indices
+    return {
+        **f,
+        "num_hidden_layers": layer["num_hidden_layers"],
+        "draft_vocab_size": cfg.get("draft_vocab_size") or f["vocab_size"],
+        "target_layers": len(ids),
+        "block_size": cfg["block_size"],
+        "mask_token_id": cfg["mask_token_id"],
+    }, ids
+
+
+def read_block_weights(model, raw: dict, cfg_file) -> None:
+    """An export's tensors into a block drafter: d2t/t2d made for a whole vocabulary left
+    without them; speculators' copy of the target's final norm (its training's, not the
+    drafter's) left out; a missing embedding table said in one line."""
+    state = {n: v.float() if v.is_floating_point() else v for n, v in raw.items()}
+    state.pop("verifier_norm.weight", None)
+    c = model.config
+    if c.draft_vocab_size == c.vocab_size and "d2t" not in state:
+        state["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
+    if "embed_tokens.weight" not in state or "lm_head.weight" not in state:
+        raise UsageError(
+            f"{cfg_file.parent}/model.safetensors: no embed_tokens or lm_head (a tool that "
+            "leaves the target's own out); eyas evaluates a drafter that carries them: write "
+            "the target's embedding table and head rows into it"
+        )
+    load_weights(model, state, f"{cfg_file.parent}/model.safetensors")
 
 
 class BlockKind:

@@ -75,3 +75,39 @@ def load_weights(model: torch.nn.Module, state: dict, where) -> None:
             f"or the weights hold tensors it has not ({', '.join(unexpected[:4]) or 'none'})"
         )
     model.load_state_dict(state)
+
+
+def layer_fields(layer: dict, where) -> dict:
+    """The decoder-layer fields of another tool's config.json as eyas's drafters take them,
+    in transformers 4's names or 5's (`rope_parameters`); a field that asks for a network
+    eyas's drafters do not have (sliding-window layers, scaled rope) is refused in one line
+    naming it (where: the file)."""
+    windowed = [t for t in layer.get("layer_types") or [] if t != "full_attention"]
+    if windowed or layer.get("use_sliding_window"):
+        raise ValueError(
+            f"{where}: layer_types {layer.get('layer_types')} / use_sliding_window "
+            f"{layer.get('use_sliding_window')}: sliding-window layers, which eyas's drafter does "
+            "not have; it cannot evaluate this drafter"
+        )
+    rope = dict(layer.get("rope_parameters") or {})
+    scaling = layer.get("rope_scaling") or (
+        {} if rope.get("rope_type", "default") == "default" else rope
+    )
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ValueError(
+            f"{where}: rope {scaling}: a scaled rope, which eyas's drafter does not have; it "
+            "cannot evaluate this drafter"
+        )
+    heads = layer["num_attention_heads"]
+    return {
+        "hidden_size": layer["hidden_size"],
+        "intermediate_size": layer["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": layer.get("num_key_value_heads") or heads,
+        "head_dim": layer.get("head_dim") or layer["hidden_size"] // heads,
+        "vocab_size": layer["vocab_size"],
+        "rms_norm_eps": layer.get("rms_norm_eps", 1e-6),
+        "rope_theta": float(layer.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        "max_position_embeddings": layer.get("max_position_embeddings", 4096),
+        "hidden_act": layer.get("hidden_act", "silu"),
+    }

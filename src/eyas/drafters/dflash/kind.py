@@ -4,12 +4,10 @@ checkpoint format vLLM (`method: dflash`) and SGLang (`DFLASH`) load."""
 
 from __future__ import annotations
 
-import torch
-
 from eyas.drafters import decoder_fields
 from eyas.drafters.block_drafter import DFlashConfig, DFlashDrafter
-from eyas.drafters.block_kind import BlockKind
-from eyas.drafters.blocks import load_weights
+from eyas.drafters.block_kind import BlockKind, read_block_weights, speculators_block_fields
+from eyas.drafters.blocks import layer_fields
 
 ARCH = "DFlashDraftModel"
 
@@ -21,7 +19,8 @@ class DFlash(BlockKind):
 
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         # A block of B drafts B - 1 tokens: the export's block, not the tokens asked for.
-        return int((export_config.get("dflash_config") or {}).get("block_size", tokens + 1)) - 1
+        d = export_config.get("dflash_config") or export_config  # z-lab's, or speculators'
+        return int(d.get("block_size", tokens + 1)) - 1
 
     def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
         # SGLang reads the block from the drafter's config and falls back to 16 where it
@@ -76,10 +75,18 @@ class DFlash(BlockKind):
         return tensors, config
 
     def reads_export(self, cfg: dict) -> bool:
-        return (cfg.get("architectures") or [None])[0] == ARCH
+        return (cfg.get("architectures") or [None])[0] == ARCH or cfg.get(
+            "speculators_model_type"
+        ) == "dflash"
 
     def load_export(self, cfg: dict, raw: dict, cfg_file) -> tuple[DFlashDrafter, list[int]]:
         from eyas.targets.layers import hf_indices
+
+        if cfg.get("speculators_model_type") == "dflash":  # speculators' own format
+            fields, ids = speculators_block_fields(cfg, cfg_file, anchor_drafts=False)
+            model = DFlashDrafter(DFlashConfig(**fields))
+            read_block_weights(model, raw, cfg_file)
+            return model.eval(), ids
 
         d = cfg.get("dflash_config") or {}
         windowed = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
@@ -92,29 +99,16 @@ class DFlash(BlockKind):
             )
         ids = d["target_layer_ids"]
         c = DFlashConfig(
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            **layer_fields(cfg, cfg_file),
             num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg["num_key_value_heads"],
-            head_dim=cfg["head_dim"],
-            vocab_size=cfg["vocab_size"],
             draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
             target_layers=len(ids),
             block_size=d["block_size"],
             mask_token_id=d["mask_token_id"],
             attention_window=d["swa_window_size"] if d.get("use_swa") else None,
-            rms_norm_eps=cfg["rms_norm_eps"],
-            rope_theta=cfg["rope_theta"],
-            max_position_embeddings=cfg["max_position_embeddings"],
-            hidden_act=cfg["hidden_act"],
         )
         model = DFlashDrafter(c)
-        state = {n: v.float() if v.is_floating_point() else v for n, v in raw.items()}
-        if c.draft_vocab_size == c.vocab_size and "d2t" not in state:
-            state["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
-            state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
-        load_weights(model, state, f"{cfg_file.parent}/model.safetensors")
+        read_block_weights(model, raw, cfg_file)
         return model.eval(), hf_indices(ids)
 
 

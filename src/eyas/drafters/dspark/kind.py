@@ -8,15 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from eyas.drafters import decoder_fields
-from eyas.drafters.block_kind import BlockKind
-from eyas.drafters.blocks import load_weights
+from eyas.drafters.block_kind import BlockKind, read_block_weights, speculators_block_fields
 from eyas.drafters.dspark.model import DSparkConfig, DSparkDrafter
+from eyas.drafters.dspark.options import MARKOV_HEADS
 from eyas.errors import UsageError
 
 ARCH = "DSparkSpeculator"
-# Fields of a speculators DSpark config and the values eyas's drafter runs.
-_RUNS = {"sample_from_anchor": (True,), "sliding_window_non_causal": (False, None),
-         "markov_head_type": ("vanilla", "gated")}  # fmt: skip
 
 
 class DSpark(BlockKind):
@@ -136,46 +133,20 @@ class DSpark(BlockKind):
         ) == "dspark"
 
     def load_export(self, cfg: dict, raw: dict, cfg_file) -> tuple[DSparkDrafter, list[int]]:
-        for key, runs in _RUNS.items():
-            if cfg.get(key, runs[0]) not in runs:
-                raise UsageError(
-                    f"{cfg_file}: {key} = {cfg.get(key)!r}; eyas's DSpark drafter runs "
-                    f"{' or '.join(map(str, runs))}, so it cannot evaluate this export"
-                )
-        layer = cfg["transformer_layer_config"]
-        if [t for t in layer.get("layer_types") or [] if t != "full_attention"]:
+        if cfg.get("markov_head_type", "vanilla") not in MARKOV_HEADS:
             raise UsageError(
-                f"{cfg_file}: layer_types {layer['layer_types']}: sliding-window layers, which "
-                "eyas's DSpark drafter does not have"
+                f"{cfg_file}: markov_head_type = {cfg.get('markov_head_type')!r}; eyas's DSpark "
+                f"drafter has {' and '.join(MARKOV_HEADS)}, so it cannot evaluate this export"
             )
-        ids = list(cfg["aux_hidden_state_layer_ids"])  # HF `hidden_states` indices
-        rope = layer.get("rope_theta") or (layer.get("rope_parameters") or {}).get("rope_theta")
+        fields, ids = speculators_block_fields(cfg, cfg_file, anchor_drafts=True)
         c = DSparkConfig(
-            hidden_size=layer["hidden_size"],
-            intermediate_size=layer["intermediate_size"],
-            num_hidden_layers=layer["num_hidden_layers"],
-            num_attention_heads=layer["num_attention_heads"],
-            num_key_value_heads=layer["num_key_value_heads"],
-            head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-            vocab_size=layer["vocab_size"],
-            draft_vocab_size=cfg.get("draft_vocab_size") or layer["vocab_size"],
-            target_layers=len(ids),
-            block_size=cfg["block_size"],
-            mask_token_id=cfg["mask_token_id"],
-            rms_norm_eps=layer["rms_norm_eps"],
-            rope_theta=float(rope or 10000.0),
-            max_position_embeddings=layer["max_position_embeddings"],
-            hidden_act=layer.get("hidden_act", "silu"),
+            **fields,
             markov_rank=cfg.get("markov_rank", 256),
             markov_head=cfg.get("markov_head_type", "vanilla"),
             confidence_head=cfg.get("enable_confidence_head", True),
         )
         model = DSparkDrafter(c)
-        state = {n: v.float() if v.is_floating_point() else v for n, v in raw.items()}
-        if c.draft_vocab_size == c.vocab_size and "d2t" not in state:
-            state["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
-            state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
-        load_weights(model, state, f"{cfg_file.parent}/model.safetensors")
+        read_block_weights(model, raw, cfg_file)
         return model.eval(), ids
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from eyas.drafters import decoder_fields
-from eyas.drafters.blocks import load_weights
+from eyas.drafters.blocks import layer_fields, load_weights
 from eyas.drafters.eagle3.model import Drafter, DrafterConfig
 from eyas.drafters.eagle3.options import SGLANG_LACKS
 from eyas.drafters.loss import add_targets, counted, loss_masks, sample_ids, ttt_loss
@@ -179,11 +179,15 @@ class Eagle3:
         )
 
     def reads_export(self, cfg: dict) -> bool:
-        return (cfg.get("architectures") or [None])[0] in _ARCHS.values()
+        # vLLM keys on the speculators type, whatever the architecture is called (speculators'
+        # own save_pretrained writes Eagle3DraftModel).
+        return (cfg.get("architectures") or [None])[0] in _ARCHS.values() or cfg.get(
+            "speculators_model_type"
+        ) == "eagle3"
 
     def load_export(self, cfg: dict, raw: dict, cfg_file) -> tuple[Drafter, list[int]]:
         arch = (cfg.get("architectures") or ["?"])[0]
-        if arch == "Eagle3Speculator":
+        if arch == "Eagle3Speculator" or cfg.get("speculators_model_type") == "eagle3":
             layer, aux = cfg["transformer_layer_config"], cfg["eagle_aux_hidden_state_layer_ids"]
             prefix = "layers.0."
             # vLLM's defaults for fields a speculators config leaves out
@@ -211,17 +215,8 @@ class Eagle3:
                 "drafter has one, so it cannot evaluate this export"
             )
         c = DrafterConfig(
-            hidden_size=layer["hidden_size"],
-            intermediate_size=layer["intermediate_size"],
-            num_attention_heads=layer["num_attention_heads"],
-            num_key_value_heads=layer["num_key_value_heads"],
-            head_dim=layer["head_dim"],
-            vocab_size=layer["vocab_size"],
-            draft_vocab_size=cfg["draft_vocab_size"],
-            rms_norm_eps=layer["rms_norm_eps"],
-            rope_theta=layer["rope_theta"],
-            max_position_embeddings=layer["max_position_embeddings"],
-            hidden_act=layer["hidden_act"],
+            **layer_fields(layer, cfg_file),
+            draft_vocab_size=cfg.get("draft_vocab_size") or layer["vocab_size"],
             target_layers=len(aux),
             **norms,
         )
