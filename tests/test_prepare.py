@@ -306,3 +306,25 @@ def test_crash_during_rewrite_leaves_old_or_new(tmp_path, targets, conversations
             )
         ).fingerprint,
     }
+
+
+def test_samples_past_the_targets_context_are_said_where_they_happen(
+    tmp_path, targets, conversations
+):
+    """A dataset whose samples run past the target's context (max_position_embeddings) is
+    said so by prepare and by extract (how many, the longest, and the --max-length that cuts
+    them), not stored without a word; cut to the context, nothing is said."""
+    import shutil
+
+    model = tmp_path / "short-context"
+    shutil.copytree(targets["llama"], model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 48}))
+    r = eyas("prepare", "--model", model, "--data", conversations, "--out", tmp_path / "ds")
+    said = "longer than the target's context (max_position_embeddings 48"
+    assert r.returncode == 0 and said in r.stderr and "--max-length 48" in r.stderr, r.stderr
+    r = eyas("extract", "--model", model, "--data", tmp_path / "ds", "--out", tmp_path / "run")
+    assert r.returncode == 0 and said in r.stderr, r.stderr
+    r = eyas("prepare", "--model", model, "--data", conversations, "--out", tmp_path / "cut",
+             "--max-length", "48")  # fmt: skip
+    assert r.returncode == 0 and said not in r.stderr, r.stderr

@@ -86,6 +86,7 @@ from eyas.targets.target import (
     check_transformers_can_run,
     default_aux_layers,
     model_fingerprint,
+    past_context,
     plan_batches,
     resolve_device,
     resolve_dtype,
@@ -344,6 +345,8 @@ def extract(
 ) -> ExtractSummary:
     """Run or resume an extraction. Raises ExtractStopped for a clean early stop."""
     cfg, run, meta, ds = plan_run(cfg, resume, overrides)
+    if note := past_context(cfg.model, ds.lengths().tolist(), "samples of the dataset"):
+        say(f"note: {note}")
     new_dir = not run.exists()
     if (w := filesystem_info(run).warning()) is not None:
         say(f"warning: {w}; a run of many hours should live on persistent storage")

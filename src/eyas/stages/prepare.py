@@ -34,7 +34,12 @@ from eyas.data.records import (
 from eyas.errors import UsageError
 from eyas.host.ui import Reporter
 from eyas.stages.config import PrepareConfig
-from eyas.targets.target import load_tokenizer, read_chat_template, require_chat_template
+from eyas.targets.target import (
+    load_tokenizer,
+    past_context,
+    read_chat_template,
+    require_chat_template,
+)
 
 
 @dataclass
@@ -248,6 +253,8 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
 
     summary = PrepareSummary(out=str(out), records=len(raws))
     samples, errors = _tally(raws, _render_all(raws, cfg, template), summary)
+    if note := past_context(cfg.model, [len(s.input_ids) for s in samples], "samples"):
+        summary.notes.append(note)
     _refuse_if_lost(cfg, out, samples, errors, summary)
     summary.fingerprint = write_dataset(out, samples, errors, cfg, tok, summary)
     return summary

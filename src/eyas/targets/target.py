@@ -55,6 +55,23 @@ class TargetFacts:
     vocab_size: int
     rms_norm_eps: float
     architectures: tuple[str, ...]
+    max_positions: int | None = None
+    """The context the target was made for (max_position_embeddings), where it says."""
+
+
+def past_context(model_dir: str | Path, lengths, what: str) -> str | None:
+    """One line where some of `lengths` (tokens per sample) run past the target's context:
+    how many, and what follows; None where none does or the target does not say."""
+    ctx = target_facts(model_dir).max_positions
+    over = [n for n in lengths if ctx and n > ctx]
+    if not over:
+        return None
+    return (
+        f"{len(over)} of {len(lengths)} {what} are longer than the target's context "
+        f"(max_position_embeddings {ctx}; the longest {max(over)} tokens): their states past "
+        f"position {ctx} are the target's beyond what it was made for, not what it serves. "
+        f"prepare with --max-length {ctx} to cut them"
+    )
 
 
 def target_facts(model_dir: str | Path) -> TargetFacts:
@@ -70,6 +87,7 @@ def target_facts(model_dir: str | Path) -> TargetFacts:
             int(c["vocab_size"]),
             float(c.get("rms_norm_eps", 1e-6)),
             tuple(cfg.get("architectures") or ()),
+            int(c["max_position_embeddings"]) if c.get("max_position_embeddings") else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelDirError(
