@@ -361,6 +361,8 @@ def test_train_never_trains_on_damaged_samples(tmp_path, reference):
     r = eyas("train", "--data", run, "--out", tmp_path / "t", "--epochs", "1", "--ttt-steps", "2",
              "--batch-tokens", "1024", "--val-fraction", "0")  # fmt: skip
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]  # the line a user reads last says it too
+    assert last.startswith("trained ") and "7 damaged sample(s) left out" in last, last
     for i in range(7):
         assert str(path(i)) in r.stderr, (i, r.stderr)
     assert str(path(7)) not in r.stderr

@@ -179,6 +179,7 @@ def test_data_parallel_matches_single_process(demo_run, tmp_path, kind):
            "train", "--data", str(demo_run), "--out", str(multi), *TRAIN_ARGS, *args]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert len([x for x in r.stderr.splitlines() if x.startswith("trained ")]) == 1, r.stderr
     assert json.loads((multi / "train.json").read_text())["world"] == 2
     assert json.loads((multi / "train.json").read_text())["config"]["kind"] == kind
 
@@ -1077,6 +1078,9 @@ def test_every_export_carries_a_model_card_that_evaluate_completes(demo_runs, tm
                  meta["dataset_fingerprint"], f"{meta['samples']} samples", "Not measured yet"):  # fmt: skip
         assert said in card, said
     assert "measured   not yet" in eyas("status", tmp_path / "ex").stdout
+    r = eyas("export", tmp_path / "tr", "--format", "vllm", "--out", tmp_path / "ex4",
+             "--speculative-tokens", "4", check=True)  # fmt: skip
+    assert "drafts 4 tokens a round but was trained for 2" in r.stderr, r.stderr
     eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--data", src,
          "--limit", "4", check=True)  # fmt: skip
     card = (tmp_path / "ex" / "README.md").read_text()
@@ -1084,3 +1088,12 @@ def test_every_export_carries_a_model_card_that_evaluate_completes(demo_runs, tm
     assert len(row) == 1 and "| hf | 3 |" in row[0] and "| yes |" in row[0], card
     st = eyas("status", tmp_path / "ex").stdout
     assert "eagle3 in vllm's format, 3 drafts a round" in st and "on 4 prompts of" in st, st
+    # Another tool's drafter whose config does not fit its weights: an input to fix (2).
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(tmp_path / "ex" / "model.safetensors", bad)
+    cfg = json.loads((tmp_path / "ex" / "config.json").read_text())
+    cfg["transformer_layer_config"]["intermediate_size"] += 8
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", bad, "--data", src, "--limit", "2")
+    assert r.returncode == 2 and "the config does not match the weights" in r.stderr, r.stderr

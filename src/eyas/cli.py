@@ -386,7 +386,13 @@ def doctor(
     """Assess GPUs, disks and runs after a failure; end with an ordered plan."""
     from eyas.inspect.doctor import doctor as run_doctor
     from eyas.inspect.doctor import render as render_doctor
+    from eyas.inspect.status import not_eyas
 
+    for r in runs or []:  # a wrong path is a usage error, as for status and verify
+        if not r.exists():
+            raise fail(f"{r}: no such directory", EXIT_USAGE)
+        if r.is_file() and (msg := not_eyas(r)) is not None:
+            raise fail(msg, EXIT_USAGE)
     rep = run_doctor(list(runs or []), deep=deep)
     if as_json:
         _print_json(rep.to_dict())
@@ -437,7 +443,8 @@ def train(
     cfg = _config(TrainConfig.of, out=str(out), **opts)
     with _exits(then=f"eyas train --resume --out {out}", also=(KeyError,)):
         res = run_train(cfg, resume=resume)
-    _say(render_result(res, out, resume))
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one line for the training
+        _say(render_result(res, out, resume))
 
 
 @app.command()

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eyas.errors import UsageError
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -64,13 +66,13 @@ def load_weights(model: torch.nn.Module, state: dict, where) -> None:
     mine = model.state_dict()
     for name, t in mine.items():
         if name in state and tuple(state[name].shape) != tuple(t.shape):
-            raise ValueError(
+            raise UsageError(
                 f"{where}: tensor {name} is {tuple(state[name].shape)} there, but the config "
                 f"makes it {tuple(t.shape)}: the config does not match the weights"
             )
     missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
     if missing or unexpected:
-        raise ValueError(
+        raise UsageError(
             f"{where}: the config's drafter has tensors the weights lack ({', '.join(missing[:4]) or 'none'}) "
             f"or the weights hold tensors it has not ({', '.join(unexpected[:4]) or 'none'})"
         )

@@ -29,11 +29,24 @@ def run_demo(cfg: DemoConfig) -> dict:
     clock = _StageClock()
     p, x = _prepare_and_extract(workdir, clock)
     tdir, t = _train(cfg, workdir, clock)
-    exports = _export(cfg.kind, tdir, workdir, clock)
+    exports, not_written = _export(cfg.kind, tdir, workdir, clock)
     e = _evaluate(cfg, exports["vllm"], workdir, clock)
     summary = _summary(cfg.kind, p, x, t, e.to_dict(), tdir, exports, clock)
+    summary["not_exported"] = not_written
+    summary["next"] = _next_steps(exports["vllm"])
     _print_table(summary)
     return summary
+
+
+def _next_steps(export: Path) -> list[str]:
+    """Where a user goes from the demo: serving what it made, and training on their own data."""
+    from eyas.stages.export import serve_command
+
+    return [
+        f"serve it: {serve_command(export, 'vllm')}",
+        "train one for your own target and conversations: eyas prepare --model TARGET --data "
+        "chats.jsonl --out ds, then extract, train, export, evaluate (README.md, docs/your-data.md)",
+    ]
 
 
 class _StageClock:
@@ -127,23 +140,25 @@ def _train(cfg: DemoConfig, workdir: Path, clock: _StageClock):
     return tdir, t
 
 
-def _export(kind: str, tdir: Path, workdir: Path, clock: _StageClock) -> dict[str, Path]:
-    """Every format the drafter runs in; a format that would run another network is said,
-    not written."""
+def _export(
+    kind: str, tdir: Path, workdir: Path, clock: _StageClock
+) -> tuple[dict[str, Path], dict[str, str]]:
+    """Every format the drafter runs in, and why each other format of its kind was not
+    written (it would run another network: said in the summary, not as an error mid-run)."""
     from eyas.drafters import kind as drafter_kind
     from eyas.stages.export import ExportError, export
 
-    exports = {}
+    exports, not_written = {}, {}
     with clock("export"):
         for fmt in drafter_kind(kind).export_formats:
             try:
                 exports[fmt] = export(tdir, fmt, workdir / f"drafter-{fmt}")
             except ExportError as exc:
-                console.print(f"not exported for {fmt}: {exc}", markup=False, highlight=False)
+                not_written[fmt] = str(exc).split(": ", 1)[-1]
         console.print(
             f"exported {', '.join(map(str, exports.values()))}", markup=False, highlight=False
         )
-    return exports
+    return exports, not_written
 
 
 def _evaluate(cfg: DemoConfig, drafter: Path, workdir: Path, clock: _StageClock):
@@ -153,11 +168,10 @@ def _evaluate(cfg: DemoConfig, drafter: Path, workdir: Path, clock: _StageClock)
     with clock("evaluate"):
         held_out = workdir / "eval_conversations.jsonl"
         write_jsonl(held_out, generate_conversations(cfg.eval_prompts, seed=EVAL_SEED))
-        return evaluate(
+        return evaluate(  # drafting what the export serves
             str(DEMO_TARGET),
             str(drafter),
             str(held_out),
-            k=3,
             max_new_tokens=48,
             limit=cfg.eval_prompts,
         )
@@ -167,6 +181,7 @@ def _summary(kind, p, x, t, ed: dict, tdir: Path, exports: dict, clock: _StageCl
     from eyas.drafters import kind as drafter_kind
 
     val = t["val"]
+    k = ed["drafter"]["draft_tokens"]  # what the export drafts a round
     return {
         "kind": kind,
         "position_name": drafter_kind(kind).position_name,
@@ -176,12 +191,14 @@ def _summary(kind, p, x, t, ed: dict, tdir: Path, exports: dict, clock: _StageCl
         "bytes_per_token": x.bytes_written / max(x.tokens, 1),
         "val_acc_per_step": [round(a, 3) for a in val["acc"]],
         "val_cond_acc_per_step": [round(a, 3) for a in val["cond_acc"]],
-        "estimated_acceptance_length_k3": round(
-            val["accept_len"][min(2, len(val["accept_len"]) - 1)], 3
+        "draft_tokens": k,
+        "trained_positions": len(val["acc"]),
+        "estimated_acceptance_length": round(
+            val["accept_len"][min(k, len(val["accept_len"])) - 1], 3
         ),
-        "measured_acceptance_length_k3": ed["acceptance_length"],
+        "measured_acceptance_length": ed["acceptance_length"],
         "measured_acceptance_length_ci95": ed["acceptance_length_ci95"],
-        "tokens_per_forward_k3": ed["tokens_per_forward"],
+        "tokens_per_forward": ed["tokens_per_forward"],
         "tokens_per_forward_ci95": ed["tokens_per_forward_ci95"],
         "eval_rounds": ed["rounds"],
         "per_position_acceptance": ed["per_position_acceptance"],
@@ -211,14 +228,20 @@ def _print_table(s: dict) -> None:
         (f"val acc per {s['position_name']}", " ".join(f"{a:.2f}" for a in s["val_acc_per_step"])),
         ("val conditional acc", " ".join(f"{a:.2f}" for a in s["val_cond_acc_per_step"])),
         (
-            "tokens per target forward, K=3",
-            f"{s['tokens_per_forward_k3']:.2f} {_ci(s['tokens_per_forward_ci95'])}, cut where replies end "
-            f"({s['eval_rounds']} rounds)",
+            "drafts a round",
+            f"K={s['draft_tokens']}, what the export serves (trained for {s['trained_positions']} "
+            f"{s['position_name']}s; the training lines estimate at k={s['trained_positions']})",
         ),
         (
-            "acceptance length, K=3",
-            f"estimated {s['estimated_acceptance_length_k3']:.2f}, measured {s['measured_acceptance_length_k3']:.2f} "
-            f"{_ci(s['measured_acceptance_length_ci95'])} (engine-style)",
+            f"acceptance length, K={s['draft_tokens']}",
+            f"measured {s['measured_acceptance_length']:.2f} {_ci(s['measured_acceptance_length_ci95'])} "
+            f"(engine-style: 1 + accepted drafts a round); validation estimated "
+            f"{s['estimated_acceptance_length']:.2f} at the same K",
+        ),
+        (
+            f"tokens per target forward, K={s['draft_tokens']}",
+            f"{s['tokens_per_forward']:.2f} {_ci(s['tokens_per_forward_ci95'])}: the same rounds, "
+            f"where the last one of a reply is cut at its end ({s['eval_rounds']} rounds)",
         ),
         (
             "per-position acceptance",
@@ -232,6 +255,7 @@ def _print_table(s: dict) -> None:
         ("training tokens/s", f"{s['train_tokens_per_s']:.0f}"),
         ("plots", "\n".join(s["plots"])),
         ("exported drafters", "\n".join(s["drafters"])),
+        *[(f"not for {fmt}", why) for fmt, why in s["not_exported"].items()],
         (
             "time",
             f"{s['seconds']:.0f}s ("
@@ -242,3 +266,5 @@ def _print_table(s: dict) -> None:
     for k, v in rows:
         tab.add_row(k, v)
     console.print(tab)
+    for line in s["next"]:
+        console.print(f"next: {line}", markup=False, highlight=False)

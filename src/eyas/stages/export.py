@@ -146,6 +146,7 @@ def export(
             target=target["path"],
             drafts_per_round=k.drafts_per_round(config, tokens),
             recipe=recipe(info),
+            trained_positions=_trained_positions(k, info),
             data=_data_facts(info),
             eyas_version=__version__,
         )
@@ -157,6 +158,16 @@ def export(
             raise DiskFullError(exc.errno, f"no space left writing the export to {out}") from exc
         raise
     return out
+
+
+def _trained_positions(k, info: dict) -> int | None:
+    """The drafts a round the drafter was trained for (its TTT steps, its block's drafts)."""
+    from eyas.training.config import TrainConfig, saved_flat
+
+    try:
+        return k.positions(TrainConfig.of(**saved_flat(info["config"])))
+    except (KeyError, TypeError, ValueError):
+        return None  # a training directory of an older eyas: not said
 
 
 def _data_facts(info: dict) -> dict:
@@ -255,13 +266,15 @@ def vllm_speculative_config(path: str | Path, tokens: int) -> dict:
 
 def export_serving(path: str | Path) -> dict:
     """What an export serves, from its manifest: `target` (the path or name it was exported
-    for) and `drafts_per_round`; {} for an export that does not say (another tool's, older)."""
+    for), `drafts_per_round` and `trained_positions` (what it was trained to draft); {} for an
+    export that does not say (another tool's, older)."""
     m = Path(path) / MANIFEST
     try:
         made = read_json(m) if m.is_file() else {}
     except (OSError, ValueError):
         return {}
-    return {key: made[key] for key in ("target", "drafts_per_round") if key in made}
+    keys = ("target", "drafts_per_round", "trained_positions")
+    return {key: made[key] for key in keys if key in made}
 
 
 def drafts_per_round(path: str | Path, tokens: int | None = None) -> int:
@@ -315,11 +328,18 @@ def render_export(path: str | Path, fmt: str, asked_tokens: int | None = None) -
     """What was written and the command that serves it; a note first where
     --speculative-tokens (`asked_tokens`) does not apply to the drafter's kind."""
     served = drafts_per_round(path)
+    trained = export_serving(path).get("trained_positions")
     note = ""
     if asked_tokens is not None and served != asked_tokens:
         note = (
             f"note: --speculative-tokens {asked_tokens} does not apply to this drafter: its "
             f"block drafts {served} tokens a round (set by train --block-size)\n"
+        )
+    elif trained and served > trained:
+        note = (
+            f"note: it drafts {served} tokens a round but was trained for {trained}: the last "
+            f"{served - trained} draft(s) of each round come from steps it never trained (train "
+            f"with --ttt-steps {served}, or export with --speculative-tokens {trained})\n"
         )
     return (
         f"{note}exported {fmt} drafter to {path}, drafting {served} tokens a round\n"
@@ -334,6 +354,8 @@ def load_export(path: str | Path) -> tuple[torch.nn.Module, list[int]]:
 
     try:
         _, drafter, layers = read_export(Path(path))
+    except UsageError as exc:  # a drafter to fix (its config against its weights): exit 2
+        raise ExportUsage(str(exc)) from None
     except ValueError as exc:
         raise ExportError(str(exc)) from None
     return drafter, layers

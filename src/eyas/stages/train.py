@@ -188,8 +188,16 @@ def render_result(res: dict, out: str | Path, resume: bool) -> str:
     waited = (
         f"; waited {human_duration(res['waited_s'])} for samples" if res.get("waited_s") else ""
     )
+    skipped = len(_skipped_indices(Path(out) / "skipped_samples.jsonl"))
+    left_out = (
+        f"; {skipped} damaged sample(s) left out, never trained on ({Path(out) / 'skipped_samples.jsonl'}; "
+        "`eyas verify --repair` of the run, then `eyas extract --resume`, brings them back)"
+        if skipped
+        else ""
+    )
     return (
         f"trained {res['steps']} steps at {res['tokens_per_s']:.0f} tokens/s{tail} -> {out}{waited}"
+        f"{left_out}"
     )
 
 
@@ -219,8 +227,8 @@ def _train_rank(cfg: TrainConfig, resume: bool) -> dict:
         _wait_for_run(run)
     meta = read_run_meta(run)
     auto = cfg.batch_tokens is None and cfg.lr is None  # the few-steps advice differs
-    cfg = _resolve_schedule(cfg, meta, rank)
     done = None if cfg.follow else _check_complete(run, meta, cfg.allow_partial)
+    cfg = _resolve_schedule(cfg, meta, rank)  # said once the run is known to be trainable
     if rank != 0:
         return _train(cfg, resume, rank, world, run, out, meta, done, auto)
     new_dir, fresh = not out.exists(), not (out / "train.json").exists()
