@@ -152,7 +152,8 @@ def test_dflash_trains_exports_and_decodes_losslessly(demo_runs, tmp_path):
     assert d["lossless"] and d["rounds"] > 0 and len(d["per_position_acceptance"]) == 3
     longest = json.loads((ds / "dataset.json").read_text())["tokens"]["max"]
     assert d["drafter"] == {"path": str((tmp_path / "ex").resolve()), "kind": "dflash",
-                            "draft_tokens": 3, "serves": 3, "longest_training_sample": longest}  # fmt: skip
+                            "draft_tokens": 3, "serves": 3, "longest_training_sample": longest,
+                            "target_context": 4096}  # fmt: skip
     r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--data", src,
              "--draft-tokens", "5")  # fmt: skip
     assert r.returncode == 2 and "drafts 3 tokens a round" in r.stderr, r.stderr

@@ -325,6 +325,15 @@ def test_samples_past_the_targets_context_are_said_where_they_happen(
     assert r.returncode == 0 and said in r.stderr and "--max-length 48" in r.stderr, r.stderr
     r = eyas("extract", "--model", model, "--data", tmp_path / "ds", "--out", tmp_path / "run")
     assert r.returncode == 0 and said in r.stderr, r.stderr
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"prompt": " ".join(["many words"] * 40)}) + "\n")
+    r = eyas(
+        "train", "--data", tmp_path / "run", "--out", tmp_path / "t", "--epochs", "1", check=True
+    )
+    eyas("export", tmp_path / "t", "--format", "vllm", "--out", tmp_path / "ex", check=True)
+    r = eyas("evaluate", "--model", model, "--drafter", tmp_path / "ex", "--data", prompts,
+             "--max-new-tokens", "4")  # fmt: skip
+    assert r.returncode == 0 and "longer than the target's context (48 tokens" in r.stdout, r.stdout
     r = eyas("prepare", "--model", model, "--data", conversations, "--out", tmp_path / "cut",
              "--max-length", "48")  # fmt: skip
     assert r.returncode == 0 and said not in r.stderr, r.stderr

@@ -96,6 +96,14 @@ def render_result(out, d: dict) -> None:
             f"trained on ({longest} tokens; prompts up to {max(lengths)}): past it, its figures are "
             "extrapolation (see docs/recipe.md on long context)",
         )
+    ctx = judged.get("target_context")
+    if ctx and lengths and (past := sum(n > ctx for n in lengths)):
+        _say(
+            out,
+            f"note: {past} of {len(lengths)} prompts are longer than the target's context ({ctx} "
+            "tokens, max_position_embeddings): the target itself runs past what it was made for "
+            "there, drafter or not",
+        )
     for m in d["mismatches"][:3]:
         _say(out, f"  prompt {m['prompt']} differs at token {m['first_difference_at']}")
 

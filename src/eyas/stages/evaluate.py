@@ -270,7 +270,7 @@ def _inputs(
     chat_template_kwargs: dict | None,
     chat_template: str | None,
 ) -> _Inputs:
-    from eyas.targets.target import check_model_dir
+    from eyas.targets.target import check_model_dir, target_facts
 
     check_model_dir(model_dir, tokenizer=True, weights=True)
     asked = read_prompts(Path(data), limit, max_error_rate)  # before minutes of loading the model
@@ -280,6 +280,8 @@ def _inputs(
     if not Path(drafter_dir).is_dir():
         raise FileNotFoundError(f"{drafter_dir}: no such exported drafter directory")
     k, judged = draft_length(drafter_dir, k)
+    if ctx := target_facts(model_dir).max_positions:
+        judged["target_context"] = ctx  # the report says what runs past it
     return _Inputs(asked, tok, render_prompts(tok, asked.prompts, template_kwargs), k, judged)
 
 
