@@ -173,3 +173,28 @@ def test_estimate_agrees_with_what_extract_stores(tmp_path, targets, llama_datas
     gpu = eyas("estimate", "--model", targets["llama"], "--samples", 10, "--tokens-per-sample", 100,
                "--device", "cuda", check=True).stdout  # fmt: skip
     assert "bfloat16 (what extract stores on a GPU" in gpu and "halves" not in gpu
+
+
+def test_aux_layers_as_a_count_is_spread_and_estimate_sizes_it(tmp_path, targets, llama_dataset):
+    """`--aux-layers 5` asks for five layers spread over the depth (what the block kinds'
+    recipes read), written as their ids; `estimate --aux-layers 5` sizes exactly what that
+    run stores per token, where three layers would under-count it; one number below 2 is
+    refused (2)."""
+    from eyas.targets.layers import spread
+
+    run = tmp_path / "run"
+    eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run,
+         "--device", "cpu", "--aux-layers", "5", check=True)  # fmt: skip
+    meta = json.loads((run / "run.json").read_text())
+    n = meta["num_hidden_layers"]
+    assert meta["aux_layers"] == list(spread(n, 5)) and len(set(meta["aux_layers"])) == 5
+    per = {}
+    for layers in (3, 5):
+        p = eyas("estimate", "--model", targets["llama"], "--samples", 10, "--tokens-per-sample",
+                 100, "--device", "cpu", "--aux-layers", layers, check=True)  # fmt: skip
+        per[layers] = int(p.stdout.splitlines()[1].split()[0].replace(",", ""))
+        assert f"{layers} target layers" in p.stdout.splitlines()[0]
+    assert per[5] == meta["bytes_per_token"] > per[3]
+    r = eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out",
+             tmp_path / "one", "--aux-layers", "1")  # fmt: skip
+    assert r.returncode == 2 and "one number is a count" in r.stderr, r.stderr

@@ -29,16 +29,18 @@ class Estimate:
         from eyas.run.fsutil import human_bytes
 
         c = self.cfg
-        peers = 8 * self.hidden_size + 16  # bf16 final + 3 aux states, int64 ids: others' pickles
+        # what other tools pickle: bf16 final + the aux states, int64 ids and a mask
+        peers = 2 * (c.aux_layers + 1) * self.hidden_size + 16
         halve = "; --store-dtype bfloat16 halves this" if self.store_dtype == "float32" else ""
         return (
             f"{c.samples:,} samples x {c.tokens_per_sample:,.0f} tokens, H={self.hidden_size}, "
+            f"{c.aux_layers} target layers, "
             f"{self.layout}, {self.store_dtype}{self.how}:\n"
             f"  {self.per_token:,} bytes per token + {self.per_sample:,} bytes per sample "
             "(header, journal line)\n"
             f"  {human_bytes(self.total)} in all ({_decimal(self.total)}); "
-            f"{self.per_token / peers:.0%} of the 8H+16 = {peers:,} bytes per token other tools "
-            f"store (in bfloat16{halve})"
+            f"{self.per_token / peers:.0%} of the {peers:,} bytes per token other tools store for "
+            f"{c.aux_layers} layers and the final state (in bfloat16, int64 ids{halve})"
         )
 
 
@@ -48,7 +50,7 @@ def estimate(cfg: EstimateConfig) -> Estimate:
     from eyas.targets.target import DTYPES, resolve_device, resolve_dtype, target_facts
 
     H = cfg.hidden_size or target_facts(cfg.model).hidden_size
-    layout = Layout(cfg.storage, cfg.target)
+    layout = Layout(cfg.storage, cfg.target, cfg.aux_layers)
     store_dtype, how = cfg.store_dtype, ""
     if store_dtype == "auto":  # as extract decides: its compute dtype on that device
         where = resolve_device(cfg.device)

@@ -159,9 +159,10 @@ class ExtractConfig:
     backend: str = "hf"
     """`hf` (transformers in this process) or `vllm` (vLLM engine, tensor parallel)."""
     aux_layers: tuple[int, ...] | None = None
-    """The target layers whose states are stored, as outputs of 0-based decoder layers, e.g.
-    1,15,28; default the three [1, n//2-1, n-4]. EAGLE-3 exports read three, a DFlash drafter
-    any number."""
+    """The target layers whose states are stored: their ids as outputs of 0-based decoder
+    layers (1,15,28), or one number N for N layers spread evenly from the second to the
+    fourth-last (5: what DFlash and DSpark recipes read); default the three [1, n//2-1, n-4].
+    EAGLE-3 exports read three, the block kinds any number."""
     device: str = "auto"
     """`auto` (cuda if present), `cpu`, `cuda`, `cuda:K`, or `multi` (hf: device_map=auto)."""
     dtype: str = "auto"
@@ -220,7 +221,12 @@ class ExtractConfig:
         if self.batch_tokens < 1:
             raise ValueError(f"--batch-tokens must be positive, got {self.batch_tokens}")
         if self.aux_layers is not None and not self.aux_layers:
-            raise ValueError("--aux-layers needs one or more layers")
+            raise UsageError("--aux-layers needs two or more layer ids, or a count N")
+        if self.aux_layers is not None and len(self.aux_layers) == 1 and self.aux_layers[0] < 2:
+            raise UsageError(
+                f"--aux-layers {self.aux_layers[0]}: one number is a count of layers spread over "
+                "the depth, at least 2 (give two or more ids for particular layers)"
+            )
         for d in (self.dtype, self.store_dtype or "auto"):
             if d not in ("auto", *DTYPES):
                 raise ValueError(f"unknown dtype {d!r}; choose from auto, {', '.join(DTYPES)}")
@@ -255,10 +261,17 @@ class ExtractConfig:
         parse_size(self.max_foreign_gpu_mem, 1)
 
     @property
+    def aux_count(self) -> int:
+        """How many target layers are stored (ids given, or a count)."""
+        if not self.aux_layers:
+            return 3
+        return self.aux_layers[0] if len(self.aux_layers) == 1 else len(self.aux_layers)
+
+    @property
     def layout(self) -> Layout:
         from eyas.run.store import Layout
 
-        return Layout(self.storage, self.target, len(self.aux_layers) if self.aux_layers else 3)
+        return Layout(self.storage, self.target, self.aux_count)
 
 
 __all__ = ["EvaluateConfig", "ENGINES"]
@@ -396,6 +409,9 @@ class EstimateConfig:
     """last or topk:K."""
     draft_vocab_size: int = 32000
     """Draft vocabulary size D (sizes --target topk:K's ids)."""
+    aux_layers: int = 3
+    """Target layers stored per token, as `extract --aux-layers` gives them (3: EAGLE-3's; the
+    DFlash and DSpark recipes read 5)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -409,5 +425,7 @@ class EstimateConfig:
                 f"--samples and --tokens-per-sample must be positive, got {self.samples} and "
                 f"{self.tokens_per_sample}"
             )
+        if self.aux_layers < 1:
+            raise UsageError(f"--aux-layers must be at least 1, got {self.aux_layers}")
         if self.hidden_size is None and self.model is None:
             raise ValueError("need the target's hidden size: --model MODEL_DIR or --hidden-size H")

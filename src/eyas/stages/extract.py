@@ -77,7 +77,7 @@ from eyas.run.stream import Retirer
 from eyas.stages.config import ExtractConfig
 from eyas.stop import StopSignals
 from eyas.targets.backends import BackendSpec, open_backend, registered
-from eyas.targets.layers import hf_indices
+from eyas.targets.layers import hf_indices, spread
 from eyas.targets.target import (
     DTYPES,
     ModelDirError,
@@ -163,7 +163,10 @@ def stored_config(cfg: ExtractConfig) -> dict:
 def resolve(cfg: ExtractConfig) -> ExtractConfig:
     """Absolute paths and explicit aux layers, so the stored config means one thing."""
     check_model_dir(cfg.model, weights=True)
-    aux = cfg.aux_layers or default_aux_layers(target_facts(cfg.model).num_hidden_layers)
+    n = target_facts(cfg.model).num_hidden_layers
+    aux = cfg.aux_layers or default_aux_layers(n)
+    if len(aux) == 1:  # a count: that many layers spread over the depth
+        aux = spread(n, aux[0])
     ab = lambda p: str(Path(p).resolve())  # noqa: E731
     return replace(
         cfg, model=ab(cfg.model), data=ab(cfg.data), out=ab(cfg.out), aux_layers=tuple(aux)

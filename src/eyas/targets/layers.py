@@ -11,6 +11,8 @@ eyas counts a target layer as the *output of 0-based decoder layer i* (`run.json
 
 from __future__ import annotations
 
+from eyas.errors import UsageError
+
 __all__ = ["default_eagle3", "from_hf", "hf_indices", "sglang_ids", "spread"]
 
 
@@ -20,11 +22,14 @@ def default_eagle3(n_layers: int) -> tuple[int, int, int]:
 
 
 def spread(n_layers: int, count: int) -> tuple[int, ...]:
-    """`count` layers spread over the depth from the second to the fourth-last (DFlash's
-    usual five); EAGLE-3's three when count is 3."""
-    if count == 3:
+    """`count` distinct layers spread over the depth from the second to the fourth-last
+    (DFlash's usual five), over all of it where that span is too short; EAGLE-3's three when
+    count is 3."""
+    if count == 3 and n_layers >= 8:
         return default_eagle3(n_layers)
-    lo, hi = 1, n_layers - 4
+    if count > n_layers:
+        raise UsageError(f"--aux-layers {count}: the target has {n_layers} layers")
+    lo, hi = (1, n_layers - 4) if count <= n_layers - 4 else (0, n_layers - 1)
     return tuple(round(lo + (hi - lo) * j / (count - 1)) for j in range(count))
 
 
