@@ -220,13 +220,12 @@ def test_packed_rows_equal_padded_rows(attention):
 
 
 def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
-    """kl is the soft cross-entropy, tv one minus the overlap alpha of the two distributions,
-    hard the cross-entropy of the target's argmax, kd 4 x kl of both softened at temperature
-    2, mix 0.1 x hard + 0.9 x tv, nla -log alpha, lk lambda KL + (1 - lambda) tv with lambda =
-    exp(-3 x alpha's mean over the counted positions), hass kl plus the cross-entropy over
-    the target's 10 likeliest ids; a top-K store holding every id gives the same values as
-    the full one."""
-    from eyas.drafters.loss import position_loss
+    """Over the loss registry: each loss equals its reference, the same value written plainly
+    from the two distributions (kl the soft cross-entropy, tv one minus their overlap alpha,
+    lk's blend weight from alpha's mean over the counted positions, ...), for a full store
+    and for a top-K store holding every id. A loss without a reference is the chain's (opd),
+    checked by the test below."""
+    from eyas.drafters.loss import LOSSES, position_loss
 
     torch.manual_seed(0)
     B, T, D = 2, 5, 13  # more ids than hass's 10
@@ -237,29 +236,25 @@ def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
     n = 1
     p = torch.softmax(tgt[:, n:], -1)
     q = torch.softmax(mine[:, :-n], -1)
-    want = {
-        "kl": -(p * q.log()).sum(-1),
-        "tv": 1 - torch.minimum(p, q).sum(-1),
-    }
-    want["hard"] = -q.log().gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)
-    p2, logq2 = torch.softmax(tgt[:, n:] / 2, -1), torch.log_softmax(mine[:, :-n] / 2, -1)
-    want["kd"] = -(p2 * logq2).sum(-1) * 4
-    want["mix"] = 0.1 * want["hard"] + 0.9 * want["tv"]
-    alpha = torch.minimum(p, q).sum(-1)
-    want["nla"] = -alpha.log()
-    top10 = p.topk(10, -1).indices
-    want["hass"] = want["kl"] - (p * q.log()).gather(-1, top10).sum(-1)
     counted = torch.ones(B, T, dtype=torch.bool)
     counted[:, -n:] = False  # past the end: not counted, so not in lk's mean
     counted[0, 0] = False
-    lam = torch.exp(-3 * alpha[counted[:, :-n]].mean())
-    want["lk"] = lam * (p * (p.log() - q.log())).sum(-1) + (1 - lam) * want["tv"]
-    for kind, w in want.items():
+    assert {k for k, v in LOSSES.items() if v.reference is None} == {"opd"}
+    for kind, loss in LOSSES.items():
+        if loss.reference is None:
+            continue
+        want = loss.reference(p, q, counted[:, :-n])
         for batch in (full, topk):
             got = position_loss(batch, mine, n, kind, counted)[:, :-n]
             torch.testing.assert_close(
-                got, w.float() if got.dtype == torch.float32 else w, rtol=1e-5, atol=1e-6
+                got, want.float() if got.dtype == torch.float32 else want, rtol=1e-5, atol=1e-6
             )
+    # lk blends by the counted positions' mean acceptance: other positions counted, another value
+    other = counted.clone()
+    other[1, 1] = False
+    assert not torch.allclose(
+        position_loss(full, mine, n, "lk", other), position_loss(full, mine, n, "lk", counted)
+    )
 
 
 def test_on_policy_loss_is_forward_kl_on_the_matched_chain_and_decayed_reverse_kl_after():

@@ -23,6 +23,9 @@ Pure functions of a batch and a drafter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -75,38 +78,83 @@ def target_logprobs(batch: dict, logits: torch.Tensor, n: int):
     return logq.gather(-1, shift(batch["topk_ids"], n)), logp
 
 
+def _alpha(logq: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling's acceptance: sum over ids of min(p, q)."""
+    return torch.minimum(logp.exp(), logq.exp()).sum(-1)
+
+
+def _kl(logq, logp, mask):
+    return -(logp.exp() * logq).sum(-1)  # the cross-entropy: KL up to the target's entropy
+
+
+def _hard(logq, logp, mask):
+    return -logq.gather(-1, logp.argmax(-1, keepdim=True)).squeeze(-1)
+
+
+def _hass(logq, logp, mask):
+    plogq = logp.exp() * logq
+    top = logp.topk(min(HASS_TOP, logp.shape[-1]), -1).indices  # (..., 10)
+    return -plogq.sum(-1) - HASS_WEIGHT * plogq.gather(-1, top).sum(-1)
+
+
+def _kd(logq, logp, mask):
+    soft_q, soft_p = F.log_softmax(logq / KD_T, -1), F.softmax(logp / KD_T, -1)
+    return -(soft_p * soft_q).sum(-1) * KD_T**2
+
+
+def _lk(logq, logp, mask):
+    alpha, m = _alpha(logq, logp), mask.float()
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    mean_alpha = (alpha.detach() * m).sum() / m.sum().clamp(min=1.0)
+    lam = torch.exp(-LK_ETA * mean_alpha)  # KL's strong gradient while acceptance is low
+    return lam * kl + (1 - lam) * (1 - alpha)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A per-position loss: `fn(logq, logp, mask)` over the drafter's and the target's
+    log-probabilities (..., D), and `reference(p, q, mask)`, the same value written plainly
+    from the two distributions, which the tests hold every registered loss to (None for a
+    loss of the whole chain, which has a test of its own)."""
+
+    fn: Callable | None
+    reference: Callable | None
+
+
+def _ref_lk(p, q, mask):
+    alpha = torch.minimum(p, q).sum(-1)
+    lam = torch.exp(-LK_ETA * alpha[mask].mean())
+    return lam * (p * (p.log() - q.log())).sum(-1) + (1 - lam) * (1 - alpha)
+
+
+# The one place a loss is named: `train --loss` offers these, `divergence` runs them.
+LOSSES: dict[str, Loss] = {
+    "kl": Loss(_kl, lambda p, q, m: -(p * q.log()).sum(-1)),
+    "tv": Loss(lambda lq, lp, m: 1 - _alpha(lq, lp), lambda p, q, m: 1 - torch.minimum(p, q).sum(-1)),
+    "mix": Loss(lambda lq, lp, m: 0.1 * _hard(lq, lp, m) + 0.9 * (1 - _alpha(lq, lp)),
+                lambda p, q, m: -0.1 * q.log().gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)
+                + 0.9 * (1 - torch.minimum(p, q).sum(-1))),
+    "lk": Loss(_lk, _ref_lk),
+    "nla": Loss(lambda lq, lp, m: -torch.log(_alpha(lq, lp).clamp_min(1e-6)),
+                lambda p, q, m: -torch.minimum(p, q).sum(-1).log()),
+    "hass": Loss(_hass, lambda p, q, m: -(p * q.log()).sum(-1)
+                 - (p * q.log()).gather(-1, p.topk(min(10, p.shape[-1]), -1).indices).sum(-1)),
+    "hard": Loss(_hard, lambda p, q, m: -q.log().gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)),
+    "kd": Loss(_kd, lambda p, q, m: -(torch.softmax(p.log() / 2, -1) * torch.log_softmax(q.log() / 2, -1)).sum(-1) * 4),
+    "opd": Loss(None, None),  # the chain's: `on_policy`, read by the kinds' loss loops
+}  # fmt: skip
+
+
 def divergence(
     logq: torch.Tensor, logp: torch.Tensor, kind: str, mask: torch.Tensor
 ) -> torch.Tensor:
     """The loss (...) of the drafter's log-probabilities against the target's, both (..., D),
     for `kind` in LOSSES (not opd, which needs the chain: `ttt_loss`). `mask` (...) marks the
     positions the loss counts: lk's blend weight is their mean acceptance."""
-    p = logp.exp()
-    if kind == "kl":
-        return -(p * logq).sum(-1)  # the cross-entropy: KL up to the target's entropy
-    if kind == "hass":
-        plogq = p * logq
-        top = p.topk(min(HASS_TOP, p.shape[-1]), -1).indices  # (..., 10)
-        return -plogq.sum(-1) - HASS_WEIGHT * plogq.gather(-1, top).sum(-1)
-    if kind == "kd":
-        soft_q, soft_p = F.log_softmax(logq / KD_T, -1), F.softmax(logp / KD_T, -1)
-        return -(soft_p * soft_q).sum(-1) * KD_T**2
-    if kind == "hard":
-        return -logq.gather(-1, logp.argmax(-1, keepdim=True)).squeeze(-1)
-    alpha = torch.minimum(p, logq.exp()).sum(-1)  # speculative sampling's acceptance
-    if kind == "tv":
-        return 1 - alpha
-    if kind == "nla":
-        return -torch.log(alpha.clamp_min(1e-6))
-    if kind == "lk":
-        kl = (p * (logp - logq)).sum(-1)
-        m = mask.float()
-        mean_alpha = (alpha.detach() * m).sum() / m.sum().clamp(min=1.0)
-        lam = torch.exp(-LK_ETA * mean_alpha)  # KL's strong gradient while acceptance is low
-        return lam * kl + (1 - lam) * (1 - alpha)
-    if kind == "mix":
-        return 0.1 * divergence(logq, logp, "hard", mask) + 0.9 * (1 - alpha)
-    raise ValueError(f"no per-position loss {kind!r}")
+    loss = LOSSES.get(kind)
+    if loss is None or loss.fn is None:
+        raise ValueError(f"no per-position loss {kind!r}")
+    return loss.fn(logq, logp, mask)
 
 
 def position_loss(

@@ -19,7 +19,6 @@ from eyas.errors import UsageError
 from eyas.resume import ResumeRule
 
 OPTIMIZERS = ("adamw", "muon")
-LOSSES = ("kl", "tv", "mix", "lk", "nla", "hass", "hard", "kd", "opd")  # training.loss
 LOSS_AVERAGES = ("token", "sequence")  # training.loss_average
 LOSS_POSITIONS = ("assistant", "all")
 
@@ -156,7 +155,9 @@ class TrainConfig:
                 "--report-to tensorboard needs the tensorboard package: "
                 "pip install -e '.[tensorboard]' (or pip install tensorboard)"
             )
-        for name, allowed in (("loss", LOSSES), ("loss_average", LOSS_AVERAGES),
+        from eyas.drafters.loss import LOSSES  # the registry of losses
+
+        for name, allowed in (("loss", tuple(LOSSES)), ("loss_average", LOSS_AVERAGES),
                               ("loss_positions", LOSS_POSITIONS), ("optimizer", OPTIMIZERS),
                               ("dtype", ("float32", "bfloat16"))):  # fmt: skip
             if getattr(self, name) not in allowed:
