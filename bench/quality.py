@@ -80,7 +80,7 @@ def compare_heads(args) -> None:
 
     from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
     from eyas.demo_target.data import generate_conversations, write_jsonl
-    from eyas.inspect.demo import EVAL_SEED
+    from eyas.ops.demo import EVAL_SEED
     from eyas.stages.evaluate import evaluate
     from eyas.stages.export import export
     from eyas.stages.extract import ExtractConfig, extract

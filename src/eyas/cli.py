@@ -88,7 +88,7 @@ def _need(path, kind: str, eyas_only: bool = False) -> None:
     kind (`kind`: run, dataset, training, export), nor a file; with `eyas_only`, nor a
     directory eyas did not write. Each is a usage error (exit 2) that says what the path is
     and which command reads it."""
-    from eyas.inspect.status import not_eyas, wrong_kind
+    from eyas.ops.status import not_eyas, wrong_kind
 
     if path is None:
         return
@@ -320,7 +320,7 @@ def estimate(
     opts: dict = OPTS,
 ) -> None:
     """Disk an extraction run will take, before there is a dataset or a GPU."""
-    from eyas.inspect.estimate import estimate as run_estimate
+    from eyas.ops.estimate import estimate as run_estimate
     from eyas.targets.target import ModelDirError
 
     cfg = _config(EstimateConfig, samples=samples, tokens_per_sample=tokens_per_sample, **opts)
@@ -365,7 +365,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """Done/remaining/failed samples, bytes, free space, throughput, ETA and the lock holder."""
-    from eyas.inspect.status import status_of
+    from eyas.ops.status import status_of
 
     with _exits():
         as_dict, text = status_of(run)
@@ -384,9 +384,9 @@ def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
 ) -> None:
     """Assess GPUs, disks and runs after a failure; end with an ordered plan."""
-    from eyas.inspect.doctor import doctor as run_doctor
-    from eyas.inspect.doctor import render as render_doctor
-    from eyas.inspect.status import not_eyas
+    from eyas.ops.doctor import doctor as run_doctor
+    from eyas.ops.doctor import render as render_doctor
+    from eyas.ops.status import not_eyas
 
     for r in runs or []:  # a wrong path is a usage error, as for status and verify
         if not r.exists():
@@ -537,7 +537,7 @@ def demo(
     opts: dict = OPTS,
 ) -> None:
     """Run the whole pipeline on the built-in demo target and conversations."""
-    from eyas.inspect.demo import run_demo
+    from eyas.ops.demo import run_demo
 
     _quiet_transformers()
     try:

@@ -368,7 +368,7 @@ class TinyTargetConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
-    """`eyas demo`: the whole pipeline on the built-in target (`eyas.inspect.demo`)."""
+    """`eyas demo`: the whole pipeline on the built-in target (`eyas.ops.demo`)."""
 
     workdir: str = "eyas-demo"
     """Where the demo writes everything (rebuilt each time)."""
@@ -388,7 +388,7 @@ class DemoConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EstimateConfig:
-    """`eyas estimate`: the disk an extraction run will take (`eyas.inspect.estimate`)."""
+    """`eyas estimate`: the disk an extraction run will take (`eyas.ops.estimate`)."""
 
     samples: int
     """Number of samples."""

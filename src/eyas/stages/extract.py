@@ -72,6 +72,7 @@ from eyas.run.store import (
     check_subdirs_inside,
     commit_samples,
     foreign_run_entries,
+    iter_sample_files,
 )
 from eyas.run.stream import Retirer
 from eyas.stages.config import ExtractConfig
@@ -181,8 +182,7 @@ def _nothing_committed(run: Path) -> bool:
         (info := read_lock(p)) is not None and info.live for p in (run / "locks").glob("*.lock")
     ):
         return False
-    samples = run / "samples"
-    on_disk = samples.is_dir() and any(samples.rglob("*"))
+    on_disk = next(iter(iter_sample_files(run)), None) is not None
     return not on_disk and not ledger(run).present and not read_errors(run)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.host.gpu import GpuReport, query_gpus
-from eyas.inspect.status import ago, run_status
+from eyas.ops.status import ago, run_status
 from eyas.run.fsutil import human_bytes
 from eyas.run.journal import read_errors
 from eyas.run.runmeta import load_run_meta
@@ -146,7 +146,7 @@ def _check_run(run: Path, deep: bool, actions: list[Action]) -> RunReport:
     if (gen / "generate.json").is_file():
         return _check_generation(gen, actions)
     rep = RunReport(str(run))
-    from eyas.inspect.status import describe_other, kind_of, not_eyas
+    from eyas.ops.status import describe_other, kind_of, not_eyas
 
     if (what := not_eyas(run)) is not None:  # an input file, a directory eyas did not write
         rep.add("error", what)
@@ -473,7 +473,7 @@ def _check_integrity(run: Path, st, deep: bool, rep: RunReport, actions: list[Ac
 def _check_stream(run: Path, st, rep: RunReport, actions: list[Action]) -> None:
     """A streamed run: the store against its budget, each follower, who waits on whom, and
     the command that resumes each side."""
-    from eyas.inspect.status import bottleneck, leftover_after_stream
+    from eyas.ops.status import bottleneck, leftover_after_stream
 
     if st.budget or st.retired:
         budget = f" of its {human_bytes(st.budget)} budget" if st.budget else ""
