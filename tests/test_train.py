@@ -400,17 +400,17 @@ def test_report_to_tensorboard_writes_the_metrics(demo_run, tmp_path):
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    want = {"train/loss/ttt0", "train/loss/ttt1", "train/acc/ttt0", "train/acc/ttt1", "train/lr",
-            "train/tokens_per_s", "val/loss/ttt0", "val/acc/ttt1", "val/accept_len"}  # fmt: skip
+    want = {"train/loss/pos0", "train/loss/pos1", "train/acc/pos0", "train/acc/pos1", "train/lr",
+            "train/tokens_per_s", "val/loss/pos0", "val/acc/pos1", "val/accept_len"}  # fmt: skip
     assert want <= tags, tags
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     train_recs = [r for r in recs if r["split"] == "train"]
-    got = {e.step: e.value for e in acc.Scalars("train/loss/ttt0")}
+    got = {e.step: e.value for e in acc.Scalars("train/loss/pos0")}
     assert sorted(got) == [r["step"] for r in train_recs]
     for r in train_recs:
         assert abs(got[r["step"]] - r["loss"][0]) < 1e-5
     val = [r for r in recs if r["split"] == "val"][-1]
-    assert abs(acc.Scalars("val/acc/ttt1")[-1].value - val["acc"][1]) < 1e-6
+    assert abs(acc.Scalars("val/acc/pos1")[-1].value - val["acc"][1]) < 1e-6
     r = eyas("train", "--data", demo_run, "--out", tmp_path / "x", "--report-to", "wandb")
     assert r.returncode == 2 and "--report-to must be none or tensorboard" in r.stderr
     assert not (tmp_path / "x").exists()

@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from eyas.run.store import Layout
 
 
+__all__ = ["DemoConfig", "ENGINES", "EstimateConfig", "EvaluateConfig", "ExportConfig",
+           "ExtractConfig", "GenerateConfig", "PrepareConfig", "TinyTargetConfig"]  # fmt: skip
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrepareConfig:
     model: str
@@ -145,9 +149,6 @@ class GenerateConfig:
         }
 
 
-__all__ = ["ExtractConfig"]
-
-
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig:
     model: str
@@ -273,8 +274,6 @@ class ExtractConfig:
 
         return Layout(self.storage, self.target, self.aux_count)
 
-
-__all__ = ["EvaluateConfig", "ENGINES"]
 
 ENGINES = ("hf", "vllm")
 

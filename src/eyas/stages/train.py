@@ -702,7 +702,7 @@ def _should_stop(requested: bool, world: int) -> bool:
 
 class _TensorBoard:
     """metrics.jsonl's records as TensorBoard scalars, with TensorBoard's own writer:
-    `{split}/loss/ttt{i}`, `{split}/acc/ttt{i}`, `{split}/accept_len`, `train/lr`,
+    `{split}/loss/pos{i}`, `{split}/acc/pos{i}` (a TTT step or a block position), `{split}/accept_len`, `train/lr`,
     `train/tokens_per_s`, at the optimizer step. A resume appends to the same directory;
     TensorBoard shows the latest value of a step written twice."""
 
@@ -715,7 +715,7 @@ class _TensorBoard:
         split, step = rec["split"], int(rec["step"])
         for key in ("loss", "acc"):
             for i, v in enumerate(rec.get(key) or []):
-                self.w.add_scalar(f"{split}/{key}/ttt{i}", float(v), step)
+                self.w.add_scalar(f"{split}/{key}/pos{i}", float(v), step)
         if rec.get("accept_len"):
             self.w.add_scalar(f"{split}/accept_len", float(rec["accept_len"][-1]), step)
         for key in ("lr", "tokens_per_s"):

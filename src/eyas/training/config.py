@@ -19,7 +19,7 @@ from eyas.errors import UsageError
 from eyas.resume import ResumeRule
 
 OPTIMIZERS = ("adamw", "muon")
-LOSS_AVERAGES = ("token", "sequence")  # training.loss_average
+LOSS_AVERAGES = ("token", "sequence")  # drafters.loss: sample_ids
 LOSS_POSITIONS = ("assistant", "all")
 
 # How a resume meets train.json (eyas.resume) for the shared fields: paths may change (a

@@ -1,6 +1,6 @@
 """EAGLE-3, the chain drafter: one decoder layer over the target's three fused states,
-unrolled over training-time-test steps (`drafter`, `loss`), exported in vLLM's speculators
-format and SGLang's EAGLE format, drafting one token per drafter pass."""
+unrolled over training-time-test steps (`model`, `attention`, `drafters.loss`), exported in
+vLLM's speculators format and SGLang's EAGLE format, drafting one token per drafter pass."""
 
 from __future__ import annotations
 
