@@ -10,7 +10,8 @@ On one GPU (or on a CPU with `--small`, so that this script cannot rot):
  6. a one-process `torchrun` training run (NCCL on a GPU);
  7. the GPU preflight refusing while another process holds 40 GB of the GPU; the real
     `nvidia-smi` CSV outputs are saved to --out (tests/fixtures/nvidia-smi/ holds the
-    hand-written ones).
+    hand-written ones);
+ 8. the tests marked `gpu` (`pytest -m gpu`: flex attention's gradients), which skip on a CPU.
 Prints one JSON summary at the end (and writes it to --out/gpu-bench.json).
 
     python bench/gpu.py --out /tmp/gpu-bench              # on a GPU: under 8 minutes
@@ -293,6 +294,10 @@ def main() -> None:
                                 "message": p.stderr.strip().splitlines()[-3:]}  # fmt: skip
     else:
         summary["preflight"] = {"skipped": "no GPU here"}
+    # The tests only a GPU can run (`-m gpu`: flex attention's backward, ...), where one is.
+    t = sh([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-n", "0",
+            str(Path(__file__).resolve().parent.parent / "tests")], timeout=600)  # fmt: skip
+    summary["gpu_tests"] = {"exit": t.returncode, "tail": t.stdout.strip().splitlines()[-3:]}
     summary["seconds"] = round(time.monotonic() - t_all, 1)
     (out / "gpu-bench.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))

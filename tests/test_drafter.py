@@ -129,15 +129,15 @@ def test_draft_vocab_mapping():
 
 
 @pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("attention", ["chunked", "flex"])
+@pytest.mark.parametrize("attention", ["chunked", pytest.param("flex", marks=pytest.mark.gpu)])
 def test_memory_efficient_attention_has_the_reference_gradients(attention, window):
     """Same loss, same gradients for every parameter (float64), with a block size that
     splits the sequence unevenly so block edges are exercised."""
     from eyas.drafters.eagle3 import attention as ttt_attention
 
     if attention == "flex" and not torch.cuda.is_available():
-        pytest.skip("flex attention has no backward pass on a CPU; its forward is checked against the "
-                    "reference above, its training step on a GPU by bench/gpu.py")  # fmt: skip
+        pytest.skip("flex attention has no backward pass on a CPU: a GPU check (-m gpu, which "
+                    "bench/gpu.py runs); its forward is checked against the reference above")  # fmt: skip
     torch.manual_seed(3)
     ids, aux = torch.randint(0, 50, (2, 11)), torch.randn(2, 11, 96, dtype=torch.float64)
     grads = {}

@@ -355,3 +355,22 @@ def test_a_target_served_without_chat_template(inputs, tmp_path):
     assert seen and set(seen) == {template}
     made = json.loads((tmp_path / "b.jsonl.eyas-gen" / "generate.json").read_text())
     assert made["sampling"]["chat_template"]
+
+
+def test_every_name_of_the_resume_rule_is_in_what_generate_writes(reference):
+    """generate's resume rule names fields of the generate.json it writes (a field renamed
+    there but not in the rule would silently become fixed, or never be checked), and every
+    field it writes is under the rule: fixed, may change, or per invocation."""
+    from eyas.stages.generate import RESUME_RULE
+
+    written = json.loads((reference.parent / "out.jsonl.eyas-gen" / "generate.json").read_text())
+    named = RESUME_RULE.may_change | RESUME_RULE.per_invocation
+    assert named <= written.keys(), sorted(named - written.keys())
+    # the rest is fixed by the job: another value is refused naming it (a new field must
+    # be placed under the rule on purpose, which this list makes someone do)
+    assert written.keys() - named == {"model", "data_fingerprint", "sampling"}
+        "model",
+        "data",
+        "data_fingerprint",
+        "sampling",
+    }

@@ -582,16 +582,14 @@ def test_a_damaged_newest_checkpoint_loses_no_sample(targets, llama_dataset, tmp
             time.sleep(0.02)
         tr = start(*train_cmd(run, out, "--epochs", 1, "--save-every", 2))
         deadline = time.monotonic() + 600  # a state to wait for; the bound only ends a failure
-        while (
-            time.monotonic() < deadline
-            and tr.poll() is None
-            and not (_retired_lines(run) > 0 and len(_ckpt_dirs(out)) >= 2)
-        ):
+        while True:  # the trainer is frozen while the state is looked at: it cannot run past it
+            tr.send_signal(signal.SIGSTOP)
+            reached = _retired_lines(run) > 0 and len(_ckpt_dirs(out)) >= 2
+            if reached or tr.poll() is not None or time.monotonic() > deadline:
+                break
+            tr.send_signal(signal.SIGCONT)
             time.sleep(0.01)
-        if tr.poll() is not None:
-            pytest.skip(
-                "the trainer finished before the state the test needs (a very fast machine)"
-            )
+        assert reached and tr.poll() is None, "the trainer never reached the state the test needs"
         tr.kill()
         tr.wait()
         newest = _ckpt_dirs(out)[-1]
