@@ -369,8 +369,3 @@ def test_every_name_of_the_resume_rule_is_in_what_generate_writes(reference):
     # the rest is fixed by the job: another value is refused naming it (a new field must
     # be placed under the rule on purpose, which this list makes someone do)
     assert written.keys() - named == {"model", "data_fingerprint", "sampling"}
-        "model",
-        "data",
-        "data_fingerprint",
-        "sampling",
-    }
