@@ -360,7 +360,7 @@ def test_status_names_a_training_dataset_or_drafter_directory(demo_run, trained,
     )
     assert eyas("export", trained, "--format", "vllm", "--out", tmp_path / "ex").returncode == 0
     st = eyas("status", tmp_path / "ex", check=True).stdout
-    assert "an exported drafter" in st and f"--drafter {tmp_path / 'ex'}" in st
+    assert "(eyas export): eagle3 in vllm's format" in st and f"--drafter {tmp_path / 'ex'}" in st
     assert json.loads(eyas("status", trained, "--json", check=True).stdout)["kind"] == "training"
     # a resumable training (no final drafter yet) points at its resume command
     part = tmp_path / "part"
@@ -383,10 +383,11 @@ def test_status_names_a_training_dataset_or_drafter_directory(demo_run, trained,
         assert r.returncode == 2 and "is a file" in r.stderr and "eyas prepare" in r.stderr, (cmd, r.stderr)  # fmt: skip
         r = eyas(cmd, tmp_path / "other")
         assert r.returncode == 2 and "not a directory eyas wrote" in r.stderr, (cmd, r.stderr)
-    # doctor assesses every path it is given in one report: there each is a finding to act on
+    # doctor assesses every path it is given in one report: there each is a finding to act on,
+    # and a wrong path makes it a usage error (2), as for status and verify
     r = eyas("doctor", src, tmp_path / "other", part)
     out = r.stdout
-    assert r.returncode == 1 and "is a file" in out and "not a directory eyas wrote" in out, out
+    assert r.returncode == 2 and "is a file" in out and "not a directory eyas wrote" in out, out
     assert f"resume the training in {part}" in out
 
 

@@ -387,19 +387,24 @@ def doctor(
     from eyas.ops.doctor import doctor as run_doctor
     from eyas.ops.doctor import render as render_doctor
     from eyas.ops.status import not_eyas
+    from eyas.stages.generate import STATE_SUFFIX
 
-    for r in runs or []:  # a wrong path is a usage error, as for status and verify
-        if not r.exists():
-            raise fail(f"{r}: no such directory", EXIT_USAGE)
-        if r.is_file() and (msg := not_eyas(r)) is not None:
-            raise fail(msg, EXIT_USAGE)
+    # Every path given is assessed in one report; a wrong one (missing, or not eyas's) makes
+    # the exit code a usage error's, as status and verify give.
+    wrong = [
+        r
+        for r in runs or []
+        if (not r.exists() and not r.with_name(r.name + STATE_SUFFIX).is_dir())
+        or (r.exists() and not_eyas(r) is not None)
+    ]
+    code = EXIT_USAGE if wrong else EXIT_PROBLEMS
     rep = run_doctor(list(runs or []), deep=deep)
     if as_json:
         _print_json(rep.to_dict())
-        raise typer.Exit(EXIT_PROBLEMS if rep.needs_action else 0)
-    render_doctor(rep, report)
-    if rep.needs_action:
-        raise typer.Exit(EXIT_PROBLEMS)
+    else:
+        render_doctor(rep, report)
+    if wrong or rep.needs_action:
+        raise typer.Exit(code)
 
 
 @app.command()
