@@ -337,3 +337,19 @@ def test_samples_past_the_targets_context_are_said_where_they_happen(
     r = eyas("prepare", "--model", model, "--data", conversations, "--out", tmp_path / "cut",
              "--max-length", "48")  # fmt: skip
     assert r.returncode == 0 and said not in r.stderr, r.stderr
+
+
+def test_prepare_says_how_much_of_the_trained_tokens_its_draft_vocabulary_holds(
+    tmp_path, targets, conversations
+):
+    """A token outside the draft vocabulary can never be drafted: prepare says the share of
+    the trained (loss-masked) tokens the vocabulary's most frequent ids hold."""
+    from eyas.data.dataset import PreparedDataset
+
+    r = eyas("prepare", "--model", targets["llama"], "--data", conversations, "--out",
+             tmp_path / "ds", "--draft-vocab-size", "40", check=True)  # fmt: skip
+    counts = np.sort(PreparedDataset.open(tmp_path / "ds").vocab_counts())[::-1]
+    want = (
+        f"{100 * counts[:40].sum() / counts.sum():.1f}% of the {int(counts.sum()):,} trained tokens"
+    )
+    assert "draft vocabulary: its 40 ids" in r.stderr and want in r.stderr, r.stderr

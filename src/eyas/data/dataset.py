@@ -136,6 +136,7 @@ def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg, t
     if ids.size and int(ids.max()) >= vocab:
         raise ValueError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size {vocab}")
     counts = np.bincount(ids[mask.astype(bool)], minlength=vocab).astype(np.int64)
+    summary.notes.append(coverage_line(counts, min(cfg.draft_vocab_size, vocab)))
 
     tensor_bytes = np_save({"input_ids": ids, "loss_mask": mask, "offsets": offsets})
     records_bytes = _record_lines(samples)
@@ -450,6 +451,26 @@ def _load_tensors(path: Path, want: dict[str, type]) -> dict[str, np.ndarray]:
                 f"{path}: tensor {name!r} missing or not a 1-D {np.dtype(dtype).name} array"
             )
     return t
+
+
+def coverage_line(counts: np.ndarray, size: int) -> str:
+    """How much of the trained tokens a draft vocabulary of `size` ids holds (and of a few
+    other sizes): a token outside it can never be drafted, so never accepted."""
+    total = int(counts.sum())
+    if not total:
+        return "draft vocabulary: no trainable tokens to measure it on"
+    ranked = np.cumsum(np.sort(counts)[::-1])
+
+    def held(n: int) -> str:
+        return f"{100 * ranked[min(n, len(ranked)) - 1] / total:.1f}%"
+
+    others = [n for n in (8192, 16384, 32000, 65536) if n != size and n < len(counts)]
+    also = ", ".join(f"{n:,}: {held(n)}" for n in others)
+    return (
+        f"draft vocabulary: its {size:,} ids (the most frequent of {len(counts):,}) hold "
+        f"{held(size)} of the {total:,} trained tokens{f' ({also})' if also else ''}; a token "
+        "outside it is never drafted"
+    )
 
 
 def draft_vocab_from_counts(counts: np.ndarray, size: int):
