@@ -159,23 +159,18 @@ def batch_plan(run: Path, train_dir: Path) -> dict:
     draft_ids = ds.draft_vocab(draft_vocab_for(cfg["draft_vocab_size"], meta)).tolist()
     return {"run": str(run), "model": meta["model_path"], "aux_layers_hf": meta["aux_layers_hf"],
             "epochs": epochs, "val": plan_batches(lengths, val_idx, cfg["batch_tokens"]),
-            "lrs": lrs, "ttt_steps": cfg["ttt_steps"], "draft_ids": draft_ids, "eyas": cfg}  # fmt: skip
+            "lrs": lrs, "ttt_steps": cfg.get("ttt_steps", 3), "draft_ids": draft_ids, "eyas": cfg}  # fmt: skip
 
 
 def val_accuracy(export: Path, run: Path, plan: dict) -> dict:
     """eyas's validation summary of the exported drafter over the plan's held-out batches:
-    per TTT step for EAGLE-3, per block position for DFlash (a block at every position)."""
-    import types
-
-    from recipe import scored
+    per TTT step for EAGLE-3, per predicting block position for the block kinds."""
+    from recipe import scored, screen_config
 
     from eyas.training.checkpoint import read_export
 
     kind, drafter, _ = read_export(export)
-    how = types.SimpleNamespace(
-        ttt_steps=plan["ttt_steps"], step_decay=1.0, loss="kl", loss_average="token", align_topk=0,
-        block_size=getattr(drafter.config, "block_size", None), block_decay=4.0, anchor_stride=1,
-    )  # fmt: skip
+    how = screen_config(kind.name, plan["ttt_steps"], drafter)
     return scored(drafter, kind, how, run, plan["val"], plan["model"])
 
 

@@ -21,27 +21,33 @@ import shlex
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 
 def holdout_accuracy(train_dir: Path, holdout: Path, steps: int) -> dict:
     """eyas's validation summary of a trained drafter over every sample of `holdout`."""
     from eyas.training.checkpoint import load_trained
+    from eyas.training.config import saved_flat
 
     d, kind = load_trained(train_dir)
-    cfg = json.loads((train_dir / "train.json").read_text())["config"]
-    how = types.SimpleNamespace(
-        **{
-            **cfg,
-            "ttt_steps": steps,
-            "step_decay": 1.0,
-            "loss": "kl",
-            "loss_average": "token",
-            "align_topk": 0,
-        }
-    )
-    return scored(d, kind, how, holdout)
+    cfg = saved_flat(json.loads((train_dir / "train.json").read_text())["config"])
+    return scored(d, kind, screen_config(kind.name, steps, d, cfg.get("block_size")), holdout)
+
+
+def screen_config(kind: str, steps: int, drafter, block_size: int | None = None):
+    """The config a screen scores a drafter of `kind` with: KL, every position alike, no
+    alignment mask (as validation scores), `steps` TTT steps or the drafter's own block."""
+    import dataclasses
+
+    from eyas.drafters import options_class
+    from eyas.training.config import TrainConfig
+
+    own = {f.name for f in dataclasses.fields(options_class(kind))}
+    block = block_size or getattr(drafter.config, "block_size", None)
+    wanted = {"ttt_steps": steps, "step_decay": 1.0, "align_topk": 0, "block_size": block,
+              "block_decay": 4.0, "anchor_stride": 1}  # fmt: skip
+    return TrainConfig.of(data="-", out="-", kind=kind, loss="kl", loss_average="token",
+                          **{k: v for k, v in wanted.items() if k in own and v is not None})  # fmt: skip
 
 
 def scored(drafter, kind, how, run: Path, batches=None, model: str | None = None) -> dict:
