@@ -64,6 +64,18 @@ def speculators_block_fields(cfg: dict, cfg_file, anchor_drafts: bool) -> tuple[
     }, ids
 
 
+def export_tensors(state: dict, c, dtype) -> dict:
+    """A block drafter's tensors as an export holds them: floats in `dtype`, d2t int64 and
+    t2d bool (neither where the draft vocabulary is the whole vocabulary)."""
+    out = {}
+    for name, t in state.items():
+        if name in ("d2t", "t2d") and c.draft_vocab_size == c.vocab_size:
+            continue  # no map for the whole vocabulary
+        t = t.to(dtype) if t.is_floating_point() else t
+        out[name] = (t.bool() if name == "t2d" else t.long() if name == "d2t" else t).contiguous()
+    return out
+
+
 def read_block_weights(model, raw: dict, cfg_file) -> None:
     """An export's tensors into a block drafter: d2t/t2d made for a whole vocabulary left
     without them; speculators' copy of the target's final norm (its training's, not the

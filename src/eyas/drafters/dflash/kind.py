@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from eyas.drafters import decoder_fields
 from eyas.drafters.block_drafter import DFlashConfig, DFlashDrafter
-from eyas.drafters.block_kind import BlockKind, read_block_weights, speculators_block_fields
+from eyas.drafters.block_kind import (
+    BlockKind,
+    export_tensors,
+    read_block_weights,
+    speculators_block_fields,
+)
 from eyas.drafters.blocks import layer_fields
 
 ARCH = "DFlashDraftModel"
@@ -43,15 +48,7 @@ class DFlash(BlockKind):
                 "it would run another network than the one trained. Export --format vllm (its "
                 "dflash_config.use_swa), or train without --attention-window"
             )
-        tensors = {}
-        for name, t in state.items():
-            if name in ("d2t", "t2d") and c.draft_vocab_size == c.vocab_size:
-                continue  # no map for the whole vocabulary
-            if t.is_floating_point():
-                t = t.to(dtype)
-            tensors[name] = (
-                t.bool() if name == "t2d" else t.long() if name == "d2t" else t
-            ).contiguous()
+        tensors = export_tensors(state, c, dtype)
         config = {
             "architectures": [ARCH],
             **decoder_fields(c, "qwen3", c.num_hidden_layers),

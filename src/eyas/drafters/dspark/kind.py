@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from eyas.drafters import decoder_fields
-from eyas.drafters.block_kind import BlockKind, read_block_weights, speculators_block_fields
+from eyas.drafters.block_kind import (
+    BlockKind,
+    export_tensors,
+    read_block_weights,
+    speculators_block_fields,
+)
 from eyas.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eyas.drafters.dspark.options import MARKOV_HEADS
 from eyas.errors import UsageError
@@ -88,14 +93,7 @@ class DSpark(BlockKind):
                 f"the drafter was trained with --attention-window {c.attention_window}; eyas "
                 "writes DSpark's speculators format with full attention only: train without it"
             )
-        tensors = {}
-        for name, t in state.items():
-            if name in ("d2t", "t2d") and c.draft_vocab_size == c.vocab_size:
-                continue  # no map for the whole vocabulary
-            t = t.to(dtype) if t.is_floating_point() else t
-            tensors[name] = (
-                t.bool() if name == "t2d" else t.long() if name == "d2t" else t
-            ).contiguous()
+        tensors = export_tensors(state, c, dtype)
         dtype_name = str(dtype).removeprefix("torch.")
         config = {
             "architectures": [ARCH],
