@@ -91,8 +91,8 @@ class TrainConfig:
     optimizer: str = "muon"
     """muon: Muon for the matrices of fc and the decoder layers (momentum 0.95, its own weight
     decay 0.1, update scaled to AdamW's RMS, at --lr x --muon-lr-scale), AdamW (with
-    --weight-decay) for the norms and the head; or adamw for all (docs/recipe.md: with the
-    three norms below, Muon trains the better drafter)."""
+    --weight-decay) for the norms and the head; or adamw for all (docs/recipe.md: with EAGLE-3's
+    three norms, Muon trains the better drafter)."""
     feature_noise: float = 0.0
     """Training only: Gaussian noise on each of the three fused target states, its standard
     deviation this fraction of that state's RMS at its token (0: none)."""
