@@ -38,3 +38,10 @@ def test_eyas_demo(tmp_path):
         and "not an eyas demo directory" in r.stderr
         and (other / "notes.txt").exists()
     )
+
+
+def test_demo_refuses_an_option_of_another_kind_before_anything(tmp_path):
+    """An option of another kind is refused before the demo prepares anything (2)."""
+    r = eyas("demo", "--kind", "dflash", "--ttt-steps", "3", "--workdir", tmp_path / "no")
+    assert r.returncode == 2 and "--ttt-steps is an option of --kind eagle3" in r.stderr, r.stderr
+    assert not (tmp_path / "no").exists()

@@ -25,10 +25,11 @@ EVAL_SEED = 99
 def run_demo(cfg: DemoConfig) -> dict:
     """The pipeline on the demo target as `cfg` says; its summary (figures, paths, times)."""
     workdir = Path(cfg.workdir)
+    training = _train_config(cfg, workdir)  # an option of another kind: refused before anything
     _fresh_workdir(workdir)
     clock = _StageClock()
     p, x = _prepare_and_extract(workdir, clock)
-    tdir, t = _train(cfg, workdir, clock)
+    tdir, t = _train(training, clock)
     exports, not_written = _export(cfg.kind, tdir, workdir, clock)
     e = _evaluate(cfg, exports["vllm"], workdir, clock)
     summary = _summary(cfg.kind, p, x, t, e.to_dict(), tdir, exports, clock)
@@ -111,33 +112,37 @@ def _prepare_and_extract(workdir: Path, clock: _StageClock):
     return p, x
 
 
-def _train(cfg: DemoConfig, workdir: Path, clock: _StageClock):
+def _train_config(cfg: DemoConfig, workdir: Path):
+    """The demo's training: the kind's recipe for the demo target."""
     from eyas.drafters import kind
-    from eyas.stages.train import TrainConfig, train
+    from eyas.training.config import TrainConfig
 
-    own = dict(kind(cfg.kind).demo_options)  # the kind's recipe for the demo target
+    own = dict(kind(cfg.kind).demo_options)
     if cfg.ttt_steps is not None:
         own["ttt_steps"] = cfg.ttt_steps  # refused on a kind without TTT steps
-    tdir = workdir / "train"
+    return TrainConfig.of(
+        data=str(workdir / "run"),
+        out=str(workdir / "train"),
+        epochs=cfg.epochs,
+        lr=3e-3,
+        warmup_steps=10,
+        batch_tokens=2048,
+        val_fraction=0.1,
+        save_every=50,
+        # The demo target's user turns are a few synthetic templates: scoring them costs its
+        # tiny drafter (1.85 tokens a forward against 1.95; docs/recipe.md).
+        loss_positions="assistant",
+        kind=cfg.kind,
+        **own,
+    )
+
+
+def _train(training, clock: _StageClock):
+    from eyas.stages.train import train
+
     with clock("train"):
-        t = train(
-            TrainConfig.of(
-                data=str(workdir / "run"),
-                out=str(tdir),
-                epochs=cfg.epochs,
-                lr=3e-3,
-                warmup_steps=10,
-                batch_tokens=2048,
-                val_fraction=0.1,
-                save_every=50,
-                # The demo target's user turns are a few synthetic templates: scoring them
-                # costs its tiny drafter (1.85 tokens a forward against 1.95; docs/recipe.md).
-                loss_positions="assistant",
-                kind=cfg.kind,
-                **own,
-            )
-        )
-    return tdir, t
+        t = train(training)
+    return Path(training.out), t
 
 
 def _export(
