@@ -29,8 +29,8 @@ def _one_block(m: DFlashDrafter, ids, states, a: int) -> torch.Tensor:
     kv = m.context_kv(m.context(states[:, :a]), torch.arange(a)[None])
     block = torch.full((1, S), m.config.mask_token_id)
     block[0, 0] = ids[0, a]
-    mask = torch.ones(1, 1, S, a + S, dtype=torch.bool)
-    return m.blocks(block, torch.arange(a, a + S)[None], kv, mask)[0]
+    sees = torch.ones(1, 1, S, a, dtype=torch.bool)  # the whole context before the block
+    return m.blocks(block, torch.arange(a, a + S)[None], kv, sees)[0]
 
 
 def test_many_blocks_at_once_equal_each_block_alone():

@@ -115,14 +115,24 @@ class Attention(nn.Module):
         )
         return rope(q, pos, c.rope_theta)  # (B, h, T, d)
 
-    def attend(self, q, k, v, mask) -> torch.Tensor:
-        """q (B, h, Q, d) over k, v (B, kv, K, d) where mask (B, 1, Q, K) allows -> (B, Q, H)."""
+    def attend(self, q, ctx_k, ctx_v, sees, blk_k, blk_v) -> torch.Tensor:
+        """q (B, h, N*S, d) of N blocks of S queries over the context's keys and values
+        (B, kv, K, d) where `sees` (B, 1, N*S, K) allows, and over its own block's S keys and
+        values (blk_k, blk_v: (B, kv, N*S, d)), all of them -> (B, N*S, H). One softmax over
+        both; a block's scores against the other blocks are never formed (with an anchor
+        at every position they would be most of the work)."""
         rep = self.c.num_attention_heads // self.c.num_key_value_heads
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, h, Q, K)
-        p = torch.softmax(upcast(s.masked_fill(~mask, float("-inf"))), -1).to(q.dtype)
-        out = p @ v  # (B, h, Q, d)
-        B, h, Q, d = out.shape
+        B, h, Q, d = q.shape
+        S = self.c.block_size
+        N, K = Q // S, ctx_k.shape[2]
+        q = q * (1.0 / math.sqrt(d))
+        kc, vc = ctx_k.repeat_interleave(rep, 1), ctx_v.repeat_interleave(rep, 1)
+        kb = blk_k.repeat_interleave(rep, 1).view(B, h, N, S, d)
+        vb = blk_v.repeat_interleave(rep, 1).view(B, h, N, S, d)
+        s_ctx = (q @ kc.transpose(-1, -2)).masked_fill_(~sees, float("-inf"))  # (B, h, Q, K)
+        s_blk = (q.view(B, h, N, S, d) @ kb.transpose(-1, -2)).view(B, h, Q, S)
+        p = torch.softmax(upcast(torch.cat([s_ctx, s_blk], -1)), -1).to(q.dtype)
+        out = p[..., :K] @ vc + (p[..., K:].reshape(B, h, N, S, S) @ vb).view(B, h, Q, d)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, h * d))
 
 
@@ -134,13 +144,13 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, h, pos, ctx_k, ctx_v, mask) -> torch.Tensor:
-        """The block h (B, Q, H) at pos (B, Q); context keys/values (B, kv, K, d) of this layer;
-        mask (B, 1, Q, K + Q): which context and block keys each query sees."""
+    def forward(self, h, pos, ctx_k, ctx_v, sees) -> torch.Tensor:
+        """Blocks h (B, N*S, H) at pos (B, N*S); context keys/values (B, kv, K, d) of this
+        layer; sees (B, 1, N*S, K): which context keys each query sees (each sees its whole
+        block)."""
         x = self.input_layernorm(h)
-        bk, bv = self.self_attn.keys(x, pos)
-        k, v = torch.cat([ctx_k, bk], 2), torch.cat([ctx_v, bv], 2)
-        h = h + self.self_attn.attend(self.self_attn.query(x, pos), k, v, mask)
+        a = self.self_attn
+        h = h + a.attend(a.query(x, pos), ctx_k, ctx_v, sees, *a.keys(x, pos))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -179,17 +189,18 @@ class DFlashDrafter(nn.Module):
         """Per layer, the context's keys and values (B, kv, T, d) at positions pos (B, T)."""
         return [layer.self_attn.keys(ctx, pos) for layer in self.layers]
 
-    def block_states(self, ids: torch.Tensor, pos: torch.Tensor, kv, mask) -> torch.Tensor:
-        """Block tokens ids (B, Q) at pos (B, Q) over the context's `kv` -> the final normed
-        states (B, Q, H) the head reads."""
-        h = self.embed_tokens(ids)  # (B, Q, H)
+    def block_states(self, ids: torch.Tensor, pos: torch.Tensor, kv, sees) -> torch.Tensor:
+        """Blocks' tokens ids (B, N*S) at pos (B, N*S) over the context's `kv`, each query
+        seeing the context keys `sees` (B, 1, N*S, K) allows and its whole block -> the final
+        normed states (B, N*S, H) the head reads."""
+        h = self.embed_tokens(ids)  # (B, N*S, H)
         for layer, (k, v) in zip(self.layers, kv, strict=True):
-            h = layer(h, pos, k, v, mask)
+            h = layer(h, pos, k, v, sees)
         return self.norm(h)
 
-    def blocks(self, ids: torch.Tensor, pos: torch.Tensor, kv, mask) -> torch.Tensor:
-        """Block tokens ids (B, Q) at pos (B, Q) over the context's `kv` -> logits (B, Q, D)."""
-        return self.lm_head(self.block_states(ids, pos, kv, mask))
+    def blocks(self, ids: torch.Tensor, pos: torch.Tensor, kv, sees) -> torch.Tensor:
+        """`block_states`' blocks -> logits (B, N*S, D)."""
+        return self.lm_head(self.block_states(ids, pos, kv, sees))
 
     # -------------------------------------------------------------- training
 
@@ -219,7 +230,8 @@ class DFlashDrafter(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> tuple:
         """`forward_blocks`' blocks as `blocks` takes them: ids and positions (B, N*S), the
-        context's keys/values per layer, and the mask (B, 1, N*S, T + N*S)."""
+        context's keys/values per layer, and which context keys each query sees
+        (B, 1, N*S, T)."""
         B, T = input_ids.shape
         N, S = anchors.shape[1], self.config.block_size
         dev = input_ids.device
@@ -238,13 +250,8 @@ class DFlashDrafter(nn.Module):
             sees_ctx = sees_ctx & (segments[:, None, :] == own[:, :, None])
         if (w := self.config.attention_window) is not None:
             sees_ctx = sees_ctx & (ctx_pos[:, None, :] > pos[:, :, None] - w)
-        blk = torch.arange(N, device=dev).repeat_interleave(S)
-        sees_blk = (blk[:, None] == blk[None, :]).expand(B, N * S, N * S)
-        live = (anchors >= 0).repeat_interleave(S, 1)[
-            :, :, None
-        ]  # padded blocks see themselves only
-        mask = torch.cat([sees_ctx & live, sees_blk], -1)[:, None]  # (B, 1, N*S, T + N*S)
-        return ids.view(B, N * S), pos, kv, mask
+        live = (anchors >= 0).repeat_interleave(S, 1)[:, :, None]  # padding sees its block only
+        return ids.view(B, N * S), pos, kv, (sees_ctx & live)[:, None]
 
     # -------------------------------------------------------------- inference
 
@@ -272,8 +279,7 @@ class DFlashDrafter(nn.Module):
             kv = [(k[:, :, n_ctx - keep :], v[:, :, n_ctx - keep :]) for k, v in kv]
             ctx_pos = torch.arange(n_ctx - keep, n_ctx, device=dev)
             sees_ctx = ctx_pos[None, :] > pos[0, :, None] - w  # (S, keep)
-        mask = torch.cat([sees_ctx, torch.ones(S, S, dtype=torch.bool, device=dev)], -1)
-        return ids, pos, kv, mask[None, None]
+        return ids, pos, kv, sees_ctx[None, None]
 
 
 def block_weights(size: int, gamma: float) -> torch.Tensor:

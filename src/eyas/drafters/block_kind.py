@@ -207,15 +207,19 @@ class BlockKind:
         return sample_ids(batch).gather(1, batch["anchors"].clamp(min=0))
 
     def outputs(self, model: DFlashDrafter, batch: dict) -> dict:
-        """The training forward's outputs: logits (B, N, S, D) of every block slot."""
-        args = (batch["input_ids"], batch["aux"], batch["anchors"])
-        return {
-            "logits": model.forward_blocks(*args, batch.get("segments"), batch.get("positions"))
-        }
+        """The training forward's outputs: logits (B, N, S', D) of the S' predicting block
+        slots (the head never reads the anchor's own slot, a quarter of a block of 4)."""
+        a = batch["anchors"]
+        B, N, S = *a.shape, model.config.block_size
+        blocks = model.training_blocks(
+            batch["input_ids"], batch["aux"], a, batch.get("segments"), batch.get("positions")
+        )
+        h = model.block_states(*blocks).view(B, N, S, -1)[:, :, self.first_slot :].contiguous()
+        return {"logits": model.lm_head(h)}
 
     def slot_loss(self, out: dict, slot: int, logq, logp, lmask, chain: Chain, i: int, cfg):
-        """The loss (B, N) of block slot `slot`, the i-th predicting one, from the drafter's
-        and the target's log-probabilities (B, N, D)."""
+        """The loss (B, N) of block slot `slot`, the i-th predicting one (`out`'s i-th), from
+        the drafter's and the target's log-probabilities (B, N, D)."""
         if cfg.loss == "opd":
             return on_policy(logq, logp, chain.all_right, chain.since(i))
         return divergence(logq, logp, cfg.loss, lmask)
@@ -229,7 +233,7 @@ class BlockKind:
         chain = Chain(batch["anchors"], ids)
         for i, (src, scored, lmask) in enumerate(self._masks(batch, S)):
             slot = self.first_slot + i
-            lj = out["logits"][:, :, slot].float()  # (B, N, D)
+            lj = out["logits"][:, :, i].float()  # (B, N, D)
             tgt = batch["tgt_logits"].gather(1, src[..., None].expand(-1, -1, lj.shape[-1])).float()
             logq, logp = F.log_softmax(lj, -1), F.log_softmax(tgt, -1)  # (B, N, D)
             right = dids[lj.argmax(-1)] == batch["tgt_top"].gather(1, src)

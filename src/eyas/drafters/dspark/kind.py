@@ -65,6 +65,7 @@ class DSpark(BlockKind):
         return []
 
     def outputs(self, model: DSparkDrafter, batch: dict) -> dict:
+        # every slot predicts: the i-th predicting slot is slot i
         args = (batch["input_ids"], batch["aux"], batch["anchors"])
         logits, conf = model.forward_heads(*args, batch.get("segments"), batch.get("positions"))
         return {"logits": logits, "confidence": conf}
@@ -77,7 +78,7 @@ class DSpark(BlockKind):
         if out["confidence"] is None or not cfg.options.confidence_weight:
             return loss
         accept = torch.minimum(logp.exp(), logq.exp()).sum(-1).detach().clamp(0, 1)  # (B, N)
-        conf = out["confidence"][:, :, slot].float()
+        conf = out["confidence"][:, :, i].float()
         bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
         return loss + cfg.options.confidence_weight * bce
 
