@@ -257,6 +257,43 @@ def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
     )
 
 
+def test_the_split_head_gives_the_whole_vocabularys_view_and_keeps_each_samples_argmax():
+    """TargetHead, as training reads the target: the soft labels and the argmax over the
+    whole vocabulary equal `target_view`'s (the argmax outside the draft vocabulary too, a tie
+    going to the lower id), and a sample seen before gets its kept argmax with the same soft
+    labels: bit for bit in the same batch (so a resume that has kept nothing computes what an
+    unbroken training did), and wherever it lies in another batch."""
+    from eyas.drafters.loss import TargetHead, target_view
+
+    torch.manual_seed(0)
+    V, D, H, T = 40, 12, 8, 6
+    head = torch.nn.functional.normalize(torch.randn(V, H, dtype=torch.float64), dim=-1)
+    draft = torch.randperm(V)[:D].sort().values
+    rest = torch.tensor([i for i in range(V) if i not in set(draft.tolist())])
+    last = torch.randn(2, T, H, dtype=torch.float64)
+    last[0, 1] = head[rest[3]] * 50  # an argmax outside the draft vocabulary (unit rows)
+    head[draft[-1]] = head[rest[0]]  # equal logits: the lower id wins, as argmax takes it
+    last[1, 2] = head[rest[0]] * 50
+    spans = [(7, 0, 0, T), (9, 1, 0, T - 2)]  # sample 9's last two positions are padding
+    th = TargetHead(head, draft, chunk=5)
+    sel, top = th.view(last, spans)
+    want_sel, want_top = target_view(last, head, draft, chunk=5)
+    torch.testing.assert_close(sel, want_sel)
+    assert top[0].tolist() == want_top[0].tolist() and top[0, 1] == rest[3]
+    assert top[1, : T - 2].tolist() == want_top[1, : T - 2].tolist()
+    assert int(top[1, 2]) == min(int(rest[0]), int(draft[-1]))
+    assert top[1, T - 2 :].tolist() == [0, 0]  # outside every span
+    assert set(th.tops) == {7, 9}
+    # a second epoch: nothing multiplies the other rows
+    th.rest = torch.full_like(th.rest, float("nan"))
+    again, top_again = th.view(last, spans)
+    assert torch.equal(again, sel) and torch.equal(top_again, top)
+    moved = torch.stack([last[1], last[0]])  # the samples in other rows of another batch
+    sel2, top2 = th.view(moved, [(9, 0, 0, T - 2), (7, 1, 0, T)])
+    torch.testing.assert_close(sel2, torch.stack([sel[1], sel[0]]))
+    assert torch.equal(top2, torch.stack([top[1], top[0]]))
+
+
 def test_on_policy_loss_is_forward_kl_on_the_matched_chain_and_decayed_reverse_kl_after():
     """opd: where every draft before a position matched, the forward KL; at the k-th position
     after the first miss, 0.8^k x the reverse KL; and in a TTT loss, the chain's first miss

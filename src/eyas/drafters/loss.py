@@ -57,11 +57,62 @@ def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], 1)
 
 
-def add_targets(batch: dict, drafter: torch.nn.Module, lm_head: torch.Tensor | None) -> None:
+class TargetHead:
+    """The target's head as a training reads it, split in two: the draft vocabulary's rows,
+    whose logits are the soft labels, and the other rows, read only for the argmax over the
+    whole vocabulary. That argmax is kept per sample (int32 on the host) the first time a
+    sample comes, so from its second epoch a batch multiplies D of the V rows, not all of
+    them. A batch says where its samples lie in `_spans` ((sample, row, start, tokens) of
+    each valid one); the soft labels are the same products whether or not the argmax was
+    kept, so a resumed training computes what an unbroken one did."""
+
+    def __init__(self, lm_head: torch.Tensor, draft_ids: torch.Tensor, chunk: int = 2048):
+        keep = torch.zeros(len(lm_head), dtype=torch.bool, device=lm_head.device)
+        keep[draft_ids] = True
+        self.draft_ids, self.rest_ids = draft_ids, torch.nonzero(~keep).squeeze(1)
+        self.draft, self.rest = lm_head[draft_ids].contiguous(), lm_head[self.rest_ids].contiguous()
+        self.chunk = chunk
+        self.tops: dict[int, torch.Tensor] = {}
+
+    def view(self, last: torch.Tensor, spans: list | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`target_view` of the final states `last` (B, T, H) of a batch whose samples lie at
+        `spans` (None: not said; nothing kept). Positions outside the spans get argmax 0."""
+        B, T, H = last.shape
+        flat = last.reshape(-1, H)
+        parts = range(0, flat.shape[0], self.chunk)
+        sel = torch.cat([flat[a : a + self.chunk] @ self.draft.T for a in parts])  # (B*T, D)
+        if spans and all(s in self.tops for s, *_ in spans):
+            top = torch.zeros(B, T, dtype=torch.long, device=last.device)
+            for s, r, a, n in spans:
+                top[r, a : a + n] = self.tops[s].to(top.device, torch.long)
+            return sel.view(B, T, -1), top
+        best, at = sel.max(-1)
+        top = self.draft_ids[at]
+        if len(self.rest_ids):
+            other, oat = torch.cat([flat[a : a + self.chunk] @ self.rest.T for a in parts]).max(-1)
+            oid = self.rest_ids[oat]
+            # the first of equal maxima, as an argmax over the whole vocabulary takes it
+            top = torch.where((other > best) | ((other == best) & (oid < top)), oid, top)
+        top = top.view(B, T)
+        if spans is not None:
+            covered = torch.zeros(B, T, dtype=torch.bool, device=last.device)
+            for s, r, a, n in spans:
+                covered[r, a : a + n] = True
+                self.tops[s] = top[r, a : a + n].to("cpu", torch.int32)
+            top = top.masked_fill(~covered, 0)
+        return sel.view(B, T, -1), top
+
+
+def add_targets(
+    batch: dict, drafter: torch.nn.Module, lm_head: torch.Tensor | TargetHead | None
+) -> None:
     """Add the target's soft labels over the draft vocabulary, its full-vocabulary argmax
     and whether that argmax is in the draft vocabulary. From a stored final state the
-    logits are recomputed; top-K storage brings its log-probabilities and argmax."""
-    if "last" in batch:
+    logits are recomputed (with a `TargetHead`, the argmax of a sample seen before is
+    read back); top-K storage brings its log-probabilities and argmax."""
+    if "last" in batch and isinstance(lm_head, TargetHead):
+        batch["tgt_logits"], batch["tgt_top"] = lm_head.view(batch["last"], batch.get("_spans"))
+    elif "last" in batch:
         batch["tgt_logits"], batch["tgt_top"] = target_view(
             batch["last"], lm_head, drafter.draft_ids
         )

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from eyas.drafters import kind
-from eyas.drafters.loss import summarize
+from eyas.drafters.loss import TargetHead, summarize
 from eyas.errors import UsageError
 from eyas.stop import StopSignals
 from eyas.training.checkpoint import initial_weights, resume_checkpoint, save_checkpoint
@@ -124,7 +124,12 @@ class Trainer:
         if cfg.init_from:
             initial_weights(Path(cfg.init_from), self.drafter, self.kind)
         self.drafter.to(device)
-        self.lm_head = lm_head.to(device) if lm_head is not None else None
+        # the target's head, its argmax kept per sample after the first epoch
+        self.lm_head = (
+            TargetHead(lm_head.to(device), self.drafter.draft_ids)
+            if lm_head is not None
+            else None
+        )
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.drafter, cfg)
         self.autocast = torch.autocast(
@@ -144,6 +149,7 @@ class Trainer:
         mine_idx = idx_all[self.rank :: self.world]
         host = self.reader.batch(mine_idx or idx_all[:1], packed=self.cfg.pack)
         batch = to_device(host, self.device)
+        batch["_spans"] = self._spans(mine_idx, host)
         if self.device.type == "cuda":
             batch["_copied"] = torch.cuda.Event()
             batch["_copied"].record()
@@ -151,6 +157,17 @@ class Trainer:
         if not mine_idx:  # this rank has no share: contribute zero loss and zero counts
             batch["valid"] = torch.zeros_like(batch["valid"])
         return batch
+
+    def _spans(self, idx: list[int], host: dict) -> list[tuple[int, int, int, int]]:
+        """Where each valid sample of the batch lies: (sample, row, start, tokens)."""
+        out, at = [], 0
+        for r, i in enumerate(idx):
+            n = self.reader.entries[i]["tokens"]
+            row, start = (0, at) if self.cfg.pack else (r, 0)
+            if host["valid"][row, start]:
+                out.append((i, row, start, n))
+            at += n
+        return out
 
     def _done(self, batch: dict) -> None:
         self.reader.release(batch.pop("_host"), batch.pop("_copied", None))
