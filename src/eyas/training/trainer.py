@@ -126,9 +126,7 @@ class Trainer:
         self.drafter.to(device)
         # the target's head, its argmax kept per sample after the first epoch
         self.lm_head = (
-            TargetHead(lm_head.to(device), self.drafter.draft_ids)
-            if lm_head is not None
-            else None
+            TargetHead(lm_head.to(device), self.drafter.draft_ids) if lm_head is not None else None
         )
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.drafter, cfg)
