@@ -177,23 +177,12 @@ def val_accuracy(export: Path, run: Path, plan: dict) -> dict:
 # ------------------------------------------------------------------ the peer's side (its venv)
 
 
-def worker(args) -> None:
-    """Train speculators' drafter on the plan; write its weights and, after checking its
-    logits, the same drafter as an eyas training directory."""
+def cpu_muon() -> None:
+    """torch's Muon orthogonalises in bfloat16, which a CPU without fast bfloat16 runs about
+    50x slower than the rest of a step; on a CPU the peer's Muon runs the same iteration in
+    float32, as eyas's does (on a GPU both keep bfloat16)."""
     import torch
-    from speculators.losses import resolve_loss_config
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.train.cli import create_transformer_layer_config
-    from speculators.train.optimizers import build_optimizers
-    from transformers import AutoConfig
 
-    from eyas.run.runmeta import read_run_meta
-    from eyas.training.train_data import SampleReader, to_device, usable_samples
-
-    # torch's Muon orthogonalises in bfloat16, which a CPU without fast bfloat16 runs about
-    # 50x slower than the rest of a step; on a CPU the peer's Muon runs the same iteration
-    # in float32, as eyas's does (on a GPU both keep bfloat16).
     if not torch.cuda.is_available():
         import torch.optim._muon as torch_muon
 
@@ -202,36 +191,51 @@ def worker(args) -> None:
         torch_muon._zeropower_via_newtonschulz = lambda g, _coeffs, steps, eps: orthogonalise(
             g, steps, eps
         )
-    plan = json.loads(Path(args.plan).read_text())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(42 + args.seed)  # the peer's CLI seed, moved by the comparison's seed
-    lrs = plan["lrs"] if args.schedule == "eyas" else own_schedule(len(plan["lrs"]))
-    run, model_dir = Path(plan["run"]), plan["model"]
-    vcfg = AutoConfig.from_pretrained(model_dir)
-    draft_ids = torch.tensor(plan["draft_ids"])
-    t2d = torch.zeros(vcfg.vocab_size, dtype=torch.bool)
-    t2d[draft_ids] = True
-    d2t = draft_ids - torch.arange(len(draft_ids))
-    norms = args.peer_norms == "on"
-    # The draft's decoder config as the peer's CLI makes it by default: one llama layer, its
-    # attention in a sliding window of 2,048 (wider than any sample here).
+
+
+def vocab_maps(model_dir: str, draft_ids: list[int]):
+    """(t2d, d2t) of a draft vocabulary, as speculators takes them."""
+    import torch
+    from transformers import AutoConfig
+
+    ids = torch.tensor(draft_ids)
+    t2d = torch.zeros(AutoConfig.from_pretrained(model_dir).vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return t2d, ids - torch.arange(len(ids))
+
+
+def peer_eagle3(model_dir: str, draft_ids: list[int], aux_layers_hf: list[int], ttt_steps: int,
+                norms: bool):  # fmt: skip
+    """speculators' EAGLE-3 drafter as its CLI builds it by default (one llama layer, its
+    attention in a sliding window of 2,048, wider than any sample here), in float32, training;
+    the verifier norm the identity (eyas stores the target's post-norm last state)."""
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.cli import create_transformer_layer_config
+
+    t2d, d2t = vocab_maps(model_dir, draft_ids)
     layer_cfg = create_transformer_layer_config(model_dir, num_layers=1, draft_arch="llama",
                                                 hidden_act=None, sliding_window=2048,
                                                 full_attention_indices=[])  # fmt: skip
     model = Eagle3DraftModel.from_training_args(
         layer_cfg, t2d=t2d, d2t=d2t, draft_vocab_size=len(draft_ids), norm_before_residual=norms,
-        norm_before_fc=norms, norm_output=norms, ttt_steps=plan["ttt_steps"],
-        verifier_name_or_path=model_dir, target_layer_ids=plan["aux_layers_hf"],
+        norm_before_fc=norms, norm_output=norms, ttt_steps=ttt_steps,
+        verifier_name_or_path=model_dir, target_layer_ids=aux_layers_hf,
         draft_attn_impl="sdpa",
     )  # fmt: skip
-    model.verifier_norm = torch.nn.Identity()  # eyas stores the target's post-norm last state
-    model.float().train()
-    opt_cfg = argparse.Namespace(optimizer=args.peer_optimizer, lr=lrs[0], weight_decay=0.01,
-                                 muon_lr=lrs[0], muon_momentum=0.95, muon_weight_decay=0.1,
-                                 muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw")  # fmt: skip
-    opts = build_optimizers(model, opt_cfg)
-    loss_cfg = resolve_loss_config("kl_div", "eager")
+    model.verifier_norm = torch.nn.Identity()
+    return model.float().train()
+
+
+def packer(run: Path, shifted: bool = True):
+    """A function of sample indices -> one packed row of those samples of `run`, as the
+    peer's collation makes it (`shifted`: EAGLE-3's shift of the states against the ids)."""
+    import torch
+    from speculators.models.eagle3.data import shift_batch
+
+    from eyas.run.runmeta import read_run_meta
+    from eyas.training.train_data import SampleReader, to_device, usable_samples
+
     meta = read_run_meta(run)
     entries, _ = usable_samples(run, meta["hidden_size"], lambda m: None)
     reader = SampleReader(run, entries, checksums=True)
@@ -243,14 +247,40 @@ def worker(args) -> None:
         parts = []
         for r, i in enumerate(idx):
             n = entries[i]["tokens"]
-            parts.append(shift_batch({
-                "input_ids": b["input_ids"][r, :n], "hidden_states": b["aux"][r, :n],
-                "verifier_last_hidden_states": b["last"][r, :n], "loss_mask": b["loss_mask"][r, :n],
-                "lengths": torch.tensor([n]), "position_ids": torch.arange(n)}))  # fmt: skip
+            one = {"input_ids": b["input_ids"][r, :n], "hidden_states": b["aux"][r, :n],
+                   "verifier_last_hidden_states": b["last"][r, :n], "loss_mask": b["loss_mask"][r, :n],
+                   "lengths": torch.tensor([n]), "position_ids": torch.arange(n)}  # fmt: skip
+            parts.append(shift_batch(one) if shifted else one)
         cat = {k: torch.cat([p[k] for p in parts])[None] for k in parts[0] if k != "lengths"}
         lens = torch.cat([p["lengths"] for p in parts])
         cat["document_ids"] = torch.repeat_interleave(torch.arange(len(lens)), lens)[None]
         return cat
+
+    return packed
+
+
+def worker(args) -> None:
+    """Train speculators' drafter on the plan; write its weights and, after checking its
+    logits, the same drafter as an eyas training directory."""
+    import torch
+    from speculators.losses import resolve_loss_config
+    from speculators.train.optimizers import build_optimizers
+
+    cpu_muon()
+    plan = json.loads(Path(args.plan).read_text())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(42 + args.seed)  # the peer's CLI seed, moved by the comparison's seed
+    lrs = plan["lrs"] if args.schedule == "eyas" else own_schedule(len(plan["lrs"]))
+    norms = args.peer_norms == "on"
+    model = peer_eagle3(plan["model"], plan["draft_ids"], plan["aux_layers_hf"],
+                        plan["ttt_steps"], norms)  # fmt: skip
+    opt_cfg = argparse.Namespace(optimizer=args.peer_optimizer, lr=lrs[0], weight_decay=0.01,
+                                 muon_lr=lrs[0], muon_momentum=0.95, muon_weight_decay=0.1,
+                                 muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw")  # fmt: skip
+    opts = build_optimizers(model, opt_cfg)
+    loss_cfg = resolve_loss_config("kl_div", "eager")
+    packed = packer(Path(plan["run"]))
 
     kw = {"ttt_steps": plan["ttt_steps"], "ttt_step_loss_decay": 1.0, "loss_config": loss_cfg}
     step, t0, tokens = 0, time.monotonic(), 0

@@ -109,6 +109,19 @@ def test_anchors_tile_the_trainable_spans():
     a = choose_anchors(mask, valid, 3, 0)[0].tolist()
     assert a == [1, 4, 7, 10]  # each anchor's next token is trainable; one every 3 from the first
     assert choose_anchors(mask, valid, 3, 1)[0].tolist() == [2, 5, 11]
+    # Two samples packed in one row: each gets the anchors it gets in a row of its own, and
+    # none predicts the next sample's first token.
+    one = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
+    two = torch.tensor([1, 1, 1, 0, 1, 1, 1], dtype=torch.bool)
+    packed = torch.cat([one, two])[None]
+    seg = torch.tensor([[0] * 8 + [1] * 7])
+    for phase in (0, 1, 2):
+        alone = [choose_anchors(x[None], torch.ones_like(x)[None], 3, phase)[0] for x in (one, two)]
+        want = [a for a in alone[0].tolist() if a >= 0] + [
+            8 + a for a in alone[1].tolist() if a >= 0
+        ]
+        got = choose_anchors(packed, torch.ones_like(packed), 3, phase, seg)[0].tolist()
+        assert [a for a in got if a >= 0] == want, phase
 
 
 def test_dflash_trains_exports_and_decodes_losslessly(demo_runs, tmp_path):

@@ -288,17 +288,32 @@ def block_weights(size: int, gamma: float) -> torch.Tensor:
 
 
 def choose_anchors(
-    loss_mask: torch.Tensor, valid: torch.Tensor, size: int, phase: int
+    loss_mask: torch.Tensor,
+    valid: torch.Tensor,
+    size: int,
+    phase: int,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Anchors (B, N), -1 padded: the positions a whose next token is trainable and that lie
-    `phase` (mod size) after the row's first such position; blocks then tile every trainable
-    span. Deterministic in `phase`, so a resume draws the same blocks."""
-    m = (F.pad(loss_mask[:, 1:], (0, 1)) & valid).cpu()  # (B, T): x_{a+1} trainable
+    """Anchors (B, N), -1 padded: the positions a whose next token is trainable (and of the
+    same sample, in packed rows: `segments`) and that lie `phase` (mod size) after their
+    sample's first such position; blocks then tile every trainable span, a packed row's
+    samples each as a row of its own would. Deterministic in `phase`, so a resume draws the
+    same blocks."""
+    m = F.pad(loss_mask[:, 1:], (0, 1)) & valid  # (B, T): x_{a+1} trainable
+    if segments is not None:
+        m = m & (F.pad(segments[:, 1:], (0, 1), value=-1) == segments)
+    m = m.cpu()
+    seg = segments.cpu() if segments is not None else None
     rows = []
-    for r in m:
+    for b, r in enumerate(m):
         idx = torch.nonzero(r).squeeze(1)
         if len(idx):
-            idx = idx[(idx - idx[0]) % size == phase % size]
+            first = idx[0]
+            if seg is not None:  # each sample's own first trainable position
+                _, counts = torch.unique_consecutive(seg[b, idx], return_counts=True)
+                starts = idx[torch.cumsum(counts, 0) - counts]
+                first = starts.repeat_interleave(counts)
+            idx = idx[(idx - first) % size == phase % size]
         rows.append(idx)
     n = max(1, max(len(r) for r in rows))
     out = torch.full((len(rows), n), -1, dtype=torch.long)

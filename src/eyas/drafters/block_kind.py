@@ -177,7 +177,9 @@ class BlockKind:
         stride = cfg.options.anchor_stride if cfg is not None else 1
         key = batch.get("_key")
         phase = int(key) % stride if key is not None else 0
-        batch["anchors"] = choose_anchors(batch["loss_mask"], batch["valid"], stride, phase)
+        batch["anchors"] = choose_anchors(
+            batch["loss_mask"], batch["valid"], stride, phase, batch.get("segments")
+        )
 
     def _masks(self, batch: dict, S: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per predicting block slot (the n-th predicting the token at a+n, n = 1, 2, ...):

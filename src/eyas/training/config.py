@@ -135,8 +135,11 @@ class TrainConfig:
     allow_partial: bool = False
     """Train on a run whose extraction is not finished (only the samples committed so far)."""
     pack: bool = False
-    """Pack samples one after another into rows of --batch-tokens (attention and positions
-    per sample) instead of padding each to its batch's longest."""
+    """Fill each batch with --batch-tokens tokens of samples, whatever their lengths, instead
+    of grouping samples of like length so that padding each to the longest stays within
+    --batch-tokens (fewer, fuller batches: another schedule). Either way a batch's samples
+    are laid end to end in one row, attention and positions per sample, so no padding is
+    computed."""
     follow: bool = False
     """Train while the run is extracted: committed samples as they appear, each once per
     extraction pass; the extractor's --max-store deletes what every follower has passed."""

@@ -145,7 +145,8 @@ class Trainer:
     def load(self, idx_all: list[int]) -> dict:
         """This rank's share of a global micro-batch, on the device (the prefetch thread)."""
         mine_idx = idx_all[self.rank :: self.world]
-        host = self.reader.batch(mine_idx or idx_all[:1], packed=self.cfg.pack)
+        # end to end in one row, whichever plan made the batch: no padding is computed
+        host = self.reader.batch(mine_idx or idx_all[:1], packed=True)
         batch = to_device(host, self.device)
         batch["_spans"] = self._spans(mine_idx, host)
         if self.device.type == "cuda":
@@ -157,13 +158,12 @@ class Trainer:
         return batch
 
     def _spans(self, idx: list[int], host: dict) -> list[tuple[int, int, int, int]]:
-        """Where each valid sample of the batch lies: (sample, row, start, tokens)."""
+        """Where each valid sample of the (packed) batch lies: (sample, row, start, tokens)."""
         out, at = [], 0
-        for r, i in enumerate(idx):
+        for i in idx:
             n = self.reader.entries[i]["tokens"]
-            row, start = (0, at) if self.cfg.pack else (r, 0)
-            if host["valid"][row, start]:
-                out.append((i, row, start, n))
+            if host["valid"][0, at]:
+                out.append((i, 0, at, n))
             at += n
         return out
 
