@@ -212,7 +212,7 @@ def test_a_windowed_dflash_drafter_is_exported_for_vllm_and_refused_for_sglang(d
         torch.testing.assert_close(trained.eval().forward_blocks(ids, states, torch.tensor([[20]])),
                                    back.forward_blocks(ids, states, torch.tensor([[20]])))  # fmt: skip
     r = eyas("export", tmp_path / "tr", "--format", "sglang", "--out", tmp_path / "sg")
-    assert r.returncode == 1 and "--attention-window 8" in r.stderr and "causally" in r.stderr
+    assert r.returncode == 2 and "--attention-window 8" in r.stderr and "causally" in r.stderr
     assert not (tmp_path / "sg").exists()
     r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--data",
              run.parent / "conv.jsonl", "--limit", "4", "--json")  # fmt: skip
@@ -262,4 +262,4 @@ def test_five_target_layers_extract_train_export_and_decode(
     assert r.returncode == 0 and json.loads(r.stdout)["lossless"], r.stderr[-2000:]
     eyas("train", "--data", run, "--out", tmp_path / "e3", "--epochs", "1", check=True)
     r = eyas("export", tmp_path / "e3", "--format", "vllm", "--out", tmp_path / "e3x")
-    assert r.returncode == 1 and "reads 5 target layers" in r.stderr, r.stderr
+    assert r.returncode == 2 and "reads 5 target layers" in r.stderr, r.stderr

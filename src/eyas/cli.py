@@ -180,7 +180,7 @@ def tiny_target(
     _quiet_transformers()
     cfg = _config(TinyTargetConfig, **opts)
     like = Path(cfg.like) if cfg.like else None
-    try:
+    with _exits():
         path = build_tiny_target(
             out,
             cfg.arch,
@@ -190,8 +190,6 @@ def tiny_target(
             trust_remote_code=cfg.trust_remote_code,
             base=cfg.base,
         )
-    except (FileNotFoundError, OSError, ValueError) as exc:
-        raise fail(str(exc), EXIT_USAGE) from None
     _say(f"tiny {cfg.arch if like is None else f'copy of {like}'} target written to {path}")
 
 
@@ -321,13 +319,10 @@ def estimate(
 ) -> None:
     """Disk an extraction run will take, before there is a dataset or a GPU."""
     from eyas.ops.estimate import estimate as run_estimate
-    from eyas.targets.target import ModelDirError
 
     cfg = _config(EstimateConfig, samples=samples, tokens_per_sample=tokens_per_sample, **opts)
-    try:
+    with _exits():
         report.print(run_estimate(cfg).render(), markup=False, highlight=False)
-    except (ModelDirError, ValueError) as exc:
-        raise fail(str(exc), EXIT_USAGE) from None
 
 
 @app.command()
@@ -545,10 +540,8 @@ def demo(
     from eyas.ops.demo import run_demo
 
     _quiet_transformers()
-    try:
+    with _exits():
         summary = run_demo(_config(DemoConfig, **opts))
-    except ValueError as exc:
-        raise fail(str(exc), EXIT_USAGE) from None
     if as_json:
         _print_json(summary)
     if not summary["lossless"]:

@@ -4,9 +4,12 @@
     2   usage or input: a wrong path or option, data made for another target or config
     75  stopped early and cleanly (a signal, a full disk): the same command resumes
 
-A stage raises `UsageError` where the user must change what they asked for and `Stopped` when
-it ends early but cleanly (its message names the command that resumes); the command line maps
-any exception to its code with `exit_code`. Below every other module: imports nothing.
+A stage raises `UsageError` where the user must change what they asked for, `ProblemError`
+where it found something wrong in what it read or ran (a damaged file, an engine that would
+not start) and `Stopped` when it ends early but cleanly (its message names the command that
+resumes); the command line maps any exception to its code with `exit_code`. Nothing the user
+can meet is a bare ValueError (a test walks the library's raises). Below every other module:
+imports nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ class UsageError(EyasError, ValueError):
     that catch those keep doing so."""
 
     code = EXIT_USAGE
+
+
+class ProblemError(EyasError, ValueError):
+    """Something found wrong in what a stage read or ran: a damaged or inconsistent file,
+    an engine that would not start, a step that could not be taken (exit 1). A ValueError,
+    so that callers that catch those keep doing so."""
+
+    code = EXIT_PROBLEMS
 
 
 class Stopped(EyasError):

@@ -19,6 +19,7 @@ from safetensors.numpy import load_file as np_load_file
 from safetensors.numpy import save as np_save
 
 from eyas import __version__
+from eyas.errors import ProblemError
 from eyas.run.fsutil import (
     atomic_write,
     atomic_write_bytes,
@@ -134,7 +135,7 @@ def write_dataset(out: Path, samples: list[Prepared], errors: list[dict], cfg, t
             f"({vocab} tokens): the draft vocabulary is all {vocab}"
         )
     if ids.size and int(ids.max()) >= vocab:
-        raise ValueError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size {vocab}")
+        raise ProblemError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size {vocab}")
     counts = np.bincount(ids[mask.astype(bool)], minlength=vocab).astype(np.int64)
     summary.notes.append(coverage_line(counts, min(cfg.draft_vocab_size, vocab)))
 

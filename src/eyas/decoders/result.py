@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from eyas.errors import ProblemError
+
 LENGTH_BUCKETS = (0, 512, 2048, 4096, 8192, 16384)
 """Lower edges, in prompt tokens, of the context-length buckets every evaluation reports."""
 
@@ -56,12 +58,14 @@ class EvalResult:
         as judging the whole file at once. Mismatches keep their place in the whole file;
         `inputs` keeps each slice's account of its records."""
         if not parts:
-            raise ValueError("nothing to merge")
+            raise ProblemError("nothing to merge")
         widths = {len(p.per_position) for p in parts}
         if len(widths) != 1 or len({str(p.drafter) for p in parts}) != 1:
-            raise ValueError("the parts judged different drafters or drafted different lengths")
+            raise ProblemError("the parts judged different drafters or drafted different lengths")
         if any(p.prompts != p.planned for p in parts[:-1]):
-            raise ValueError("a part before the last ended early: the slices after it would shift")
+            raise ProblemError(
+                "a part before the last ended early: the slices after it would shift"
+            )
         out = cls(
             per_position=[[0, 0] for _ in range(widths.pop())],
             drafter=parts[0].drafter,

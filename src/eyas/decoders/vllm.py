@@ -11,6 +11,7 @@ import time
 from itertools import zip_longest
 
 from eyas.decoders.result import EvalResult, length_bucket
+from eyas.errors import ProblemError
 from eyas.host.ui import console
 from eyas.run.store import Layout
 from eyas.targets.backends import BackendSpec, backend_module
@@ -65,7 +66,7 @@ def _generate(spec: BackendSpec, inputs, params, speculative: dict | None, group
         )
     except RuntimeError as exc:  # vLLM's own cause is in its log, above on stderr
         what = "the target with the drafter" if speculative else "the target"
-        raise ValueError(f"vLLM could not start {what} (its log above says why): {exc}") from None
+        raise ProblemError(f"vLLM could not start {what} (its log above says why): {exc}") from None
     outs, counters = [None] * len(inputs), []
     t0 = time.perf_counter()
     for g in groups:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from eyas.errors import UsageError
+
 ARCHES = ("llama", "qwen3", "qwen2", "deepseek_v3", "kimi_k25")
 
 SPECIAL_TOKENS = [
@@ -164,11 +166,11 @@ class TinySizes:
 
     def __post_init__(self) -> None:
         if self.num_hidden_layers < 1 or self.hidden_size < 8:
-            raise ValueError(
+            raise UsageError(
                 f"tiny target too small: layers={self.num_hidden_layers} hidden={self.hidden_size}"
             )
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
+            raise UsageError(
                 f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} attention heads"
             )
 
@@ -287,7 +289,7 @@ def _arch_config(arch: str, vocab_size: int, sizes: TinySizes, tokenizer):
     if arch == "kimi_k25":
         text = _arch_config("deepseek_v3", vocab_size, sizes, tokenizer)
         return _wrapper_config("kimi_k25", text, tokenizer)
-    raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
+    raise UsageError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
 
 
 def _wrapper_config(model_type: str, text, tokenizer, top: dict | None = None):
@@ -445,7 +447,7 @@ def build_tiny_target(
 
         tokenizer = load_tokenizer(str(like), trust_remote_code)
         if not tokenizer.chat_template and not base:
-            raise ValueError(
+            raise UsageError(
                 f"--like {like}: the tokenizer has no chat template (a base "
                 "checkpoint: pass --base)"
             )
@@ -458,7 +460,7 @@ def build_tiny_target(
             )
     else:
         if arch not in ARCHES:
-            raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
+            raise UsageError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
         if tokenizer is None:
             template = {
                 "qwen3": QWEN3_TEMPLATE,

@@ -30,7 +30,7 @@ def choose_mask_token(model_dir: str, counts, trust_remote_code: bool = False) -
     last = len(counts) - 1
     if counts[last] == 0:
         return last
-    raise ValueError(
+    raise UsageError(
         f"{model_dir}: no special token the data leaves unused to serve as DFlash's mask"
     )
 
@@ -110,7 +110,7 @@ class BlockKind:
         from eyas.targets.target import text_config
 
         if "topk" in str(meta.get("layout", "")):
-            raise ValueError(
+            raise UsageError(
                 "a DFlash drafter trains on the target's final states: extract with --target last"
             )
         t = text_config(model_dir)

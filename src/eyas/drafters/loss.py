@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from eyas.errors import ProblemError
+
 LK_ETA = 3.0  # lk: the blend weight of KL is exp(-LK_ETA x the mean acceptance)
 HASS_TOP = 10  # hass: the target's likeliest ids whose cross-entropy is counted twice
 HASS_WEIGHT = 1.0  # hass: that term's weight against kl's
@@ -204,7 +206,7 @@ def divergence(
     positions the loss counts: lk's blend weight is their mean acceptance."""
     loss = LOSSES.get(kind)
     if loss is None or loss.fn is None:
-        raise ValueError(f"no per-position loss {kind!r}")
+        raise ProblemError(f"no per-position loss {kind!r}")
     return loss.fn(logq, logp, mask)
 
 

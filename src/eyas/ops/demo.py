@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.table import Table
 
 from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.errors import ProblemError, UsageError
 from eyas.host.ui import console
 from eyas.stages.config import DemoConfig
 
@@ -70,7 +71,7 @@ def _fresh_workdir(workdir: Path) -> None:
     directory with files in it refused."""
     if workdir.exists() and any(workdir.iterdir()):
         if not (workdir / MARKER).exists():
-            raise ValueError(
+            raise UsageError(
                 f"{workdir} exists and is not an eyas demo directory; choose another --workdir"
             )
         shutil.rmtree(workdir)
@@ -101,7 +102,7 @@ def _prepare_and_extract(workdir: Path, clock: _StageClock):
     with clock("verify"):
         v = verify(run)
         if not v.clean:
-            raise RuntimeError(
+            raise ProblemError(
                 f"verify found problems in {run}: {[pr.detail for pr in v.problems[:3]]}"
             )
         console.print(

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from eyas.errors import UsageError
+
 TMP_MARK = ".tmp-"
 
 
@@ -226,6 +228,6 @@ def parse_size(spec: str, total: int) -> int:
             return int(float(low[:-1]) * units[low[-1]])
         return int(float(low))
     except ValueError:
-        raise ValueError(
+        raise UsageError(
             f"cannot read size {spec!r}: use bytes, a K/M/G suffix or a percentage"
         ) from None

@@ -38,6 +38,7 @@ import torch
 import xxhash
 from safetensors.torch import load as st_load
 
+from eyas.errors import UsageError
 from eyas.run.fsutil import atomic_write, fsync_dir, is_temp_file
 
 STORE_VERSION = 1
@@ -86,11 +87,11 @@ class Layout:
 
     def __post_init__(self) -> None:
         if self.aux not in ("dense", "fp8"):
-            raise ValueError(f"unknown aux storage {self.aux!r}: choose dense or fp8")
+            raise UsageError(f"unknown aux storage {self.aux!r}: choose dense or fp8")
         if self.target != "last" and not re.fullmatch(r"topk:[1-9]\d*", self.target):
-            raise ValueError(f"unknown target storage {self.target!r}: use last or topk:K")
+            raise UsageError(f"unknown target storage {self.target!r}: use last or topk:K")
         if self.layers < 1:
-            raise ValueError(
+            raise UsageError(
                 f"a sample holds the states of at least one target layer, not {self.layers}"
             )
 

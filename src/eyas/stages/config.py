@@ -64,15 +64,15 @@ class PrepareConfig:
 
     def __post_init__(self) -> None:
         if self.overlong not in ("truncate", "skip"):
-            raise ValueError(f"--overlong must be truncate or skip, got {self.overlong!r}")
+            raise UsageError(f"--overlong must be truncate or skip, got {self.overlong!r}")
         if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"--max-length must be at least 2, got {self.max_length}")
+            raise UsageError(f"--max-length must be at least 2, got {self.max_length}")
         if not self.data:
-            raise ValueError("no input files given (--data)")
+            raise UsageError("no input files given (--data)")
         if self.draft_vocab_size < 1:
-            raise ValueError(f"--draft-vocab-size must be positive, got {self.draft_vocab_size}")
+            raise UsageError(f"--draft-vocab-size must be positive, got {self.draft_vocab_size}")
         if not 0 <= self.max_error_rate <= 1:
-            raise ValueError(f"--max-error-rate must lie in [0, 1], got {self.max_error_rate}")
+            raise UsageError(f"--max-error-rate must lie in [0, 1], got {self.max_error_rate}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,7 +113,7 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         if self.turns not in ("last", "all"):
-            raise ValueError(f"--turns must be last or all, got {self.turns!r}")
+            raise UsageError(f"--turns must be last or all, got {self.turns!r}")
         if (
             self.concurrency < 1
             or self.retries < 0
@@ -122,14 +122,14 @@ class GenerateConfig:
             or self.backoff < 0
             or self.max_response_bytes < 1024
         ):
-            raise ValueError(
+            raise UsageError(
                 "--concurrency and --max-tokens must be >= 1, --retries >= 0, --timeout > 0, "
                 "--max-response-bytes >= 1024"
             )
         if not self.endpoint.startswith(("http://", "https://")):
-            raise ValueError(f"--endpoint must be an http(s) URL, got {self.endpoint!r}")
+            raise UsageError(f"--endpoint must be an http(s) URL, got {self.endpoint!r}")
         if self.api_key_env and self.api_key_env not in os.environ:
-            raise ValueError(f"--api-key-env {self.api_key_env}: no such environment variable")
+            raise UsageError(f"--api-key-env {self.api_key_env}: no such environment variable")
         from eyas.targets.target import read_chat_template  # torch: once a config is made
 
         object.__setattr__(self, "_template", read_chat_template(self.chat_template))
@@ -216,11 +216,11 @@ class ExtractConfig:
         from eyas.targets.target import DTYPES
 
         if not 0 <= self.rank < self.world:
-            raise ValueError(
+            raise UsageError(
                 f"--rank {self.rank} is outside 0..{self.world - 1} (--world {self.world})"
             )
         if self.batch_tokens < 1:
-            raise ValueError(f"--batch-tokens must be positive, got {self.batch_tokens}")
+            raise UsageError(f"--batch-tokens must be positive, got {self.batch_tokens}")
         if self.aux_layers is not None and not self.aux_layers:
             raise UsageError("--aux-layers needs two or more layer ids, or a count N")
         if self.aux_layers is not None and len(self.aux_layers) == 1 and self.aux_layers[0] < 2:
@@ -230,31 +230,31 @@ class ExtractConfig:
             )
         for d in (self.dtype, self.store_dtype or "auto"):
             if d not in ("auto", *DTYPES):
-                raise ValueError(f"unknown dtype {d!r}; choose from auto, {', '.join(DTYPES)}")
+                raise UsageError(f"unknown dtype {d!r}; choose from auto, {', '.join(DTYPES)}")
         if self.backend not in BACKENDS:
-            raise ValueError(
+            raise UsageError(
                 f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}"
             )
         if self.tensor_parallel_size < 1 or not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
+            raise UsageError(
                 "--tensor-parallel-size must be >= 1 and --gpu-memory-utilization in (0, 1]"
             )
         if self.tensor_parallel_size > 1 and not registered(self.backend).tensor_parallel:
             shards = [n for n in BACKENDS if registered(n).tensor_parallel]
-            raise ValueError(
+            raise UsageError(
                 f"--tensor-parallel-size needs --backend {' or '.join(shards)} (the "
                 f"{self.backend} backend uses --device multi)"
             )
         Layout(self.storage, self.target)  # raises for unknown modes
         parse_size(self.min_free, 1)
         if self.passes < 1:
-            raise ValueError(f"--passes must be at least 1, got {self.passes}")
+            raise UsageError(f"--passes must be at least 1, got {self.passes}")
         if self.max_store is not None and (
             self.max_store.strip().endswith("%") or parse_size(self.max_store, 1) <= 0
         ):
-            raise ValueError(f"--max-store needs a size such as 200G, got {self.max_store!r}")
+            raise UsageError(f"--max-store needs a size such as 200G, got {self.max_store!r}")
         if self.passes > 1 and self.max_store is None:
-            raise ValueError(
+            raise UsageError(
                 "--passes runs the target over the data again for each epoch: it is for a disk "
                 "smaller than the data, with --max-store; with room for the whole run, extract "
                 "once and train --epochs N"
@@ -306,11 +306,11 @@ class EvaluateConfig:
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
-            raise ValueError(f"--engine must be {' or '.join(ENGINES)}, got {self.engine!r}")
+            raise UsageError(f"--engine must be {' or '.join(ENGINES)}, got {self.engine!r}")
         if self.limit < 0 or self.max_new_tokens < 1 or self.precision < 0:
-            raise ValueError("--limit must be >= 0, --max-new-tokens >= 1 and --precision >= 0")
+            raise UsageError("--limit must be >= 0, --max-new-tokens >= 1 and --precision >= 0")
         if self.draft_tokens is not None and self.draft_tokens < 1:
-            raise ValueError(f"--draft-tokens must be at least 1, got {self.draft_tokens}")
+            raise UsageError(f"--draft-tokens must be at least 1, got {self.draft_tokens}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,7 +327,7 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         if self.speculative_tokens is not None and self.speculative_tokens < 1:
-            raise ValueError(
+            raise UsageError(
                 f"--speculative-tokens must be at least 1, got {self.speculative_tokens}"
             )
 
@@ -414,17 +414,17 @@ class EstimateConfig:
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+            raise UsageError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.store_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
+            raise UsageError(
                 f"--store-dtype must be auto, float32, bfloat16 or float16, got {self.store_dtype!r}"
             )
         if self.samples < 1 or self.tokens_per_sample <= 0:
-            raise ValueError(
+            raise UsageError(
                 f"--samples and --tokens-per-sample must be positive, got {self.samples} and "
                 f"{self.tokens_per_sample}"
             )
         if self.aux_layers < 1:
             raise UsageError(f"--aux-layers must be at least 1, got {self.aux_layers}")
         if self.hidden_size is None and self.model is None:
-            raise ValueError("need the target's hidden size: --model MODEL_DIR or --hidden-size H")
+            raise UsageError("need the target's hidden size: --model MODEL_DIR or --hidden-size H")

@@ -142,7 +142,7 @@ def read_prompts(path: Path, limit: int | None, max_error_rate: float = 1.0) -> 
         if limit and len(got.prompts) >= limit:
             break
     if not got.prompts:
-        raise ValueError(
+        raise UsageError(
             f"{path}: no usable prompts ({got.summary() if got.records else 'the file is empty'}); "
             'give records with a last user turn, {"prompt": ...} or conversations with an assistant turn'
         )
@@ -291,13 +291,13 @@ def _device(device: str) -> torch.device:
     try:
         dev = torch.device(resolve_device(device))
     except RuntimeError:
-        raise ValueError(
+        raise UsageError(
             f"--device {device}: not a device; give auto, cpu, cuda or cuda:K"
         ) from None
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device}: evaluate runs on cpu or cuda")
+        raise UsageError(f"--device {device}: evaluate runs on cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this machine has no GPU that torch can use")
+        raise UsageError(f"--device {device}: this machine has no GPU that torch can use")
     return dev
 
 
@@ -326,7 +326,7 @@ def _drafter(drafter_dir: str, model, model_dir: str, dev):
     drafter.to(dev)
     d, t = drafter.config, model.config
     if d.hidden_size != t.hidden_size or d.vocab_size != t.vocab_size:
-        raise ValueError(
+        raise UsageError(
             f"{drafter_dir}: drafter (H={d.hidden_size}, V={d.vocab_size}) does not "
             f"fit target {model_dir} (H={t.hidden_size}, V={t.vocab_size})"
         )

@@ -264,7 +264,7 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
                         f"`eyas extract --resume {run}` to continue it, or choose a new --out"
                     )
     if meta.get("trust_remote_code_required") and not cfg.trust_remote_code:
-        raise ValueError(
+        raise UsageError(
             f"{run} was started with --trust-remote-code; the model's own code runs only when "
             "the current command allows it: add --trust-remote-code to resume"
         )

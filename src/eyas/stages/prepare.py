@@ -249,7 +249,7 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     if not tok.chat_template:
         require_chat_template(tok, cfg.model, _conversations(raws), len(raws), "--data")
     if not raws:
-        raise ValueError(f"no records in {', '.join(cfg.data)}: the input is empty")
+        raise UsageError(f"no records in {', '.join(cfg.data)}: the input is empty")
 
     summary = PrepareSummary(out=str(out), records=len(raws))
     samples, errors = _tally(raws, _render_all(raws, cfg, template), summary)

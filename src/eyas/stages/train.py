@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from eyas.drafters import kind, options_class
 from eyas.drafters.loss import add_targets, loss_masks, summarize, target_view, ttt_loss
-from eyas.errors import EyasError, Stopped, UsageError
+from eyas.errors import EyasError, ProblemError, Stopped, UsageError
 from eyas.host.cpu import choose_threads, configure_threads
 from eyas.host.ui import Reporter, console, still_working
 from eyas.run.fsutil import (
@@ -279,7 +279,7 @@ def _check_complete(run: Path, meta: dict, allow_partial: bool) -> dict[int, dic
 
     led = ledger(run)
     if led.passes_seen() > 1 or any(led.retired):
-        raise ValueError(
+        raise UsageError(
             f"{run} is streamed (--max-store or --passes): its consumed samples are deleted as "
             f"training goes. Train it while it is extracted: eyas train --follow --data {run} --out DIR"
         )
@@ -287,7 +287,7 @@ def _check_complete(run: Path, meta: dict, allow_partial: bool) -> dict[int, dic
     failed = {e["index"] for e in read_errors(run)} - set(done)
     left = meta["samples"] - len([i for i in done if i < meta["samples"]]) - len(failed)
     if left > 0 and not allow_partial:
-        raise ValueError(
+        raise UsageError(
             f"{run}: extraction is not finished ({meta['samples'] - left}/{meta['samples']} samples "
             f"done or failed, {left} remaining). Finish it first: eyas extract --resume {run} "
             "(or pass --allow-partial to train on what is committed; --follow trains as it is extracted)"
@@ -304,7 +304,7 @@ def _record_config(
     if saved.exists():
         prev = read_json(saved)
         if _identity(prev["data"]) != ident:
-            raise ValueError(
+            raise UsageError(
                 f"{saved}: this training directory was made from other data ({prev['data'].get('run')})"
             )
         if diff := resume_rule(cfg.kind).differences(saved_flat(prev["config"]), cfg.flat()):
@@ -313,7 +313,7 @@ def _record_config(
                 "with the saved value, or use another --out"
             )
         if not resume and latest_checkpoint(out) is not None:
-            raise ValueError(
+            raise UsageError(
                 f"{out} already has checkpoints; pass --resume to continue, or use another --out"
             )
     elif rank == 0:
@@ -410,7 +410,7 @@ def _train(
         assert done is not None
         entries, rejected = usable_samples(run, meta["hidden_size"], log, done)
         if not entries:
-            raise ValueError(f"{run}: no committed samples to train on")
+            raise UsageError(f"{run}: no committed samples to train on")
         for index, problem in rejected.items():
             skipped(index, problem, "at start-up (file against its journal entry)")
         reader = SampleReader(
@@ -558,7 +558,7 @@ class _Loop:
         if (
             self.state["step"] == 0
         ):  # an untrained drafter is no result: say why instead of saving one
-            raise ValueError(
+            raise ProblemError(
                 f"no optimizer step was taken on {self.source.describe()}: no training sample could be "
                 "read (see the warnings above; a follower that comes after the extractor deleted "
                 "its passes' samples has nothing to train: follow a run from its start)"

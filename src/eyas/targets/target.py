@@ -356,7 +356,7 @@ def _load_tokenizer(model: str, trust_remote_code: bool):
             raise
         import transformers
 
-        raise ValueError(
+        raise UsageError(
             f"{model}: its tokenizer code ({code}) does not load with transformers "
             f"{transformers.__version__}: {type(exc).__name__}: {exc}"
         ) from None

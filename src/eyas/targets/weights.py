@@ -15,8 +15,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eyas.errors import UsageError
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+
+
+class MissingWeights(UsageError, KeyError):
+    """A tensor eyas needs is not in the target's checkpoint (exit 2: another model, or its
+    full weights). A KeyError, as a missing name is."""
+
+    def __str__(self) -> str:  # a KeyError's would be quoted
+        return str(self.args[0]) if self.args else ""
 
 
 def weight_map(model_dir: str | Path) -> dict[str, str]:
@@ -58,7 +68,7 @@ def read_tensor(model_dir: str | Path, names: list[str]) -> torch.Tensor:
         if name in wm:
             with safe_open(d / wm[name], framework="pt") as f:
                 return f.get_tensor(name)
-    raise KeyError(f"{d}: none of {names} found in the checkpoint's weights")
+    raise MissingWeights(f"{d}: none of {names} found in the checkpoint's weights")
 
 
 def _tied(model_dir: Path) -> bool:
@@ -86,7 +96,7 @@ def lm_head_weight(model_dir: str | Path) -> torch.Tensor:
         return read_tensor(model_dir, _HEAD)
     except KeyError:
         if not _tied(Path(model_dir)):
-            raise KeyError(
+            raise MissingWeights(
                 f"{model_dir}: no lm_head in the checkpoint's weights (looked for {', '.join(_HEAD)}), "
                 "and tie_word_embeddings is false, so the embeddings are not the head"
             ) from None

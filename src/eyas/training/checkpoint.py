@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.drafters.blocks import load_weights
+from eyas.errors import ProblemError, UsageError
 from eyas.run.fsutil import (
     DiskFullError,
     atomic_write_json,
@@ -263,24 +264,24 @@ def read_export(path: Path):
 
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise ValueError(f"{path}: no config.json (not an exported drafter)")
+        raise UsageError(f"{path}: no config.json (not an exported drafter)")
     m = {}
     if (path / EXPORT_MANIFEST).is_file():  # eyas's own export: every file as it was written
         try:
             m = check_manifest(path, EXPORT_MANIFEST)
         except ManifestError as exc:
-            raise ValueError(f"{exc}; export the drafter again") from None
+            raise ProblemError(f"{exc}; export the drafter again") from None
     cfg = json.loads(cfg_file.read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
     k = kind_for_export(cfg)
     if k is None:
-        raise ValueError(f"{cfg_file}: unknown architecture {arch!r}")
+        raise UsageError(f"{cfg_file}: unknown architecture {arch!r}")
     if m.get("kind", k.name) != k.name:
-        raise ValueError(
+        raise UsageError(
             f"{path}: {EXPORT_MANIFEST} says kind {m.get('kind')!r} but config.json is {arch!r}"
         )
     if m.get("format") is not None and m.get("format") not in k.export_formats:
-        raise ValueError(
+        raise UsageError(
             f"{path}: {EXPORT_MANIFEST} says format {m.get('format')!r}, which a {k.name} export is not"
         )
     return (k, *k.load_export(cfg, load_file(str(path / "model.safetensors")), cfg_file))
@@ -300,18 +301,18 @@ def initial_weights(path: Path, model, kind) -> None:
         state = other.state_dict()
         what = f"{path} (a {theirs.name} export)"
     else:
-        raise ValueError(f"--init-from {path}: neither a finished training directory nor an export")
+        raise UsageError(f"--init-from {path}: neither a finished training directory nor an export")
     if theirs.name != kind.name:
-        raise ValueError(f"--init-from {what}: this training is {kind.name}")
+        raise UsageError(f"--init-from {what}: this training is {kind.name}")
     mine = model.state_dict()
     for name, t in mine.items():
         if name not in state:
-            raise ValueError(f"--init-from {what}: it has no tensor {name}")
+            raise UsageError(f"--init-from {what}: it has no tensor {name}")
         if tuple(state[name].shape) != tuple(t.shape):
-            raise ValueError(
+            raise UsageError(
                 f"--init-from {what}: {name} is {tuple(state[name].shape)}, this drafter's "
                 f"{tuple(t.shape)} (another target, draft vocabulary or size)"
             )
     if "d2t" in mine and not torch.equal(state["d2t"].long(), mine["d2t"].long()):
-        raise ValueError(f"--init-from {what}: another draft vocabulary than this run's")
+        raise UsageError(f"--init-from {what}: another draft vocabulary than this run's")
     model.load_state_dict({n: state[n].to(t.dtype) for n, t in mine.items()})

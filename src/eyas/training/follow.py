@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from eyas.errors import UsageError
 from eyas.run.fsutil import human_bytes, parse_size
 from eyas.run.journal import Ledger, journal_files, ledger, pass_of, read_errors
 from eyas.run.lock import all_locks, live_locks
@@ -63,7 +64,7 @@ class FollowSource:
         self.passes = int(conf.get("passes") or 1)
         self.budget = parse_size(conf["max_store"], 1) if conf.get("max_store") else None
         if self.budget and cfg.epochs != self.passes:
-            raise ValueError(
+            raise UsageError(
                 f"{run} keeps at most {conf['max_store']} of samples (--max-store): each sample is trained "
                 f"once per extraction pass, so --epochs must be the run's --passes ({self.passes})"
             )
@@ -76,7 +77,7 @@ class FollowSource:
         if self.budget:
             val_bytes = sum(self.lengths[i] for i in self.val_idx) * bpt
             if val_bytes > self.budget / 2:
-                raise ValueError(
+                raise UsageError(
                     f"the held-out samples (~{human_bytes(val_bytes)}) stay on disk until their pass is "
                     f"evaluated, and would fill over half of {run}'s --max-store {conf['max_store']}: "
                     "lower --val-fraction"

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from eyas.errors import ProblemError
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
@@ -49,7 +51,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
-                    raise ValueError(
+                    raise ProblemError(
                         f"Muon takes 2-D matrices, got a parameter of shape {tuple(p.shape)}"
                     )
 

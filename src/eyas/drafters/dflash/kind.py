@@ -13,6 +13,7 @@ from eyas.drafters.block_kind import (
     speculators_block_fields,
 )
 from eyas.drafters.blocks import layer_fields
+from eyas.errors import UsageError
 
 ARCH = "DFlashDraftModel"
 
@@ -42,7 +43,7 @@ class DFlash(BlockKind):
 
         c = DFlashConfig(**cdict)
         if fmt == "sglang" and c.attention_window:
-            raise ValueError(
+            raise UsageError(
                 f"the drafter was trained with --attention-window {c.attention_window}, which SGLang's "
                 "DFlash model runs causally inside the block (its sliding layers are decoder layers): "
                 "it would run another network than the one trained. Export --format vllm (its "
@@ -89,7 +90,7 @@ class DFlash(BlockKind):
         windowed = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
         if d.get("causal") or windowed or (d.get("use_swa") and not d.get("swa_window_size")):
             said = {k: d[k] for k in ("causal", "use_swa", "swa_window_size") if k in d}
-            raise ValueError(
+            raise UsageError(
                 f"{cfg_file}: dflash_config {said}, layer_types {cfg.get('layer_types')}: an "
                 "attention eyas's DFlash drafter does not have (a block that sees itself whole, "
                 "one window or none on every layer)"

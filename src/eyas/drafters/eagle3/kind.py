@@ -11,7 +11,7 @@ from eyas.drafters.blocks import layer_fields, load_weights
 from eyas.drafters.eagle3.model import Drafter, DrafterConfig
 from eyas.drafters.eagle3.options import SGLANG_LACKS
 from eyas.drafters.loss import add_targets, counted, loss_masks, sample_ids, ttt_loss
-from eyas.errors import UsageError
+from eyas.errors import ProblemError, UsageError
 from eyas.targets.weights import embed_weight, final_norm_weight, layer_weights, lm_head_weight
 
 _ARCHS = {"vllm": "Eagle3Speculator", "sglang": "LlamaForCausalLMEagle3"}
@@ -140,7 +140,7 @@ class Eagle3:
     def export(self, fmt: str, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int):
         c = DrafterConfig(**cdict)
         if fmt == "sglang" and (on := [n for n in SGLANG_LACKS if getattr(c, n)]):
-            raise ValueError(
+            raise UsageError(
                 f"the drafter was trained with {', '.join(on)}, which SGLang's EAGLE-3 model does "
                 "not have: it would run another network than the one trained. Export --format vllm, "
                 "or train with --serve-with sglang (the same as --no-"
@@ -148,12 +148,12 @@ class Eagle3:
                 + ")"
             )
         if c.target_layers != 3:
-            raise ValueError(
+            raise UsageError(
                 f"the drafter reads {c.target_layers} target layers; vLLM's and SGLang's EAGLE-3 "
                 "models read three: extract with three --aux-layers to serve it"
             )
         if fmt == "vllm" and c.attention_window:
-            raise ValueError(
+            raise UsageError(
                 f"the drafter was trained with --attention-window {c.attention_window}, which vLLM does not "
                 "apply to a drafter (its speculative config has no draft window): it would attend to "
                 "the whole context it was not trained on. Export --format sglang (its "
@@ -161,7 +161,9 @@ class Eagle3:
             )
         if c.draft_vocab_size == c.vocab_size:
             if state["d2t"].any():
-                raise ValueError("the draft vocabulary is the whole vocabulary but d2t is not zero")
+                raise ProblemError(
+                    "the draft vocabulary is the whole vocabulary but d2t is not zero"
+                )
             state = {n: v for n, v in state.items() if n not in ("d2t", "t2d")}  # vLLM refuses them
         tensors = {}
         for name, t in state.items():
@@ -198,7 +200,7 @@ class Eagle3:
             }
             for key, allowed in _ARCH_FIELDS.items():
                 if cfg.get(key) not in allowed:
-                    raise ValueError(
+                    raise UsageError(
                         f"{cfg_file}: {key} = {cfg.get(key)!r} is an architecture eyas's "
                         "drafter does not have; it cannot evaluate this export"
                     )
@@ -210,7 +212,7 @@ class Eagle3:
                 "attention_window": cfg.get(_WINDOW),
             }
         if layer.get("num_hidden_layers", 1) != 1:
-            raise ValueError(
+            raise UsageError(
                 f"{cfg_file}: {layer['num_hidden_layers']} decoder layers; eyas's EAGLE-3 "
                 "drafter has one, so it cannot evaluate this export"
             )
@@ -314,7 +316,7 @@ def start_from_target_layer(drafter: Drafter, model_dir, index: int) -> None:
     }
     for name, dest in (copies | halves).items():
         if tuple(w[name].shape) != tuple(dest.shape):
-            raise ValueError(
+            raise UsageError(
                 f"--layer-init target: the target's layer {index} {name} is {tuple(w[name].shape)}, "
                 f"the drafter's {tuple(dest.shape)} (a target whose layers are not Llama-style, or "
                 "--intermediate-size): train with --layer-init random"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eyas.errors import UsageError
 from eyas.run.store import Layout, quantize_fp8
 
 
@@ -64,7 +65,7 @@ BACKENDS = tuple(_REGISTRY)
 
 def registered(name: str) -> Registered:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+        raise UsageError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
     return _REGISTRY[name]
 
 
@@ -134,7 +135,7 @@ class StateShaper:
         self.lm_head = lm_head
         self.draft_ids = spec.draft_ids
         if self.layout.topk and (lm_head is None or self.draft_ids is None):
-            raise ValueError(
+            raise UsageError(
                 "top-K target storage needs the target's lm_head and the draft vocabulary"
             )
 

