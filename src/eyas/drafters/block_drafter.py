@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.drafters.blocks import MLP, RMSNorm, rope, upcast
+from eyas.drafters.blocks import MLP, DraftVocab, RMSNorm, rope, upcast
+from eyas.errors import UsageError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,18 +65,18 @@ class DFlashConfig:
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise UsageError(
                 f"{self.num_attention_heads} heads not divisible by {self.num_key_value_heads} kv heads"
             )
         if self.block_size < 2:
-            raise ValueError(f"a block needs at least 2 positions, got {self.block_size}")
+            raise UsageError(f"a block needs at least 2 positions, got {self.block_size}")
         if self.attention_window is not None and self.attention_window < self.block_size:
-            raise ValueError(
+            raise UsageError(
                 f"--attention-window {self.attention_window} is shorter than the block "
                 f"({self.block_size}): a block must see itself whole"
             )
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
+            raise UsageError(
                 f"mask token id {self.mask_token_id} is outside the vocabulary ({self.vocab_size})"
             )
 
@@ -154,7 +155,7 @@ class Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(DraftVocab):
     def __init__(self, c: DFlashConfig):
         super().__init__()
         self.config = c
@@ -167,17 +168,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)  # the target's rows, frozen
-        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
-
-    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
-        self.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-        self.t2d.zero_()
-        self.t2d[draft_ids] = True
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
+        self.draft_vocab_buffers(c.draft_vocab_size, c.vocab_size)
 
     def context(self, states: torch.Tensor) -> torch.Tensor:
         """Target states (B, T, L*H) -> the context (B, T, H) every layer's keys come from."""

@@ -1,5 +1,5 @@
-"""The blocks the drafter kinds share: RMSNorm, rotary embedding, the MLP, the
-half-precision upcast, and loading trained weights into a model (one line naming
+"""The blocks the drafter kinds share: RMSNorm, rotary embedding, the MLP, the draft
+vocabulary's maps, the half-precision upcast, and loading trained weights into a model (one line naming
 what does not fit).
 """
 
@@ -44,6 +44,26 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+class DraftVocab(nn.Module):
+    """A drafter's draft vocabulary as the engines store it: d2t (D,), d2t[i] = id_i - i for
+    the i-th draft id (ascending), and t2d (V,), which target ids are draft ids. A drafter
+    kind's model subclasses it and calls `draft_vocab_buffers` in its constructor."""
+
+    def draft_vocab_buffers(self, draft: int, vocab: int) -> None:
+        self.register_buffer("d2t", torch.zeros(draft, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool))
+
+    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
+        """draft_ids ascending (D,)."""
+        self.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        self.t2d.zero_()
+        self.t2d[draft_ids] = True
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)  # (D,) target ids
+
+
 class MLP(nn.Module):
     """The gated MLP of a Llama-style layer; `c` is a kind's config (hidden_size,
     intermediate_size, hidden_act)."""
@@ -86,7 +106,7 @@ def layer_fields(layer: dict, where) -> dict:
     naming it (where: the file)."""
     windowed = [t for t in layer.get("layer_types") or [] if t != "full_attention"]
     if windowed or layer.get("use_sliding_window"):
-        raise ValueError(
+        raise UsageError(
             f"{where}: layer_types {layer.get('layer_types')} / use_sliding_window "
             f"{layer.get('use_sliding_window')}: sliding-window layers, which eyas's drafter does "
             "not have; it cannot evaluate this drafter"
@@ -96,7 +116,7 @@ def layer_fields(layer: dict, where) -> dict:
         {} if rope.get("rope_type", "default") == "default" else rope
     )
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(
+        raise UsageError(
             f"{where}: rope {scaling}: a scaled rope, which eyas's drafter does not have; it "
             "cannot evaluate this drafter"
         )

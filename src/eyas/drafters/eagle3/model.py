@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.drafters.blocks import MLP, RMSNorm, rope, upcast
+from eyas.drafters.blocks import MLP, DraftVocab, RMSNorm, rope, upcast
 from eyas.drafters.eagle3 import attention as ttt_attention
+from eyas.errors import UsageError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,11 +66,11 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise UsageError(
                 f"{self.num_attention_heads} heads not divisible by {self.num_key_value_heads} kv heads"
             )
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(
+            raise UsageError(
                 f"draft vocab {self.draft_vocab_size} > target vocab {self.vocab_size}"
             )
 
@@ -168,7 +169,7 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H)
 
 
-class Drafter(nn.Module):
+class Drafter(DraftVocab):
     def __init__(self, c: DrafterConfig):
         super().__init__()
         self.config = c
@@ -181,20 +182,9 @@ class Drafter(nn.Module):
         self.midlayer = DecoderLayer(c)
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.draft_vocab_buffers(c.draft_vocab_size, c.vocab_size)
         # TTT attention: reference | chunked | flex (ttt_attention); auto: flex on a GPU, else chunked
         self.attention = "reference"
-
-    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
-        """draft_ids ascending (D,): d2t[i] = draft_ids[i] - i; t2d marks draft ids in V."""
-        self.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-        self.t2d.zero_()
-        self.t2d[draft_ids] = True
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)  # (D,) target ids
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """The target states (B, T, 3H) -> the fused state (B, T, H)."""
