@@ -6,7 +6,10 @@ On one GPU (or on a CPU with `--small`, so that this script cannot rot):
  2. a bare batched forward against `eyas extract` on the same batch plan (ratio; >= 0.95);
  3. `eyas extract` SIGKILLed twice and resumed: journal checksums equal an uninterrupted run;
  4. `eyas verify` throughput (checksums);
- 5. `eyas train` (bf16 on a GPU): tokens/s and peak memory, per TTT attention;
+ 5. `eyas train` (bf16 on a GPU): tokens/s and peak memory, per TTT attention; then
+    bench/train_speed.py on the same run: each kind's training step (EAGLE-3, DFlash,
+    DSpark), tokens/s and peak memory, against the peer's where speculators imports here
+    (nothing is installed: the machine may have no network);
  6. a one-process `torchrun` training run (NCCL on a GPU);
  7. the GPU preflight refusing while another process holds 40 GB of the GPU; the real
     `nvidia-smi` CSV outputs are saved to --out (tests/fixtures/nvidia-smi/ holds the
@@ -248,6 +251,18 @@ def main() -> None:
             "--repeats", "2", *(["--hidden", "4096", "--heads", "32"] if device == "cuda" else [])])  # fmt: skip
     summary["train_step"] = (
         json.loads(p.stdout) if p.returncode == 0 else {"error": p.stderr[-500:]}
+    )
+
+    step("training speed per kind, and the peer's where it imports")
+    speed = out / "train-speed.json"
+    p = sh([sys.executable, "bench/train_speed.py", "--run", reference, "--kinds", "eagle3,dflash,dspark",
+            "--steps", "3" if args.small else "8", "--pairs", "1" if args.small else "2", "--peer", "auto",
+            "--device", device, "--batch-tokens", str(tokens + 200 if args.small else 8192),
+            "--json", speed], timeout=1200)  # fmt: skip
+    summary["train_speed"] = (
+        json.loads(speed.read_text())["table"]
+        if p.returncode == 0 and speed.is_file()
+        else {"error": p.stderr[-1500:]}
     )
 
     step("training input: plain read against eyas's reader")

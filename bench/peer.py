@@ -205,7 +205,7 @@ def vocab_maps(model_dir: str, draft_ids: list[int]):
 
 
 def peer_eagle3(model_dir: str, draft_ids: list[int], aux_layers_hf: list[int], ttt_steps: int,
-                norms: bool):  # fmt: skip
+                norms: bool, attn: str = "sdpa"):  # fmt: skip
     """speculators' EAGLE-3 drafter as its CLI builds it by default (one llama layer, its
     attention in a sliding window of 2,048, wider than any sample here), in float32, training;
     the verifier norm the identity (eyas stores the target's post-norm last state)."""
@@ -221,7 +221,7 @@ def peer_eagle3(model_dir: str, draft_ids: list[int], aux_layers_hf: list[int], 
         layer_cfg, t2d=t2d, d2t=d2t, draft_vocab_size=len(draft_ids), norm_before_residual=norms,
         norm_before_fc=norms, norm_output=norms, ttt_steps=ttt_steps,
         verifier_name_or_path=model_dir, target_layer_ids=aux_layers_hf,
-        draft_attn_impl="sdpa",
+        draft_attn_impl=attn,
     )  # fmt: skip
     model.verifier_norm = torch.nn.Identity()
     return model.float().train()

@@ -5,7 +5,7 @@
         [--pairs 3] [--profile] [--venv /tmp/eyas-peer-venv] [--json OUT]
 
 The batches are the first `--steps` of eyas's first epoch over the run's training split
-(1,024 tokens a batch, eyas's defaults otherwise); the peer trains on the same samples
+(`--batch-tokens`, 1,024 by default; eyas's defaults otherwise); the peer trains on the same samples
 packed in one row, as its collation makes them. Each measurement is a process of its own
 on one CPU thread (eyas's in this environment, the peer's in its own): two steps to warm up,
 then the batches twice, as a first epoch and as a later one (eyas keeps the target's argmax
@@ -44,12 +44,11 @@ from pathlib import Path
 from judging import one_thread_env
 
 REPO = Path(__file__).resolve().parent.parent
-BATCH_TOKENS = 1024
 WARM = 2
 PEER_ANCHORS = 512  # the peer's blocks a row, its CLI's default
 
 
-def plan(run: Path, steps: int) -> dict:
+def plan(run: Path, steps: int, batch_tokens: int, device: str, stride: int) -> dict:
     """The samples of the first `steps` + warm-up batches, the draft vocabulary, the target."""
     from eyas.data.dataset import PreparedDataset
     from eyas.drafters.block_kind import choose_mask_token
@@ -60,15 +59,30 @@ def plan(run: Path, steps: int) -> dict:
     entries, _ = usable_samples(run, meta["hidden_size"], lambda m: None)
     train_idx, _ = split_samples(sorted(entries), 0.05)
     lengths = {i: e["tokens"] for i, e in entries.items()}
-    batches = epoch_batches(lengths, train_idx, BATCH_TOKENS, 0, 0)[: WARM + steps]
+    batches = epoch_batches(lengths, train_idx, batch_tokens, 0, 0)[: WARM + steps]
     ds = PreparedDataset.open(meta["dataset_path"], check=False)
     return {"run": str(run), "model": meta["model_path"], "aux_layers_hf": meta["aux_layers_hf"],
             "batches": batches, "draft_ids": ds.draft_vocab(None).tolist(),
-            "mask_token_id": choose_mask_token(meta["model_path"], ds.vocab_counts())}  # fmt: skip
+            "mask_token_id": choose_mask_token(meta["model_path"], ds.vocab_counts()),
+            "batch_tokens": batch_tokens, "device": device, "anchor_stride": stride}  # fmt: skip
 
 
-def peak_rss_mb() -> float:
+def peak_mb(device: str) -> float:
+    """The process's peak memory: on a GPU torch's allocated peak, on a CPU the RSS's."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def setup(p: dict):
+    """torch for a measurement on the plan's device: one thread on a CPU."""
+    import torch
+
+    if p["device"] == "cpu":
+        torch.set_num_threads(1)
+    return torch.device(p["device"])
 
 
 def timed(step, batches: list, phases: dict | None) -> tuple[float, float, int]:
@@ -77,17 +91,29 @@ def timed(step, batches: list, phases: dict | None) -> tuple[float, float, int]:
         step(idx, None)
     out, tokens = [], 0
     for _ in range(2):
+        sync()
         t0, tokens = time.monotonic(), 0
         for idx in batches[WARM:]:
             tokens += step(idx, phases)
+        sync()
         out.append(time.monotonic() - t0)
     return out[0], out[1], tokens
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work, where there is a GPU: a time is the work's, not its
+    launch's."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class Phases(dict):
     """Seconds per named part of a step, summed."""
 
     def lap(self, name: str, t0: float) -> float:
+        sync()
         now = time.monotonic()
         self[name] = self.get(name, 0.0) + now - t0
         return now
@@ -107,17 +133,17 @@ def eyas_one(p: dict, kind: str, profile: bool) -> dict:
     from eyas.training.train_data import SampleReader, usable_samples
     from eyas.training.trainer import Trainer
 
-    torch.set_num_threads(1)
+    device = setup(p)
     run = Path(p["run"])
     meta = read_run_meta(run)
-    own = {} if kind == "eagle3" else {"anchor_stride": 2}  # about the peer's 512 blocks a row
+    stride = p["anchor_stride"]  # 2: about the peer's 512 blocks a row
+    own = {} if kind == "eagle3" else {"anchor_stride": stride}
     cfg = TrainConfig.of(data=str(run), out=tempfile.mkdtemp(), kind=kind, epochs=1,
-                         batch_tokens=BATCH_TOKENS, seed=0, **own)  # fmt: skip
+                         batch_tokens=p["batch_tokens"], seed=0,
+                         dtype="bfloat16" if device.type == "cuda" else "float32", **own)  # fmt: skip
     cfg = _resolve_schedule(cfg, meta, 1)
     entries, _ = usable_samples(run, meta["hidden_size"], lambda m: None)
-    t = Trainer(
-        cfg, meta, 0, 1, torch.device("cpu"), Path(cfg.out), SampleReader(run, entries, True)
-    )
+    t = Trainer(cfg, meta, 0, 1, device, Path(cfg.out), SampleReader(run, entries, True))
     t.schedule(1000)
     blocks = []
 
@@ -126,7 +152,7 @@ def eyas_one(p: dict, kind: str, profile: bool) -> dict:
             b = t.load(idx)
             if kind != "eagle3":
                 seg = [b["segments"]] if "segments" in b else []  # (an older eyas: padded rows)
-                a = choose_anchors(b["valid"], b["valid"], 2, 0, *seg)  # every position
+                a = choose_anchors(b["valid"], b["valid"], stride, 0, *seg)  # every position
                 blocks.append(int((a >= 0).sum()))
             return t.step(iter([(None, b)]), 1, cfg.lr)[1]
         t0 = time.monotonic()
@@ -137,7 +163,8 @@ def eyas_one(p: dict, kind: str, profile: bool) -> dict:
         t0 = ph.lap("target logits", t0)
         t.kind.prepare_batch(t.drafter, b, t.lm_head, cfg)
         counts = t.kind.counts(b, cfg)
-        loss, _ = t.kind.loss(t.drafter, b, cfg, counts)
+        with t.autocast:
+            loss, _ = t.kind.loss(t.drafter, b, cfg, counts)
         t0 = ph.lap("forward and loss", t0)
         loss.backward()
         t0 = ph.lap("backward", t0)
@@ -150,14 +177,14 @@ def eyas_one(p: dict, kind: str, profile: bool) -> dict:
 
     ph = Phases() if profile else None
     first, later, tokens = timed(step, p["batches"], ph)
-    return {"first_s": first, "later_s": later, "tokens": tokens, "peak_rss_mb": peak_rss_mb(),
+    return {"first_s": first, "later_s": later, "tokens": tokens, "peak_mb": peak_mb(p["device"]),
             "phases": ph, "blocks": sum(blocks[-len(p["batches"]) + WARM :]) if blocks else None}  # fmt: skip
 
 
 # ------------------------------------------------------------------ the peer (its venv)
 
 
-def peer_model(p: dict, kind: str):
+def peer_model(p: dict, kind: str, attn: str):
     """The peer's drafter of `kind` at eyas's default shape, and its forward's keywords."""
     from peer import peer_eagle3, vocab_maps
     from speculators.losses import resolve_loss_config
@@ -165,7 +192,7 @@ def peer_model(p: dict, kind: str):
 
     loss = resolve_loss_config("kl_div", "eager")
     if kind == "eagle3":
-        model = peer_eagle3(p["model"], p["draft_ids"], p["aux_layers_hf"], 3, True)
+        model = peer_eagle3(p["model"], p["draft_ids"], p["aux_layers_hf"], 3, True, attn)
         return model, {"ttt_steps": 3, "ttt_step_loss_decay": 1.0, "loss_config": loss}
     from speculators.models.dflash import DFlashDraftModel
     from speculators.models.dspark import DSparkDraftModel
@@ -178,7 +205,7 @@ def peer_model(p: dict, kind: str):
     model = cls.from_training_args(
         layer_cfg, t2d=t2d, d2t=d2t, draft_vocab_size=len(p["draft_ids"]), block_size=4,
         verifier_name_or_path=p["model"], target_layer_ids=p["aux_layers_hf"],
-        draft_attn_impl="sdpa", mask_token_id=p["mask_token_id"],
+        draft_attn_impl=attn, mask_token_id=p["mask_token_id"],
     )  # fmt: skip
     model.verifier_norm = __import__("torch").nn.Identity()
     kw = {"loss_config": loss, "gamma": 4.0, "max_anchors": PEER_ANCHORS,
@@ -193,10 +220,13 @@ def peer_one(p: dict, kind: str, profile: bool) -> dict:
     from peer import cpu_muon, packer
     from speculators.train.optimizers import build_optimizers
 
-    torch.set_num_threads(1)
+    device = setup(p)
     cpu_muon()
     torch.manual_seed(42)
-    model, kw = peer_model(p, kind)
+    # its CLI's attention on a GPU (flex), dense on a CPU
+    model, kw = peer_model(p, kind, "simple_flex_attention" if device.type == "cuda" else "sdpa")
+    model.to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     opt_cfg = argparse.Namespace(optimizer="muon", lr=1e-4, weight_decay=0.01, muon_lr=1e-4,
                                  muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
                                  muon_adjust_lr_fn="match_rms_adamw")  # fmt: skip
@@ -206,12 +236,13 @@ def peer_one(p: dict, kind: str, profile: bool) -> dict:
 
     def step(idx, ph: Phases | None) -> int:
         t0 = time.monotonic()
-        batch = packed(idx)
+        batch = {k: v.to(device) for k, v in packed(idx).items()}
         if kind != "eagle3":  # its anchors: up to 512 of the positions before the last block
             blocks.append(min(PEER_ANCHORS, int(batch["loss_mask"][:, :-4].sum())))
         if ph is not None:
             t0 = ph.lap("data", t0)
-        _, loss, _ = model(**batch, **kw)
+        with autocast:
+            _, loss, _ = model(**batch, **kw)
         if ph is not None:
             t0 = ph.lap("forward and loss", t0)
         loss.backward()
@@ -227,7 +258,7 @@ def peer_one(p: dict, kind: str, profile: bool) -> dict:
 
     ph = Phases() if profile else None
     first, later, tokens = timed(step, p["batches"], ph)
-    return {"first_s": first, "later_s": later, "tokens": tokens, "peak_rss_mb": peak_rss_mb(),
+    return {"first_s": first, "later_s": later, "tokens": tokens, "peak_mb": peak_mb(p["device"]),
             "phases": ph, "blocks": sum(blocks[-len(p["batches"]) + WARM :]) if blocks else None}  # fmt: skip
 
 
@@ -267,6 +298,15 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--venv", type=Path, default=Path("/tmp/eyas-peer-venv"))
+    ap.add_argument("--peer", choices=("venv", "auto", "none"), default="venv",
+                    help="venv: the peer in --venv, made on first use from the package registry; "
+                    "auto: this python where speculators imports, else --venv if it is ready, "
+                    "installing nothing; none: eyas alone")  # fmt: skip
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--batch-tokens", type=int, default=1024)
+    ap.add_argument("--anchor-stride", type=int, default=2,
+                    help="eyas's block kinds: a block every this many positions (2: about the "
+                    "peer's blocks a batch; 1: eyas train's default)")  # fmt: skip
     ap.add_argument("--json", type=Path)
     ap.add_argument("--before", type=Path, metavar="SRC",
                     help="another eyas's src/ (a checkout of an earlier commit), measured too")  # fmt: skip
@@ -278,16 +318,13 @@ def main() -> None:
         return
     if args.run is None:
         ap.error("--run is required")
-    from peer import Skip, ensure_venv
-
-    try:
-        peer_py = ensure_venv(args.venv)
-    except Skip as exc:
-        print(f"the peer cannot run here: {exc}; eyas alone")
-        peer_py = None
+    peer_py = peer_python(args.peer, args.venv)
     work = Path(tempfile.mkdtemp(prefix="train-speed-"))
     plan_file = work / "plan.json"
-    plan_file.write_text(json.dumps(plan(args.run, args.steps)))
+    device = args.device if args.device != "auto" else ("cuda" if cuda() else "cpu")
+    plan_file.write_text(
+        json.dumps(plan(args.run, args.steps, args.batch_tokens, device, args.anchor_stride))
+    )
     pys = {"eyas": Path(sys.executable), "peer": peer_py, "before": Path(sys.executable)}
     srcs = {"eyas": REPO / "src", "peer": REPO / "src", "before": args.before}
     tools = [t for t in ("eyas", "peer", "before") if pys[t] is not None and srcs[t] is not None]
@@ -300,7 +337,7 @@ def main() -> None:
                 rows[tool].append(r)
                 print(f"{kind} {tool} pair {pair}: {rate(r):.0f} tokens/s (first pass "
                       f"{r['tokens'] / r['first_s']:.0f}, later {r['tokens'] / r['later_s']:.0f}), "
-                      f"peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)  # fmt: skip
+                      f"peak {r['peak_mb']:.0f} MB", flush=True)  # fmt: skip
         if args.profile:
             for tool in tools:
                 rows[f"{tool}-profile"] = measure(
@@ -312,13 +349,39 @@ def main() -> None:
         args.json.write_text(json.dumps({"results": results, "table": lines}, indent=1))
 
 
+def peer_python(how: str, venv: Path) -> Path | None:
+    """The python the peer's side runs in, or None (said why)."""
+    from peer import Skip, ensure_venv
+
+    check = [sys.executable, "-c", "import speculators.models.dflash"]
+    if how == "auto" and subprocess.run(check, capture_output=True).returncode == 0:
+        return Path(sys.executable)
+    py = venv / "bin" / "python"
+    if how == "auto" and py.is_file():
+        return py
+    if how != "venv":
+        print("the peer: not measured (speculators does not import here; --peer venv makes it)")
+        return None
+    try:
+        return ensure_venv(venv)
+    except Skip as exc:
+        print(f"the peer cannot run here: {exc}; eyas alone")
+        return None
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def report(results: dict, tools: list[str], args) -> list[str]:
-    lines = [f"training speed, {args.steps} batches of {BATCH_TOKENS} tokens a pass, "
-             f"{args.pairs} alternated pairs, one thread each (a 3-epoch training's rate)",
-             "kind    | eyas tok/s | peer tok/s | eyas/peer | blocks/s eyas / peer (ratio) | peak RSS MB eyas / peer"]  # fmt: skip
+    lines = [f"training speed, {args.steps} batches of {args.batch_tokens} tokens a pass, "
+             f"{args.pairs} alternated pairs (a 3-epoch training's rate; one thread each on a CPU)",
+             "kind    | eyas tok/s | peer tok/s | eyas/peer | blocks/s eyas / peer (ratio) | peak MB eyas / peer"]  # fmt: skip
     for kind, rows in results.items():
         med = {t: statistics.median(rate(r) for r in rows[t]) for t in tools}
-        rss = {t: statistics.median(r["peak_rss_mb"] for r in rows[t]) for t in tools}
+        rss = {t: statistics.median(r["peak_mb"] for r in rows[t]) for t in tools}
         peer = "peer" in tools
         ratio = (statistics.median(rate(e) / rate(q) for e, q in zip(rows["eyas"], rows["peer"], strict=True))
                  if peer else None)  # fmt: skip
@@ -335,7 +398,7 @@ def report(results: dict, tools: list[str], args) -> list[str]:
                 rate(e) / rate(q) for e, q in zip(rows["eyas"], rows["before"], strict=True)
             )
             lines.append(f"        before ({args.before}): {med['before']:.0f} tok/s, eyas/before {up:.2f}, "
-                         f"peak RSS {rss['before']:.0f} MB")  # fmt: skip
+                         f"peak {rss['before']:.0f} MB")  # fmt: skip
         for tool in tools:
             prof = rows.get(f"{tool}-profile")
             if prof and prof["phases"]:
