@@ -126,7 +126,6 @@ def eyas_one(p: dict, kind: str, profile: bool) -> dict:
     import torch
 
     from eyas.drafters.block_drafter import choose_anchors
-    from eyas.drafters.loss import add_targets
     from eyas.run.runmeta import read_run_meta
     from eyas.stages.train import _resolve_schedule
     from eyas.training.config import TrainConfig
@@ -159,9 +158,8 @@ def eyas_one(p: dict, kind: str, profile: bool) -> dict:
         b = t.load(idx)
         b["_key"], b["loss_mask"] = 1, b["valid"].clone()
         t0 = ph.lap("data", t0)
-        add_targets(b, t.drafter, t.lm_head)
+        t.kind.prepare_batch(t.drafter, b, t.lm_head, cfg)  # the target's logits (and anchors)
         t0 = ph.lap("target logits", t0)
-        t.kind.prepare_batch(t.drafter, b, t.lm_head, cfg)
         counts = t.kind.counts(b, cfg)
         with t.autocast:
             loss, _ = t.kind.loss(t.drafter, b, cfg, counts)
