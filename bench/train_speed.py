@@ -160,6 +160,8 @@ def eyas_one(p: dict, kind: str, profile: bool) -> dict:
         t0 = ph.lap("data", t0)
         t.kind.prepare_batch(t.drafter, b, t.lm_head, cfg)  # the target's logits (and anchors)
         t0 = ph.lap("target logits", t0)
+        if "anchors" in b:
+            blocks.append(int((b["anchors"] >= 0).sum()))
         counts = t.kind.counts(b, cfg)
         with t.autocast:
             loss, _ = t.kind.loss(t.drafter, b, cfg, counts)
