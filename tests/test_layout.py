@@ -265,3 +265,31 @@ def test_the_raise_rule_sees_each_form(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f(x):\n    if x:\n        raise ValueError('no')\n    raise KeyError\n")
     assert sorted(_builtin_raises(f)) == [(3, "ValueError"), (4, "KeyError")]
+
+
+# Exception classes of eyas's own that are not EyasErrors, and why.
+OWN_BUILTIN_CLASSES = {
+    "StopRequested",  # training's data source to its loop, caught there
+    "StepAbandoned",  # an optimizer step a stop cut short, caught by the training loop
+    "RequestFailed",  # generate: one request's failure, retried or recorded per record
+    "Malformed",  # generate: one response's, recorded per record
+    "DiskFullError",  # an OSError: the command line makes a full disk a clean stop (75)
+    "_Stopped",  # the hf decoder's stopping criterion to its generate call, caught there
+    "EyasError",  # the root (errors.py)
+}
+ROOTS = {"EyasError", "UsageError", "ProblemError", "Stopped"}
+
+
+def test_every_error_class_of_eyas_is_an_eyas_error():
+    """A class deriving from a built-in exception would reach the command line without its
+    exit code (an ExportError refusing a format exited 1); each derives from eyas.errors'."""
+    bad = []
+    for p in _sources():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name not in OWN_BUILTIN_CLASSES:
+                names = {b.id for b in node.bases if isinstance(b, ast.Name)}
+                if names & (BUILTINS | {"BaseException"}) and not names & ROOTS:
+                    bad.append(
+                        f"{p.relative_to(SRC)}: class {node.name}({', '.join(sorted(names))})"
+                    )
+    assert not bad, "derive from UsageError or ProblemError (eyas.errors):\n" + "\n".join(bad)

@@ -233,7 +233,7 @@ def test_resume_never_takes_trust_remote_code_from_run_json(tmp_path, reference)
     meta["trust_remote_code_required"] = True  # a run that needs the model's code
     write_run_meta(run, meta)
     p = eyas("extract", "--resume", run)
-    assert p.returncode == 1 and "--trust-remote-code" in p.stderr
+    assert p.returncode == 2 and "--trust-remote-code" in p.stderr
     assert eyas("extract", "--resume", run, "--trust-remote-code").returncode == 0
 
 

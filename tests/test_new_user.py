@@ -212,7 +212,7 @@ def test_train_refuses_a_partial_run(tmp_path, targets, llama_dataset):
                           progress=False))  # fmt: skip
     args = ["train", "--data", run, "--epochs", "1", "--ttt-steps", "1"]
     r = eyas(*args, "--out", tmp_path / "t")
-    assert r.returncode == 1 and "extraction is not finished" in r.stderr, r.stderr
+    assert r.returncode == 2 and "extraction is not finished" in r.stderr, r.stderr
     assert f"eyas extract --resume {run}" in r.stderr and "--allow-partial" in r.stderr
     assert "60/120" in r.stderr and not (tmp_path / "t").exists()
     assert "chosen for" not in r.stderr  # nothing chosen for a training that does not start

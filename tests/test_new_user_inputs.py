@@ -55,7 +55,7 @@ def test_empty_input_fails_at_prepare_and_leaves_nothing(tmp_path, targets):
     src = tmp_path / "empty.jsonl"
     src.write_text("")
     p = eyas("prepare", "--model", targets["llama"], "--data", src, "--out", tmp_path / "ds")
-    assert p.returncode == 1 and "the input is empty" in p.stderr
+    assert p.returncode == 2 and "the input is empty" in p.stderr
     assert not (tmp_path / "ds").exists()
 
 
@@ -132,10 +132,10 @@ def test_evaluate_on_a_gpu_that_is_not_there_says_so(tmp_path):
     src.write_text(json.dumps({"prompt": "Write a haiku."}) + "\n")
     r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "none", "--data", src,
              "--device", "cuda")  # fmt: skip
-    assert r.returncode == 1 and "--device cuda: this machine has no GPU" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--device cuda: this machine has no GPU" in r.stderr, r.stderr
     r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "none", "--data", src,
              "--device", "gpu0")  # fmt: skip
-    assert r.returncode == 1 and "--device gpu0: not a device" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--device gpu0: not a device" in r.stderr, r.stderr
 
 
 def test_extract_never_mixes_a_run_into_a_directory_of_inputs(tmp_path, targets, llama_dataset):

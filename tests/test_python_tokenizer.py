@@ -126,7 +126,7 @@ def test_tokenizer_code_that_does_not_import_is_named(tmp_path, targets):
     p = eyas(
         "prepare", "--model", slow, "--data", src, "--out", tmp_path / "ds", "--trust-remote-code"
     )
-    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert (
         "slow_tokenizer.SlowBPETokenizer" in p.stderr
         and "does not load with transformers" in p.stderr

@@ -152,7 +152,7 @@ def test_without_followers_nothing_is_deleted_and_the_writer_waits(
     # make the corrected command "config differs".
     t = tmp_path / "train"
     p = eyas("train", "--follow", "--data", run, "--out", t, "--epochs", 3)
-    assert p.returncode == 1 and "--epochs must be the run's --passes (1)" in p.stderr, p.stderr
+    assert p.returncode == 2 and "--epochs must be the run's --passes (1)" in p.stderr, p.stderr
     assert not t.exists()
     assert eyas("verify", run).returncode == 0
     # A trainer that registered, checkpointed, and is not running now: both sides' commands.
@@ -515,7 +515,7 @@ def test_under_a_budget_every_sample_once_per_pass_and_as_good_as_offline(tmp_pa
     assert r.returncode == 1 and "no optimizer step was taken" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "late" / "drafter.safetensors").exists()
     r = eyas("train", "--data", run, "--out", tmp_path / "offline")  # refused, naming --follow
-    assert r.returncode == 1 and "train --follow" in r.stderr
+    assert r.returncode == 2 and "train --follow" in r.stderr
     # As good as offline.
     followed = acc0(out)
     noise = max(abs(offline[0] - offline[1]), 0.03)

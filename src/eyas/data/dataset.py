@@ -258,7 +258,7 @@ def foreign_entries(out: Path) -> list[str]:
     return bad
 
 
-class DatasetError(ValueError):
+class DatasetError(ProblemError):
     pass
 
 

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyas.errors import ProblemError
+
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 # Other names of the roles, read alike in every form: ShareGPT dumps name the assistant
 # after the service the answer came from.
@@ -21,7 +23,7 @@ ROLE_ALIASES = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "bi
                 "bard": "assistant"}  # fmt: skip
 
 
-class RecordError(ValueError):
+class RecordError(ProblemError):
     """A record that cannot be prepared; the message says what was wrong, `code` which
     kind of problem it is (the summary groups by it)."""
 

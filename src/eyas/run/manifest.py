@@ -15,10 +15,11 @@ from pathlib import Path
 
 import xxhash
 
+from eyas.errors import ProblemError
 from eyas.run.fsutil import atomic_write_json, hash_file
 
 
-class ManifestError(ValueError):
+class ManifestError(ProblemError):
     """A directory that does not match its manifest; the message names the file and why."""
 
 

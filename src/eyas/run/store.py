@@ -38,7 +38,7 @@ import torch
 import xxhash
 from safetensors.torch import load as st_load
 
-from eyas.errors import UsageError
+from eyas.errors import ProblemError, UsageError
 from eyas.run.fsutil import atomic_write, fsync_dir, is_temp_file
 
 STORE_VERSION = 1
@@ -58,7 +58,7 @@ _TORCH_DTYPES = {name: dt for dt, name in _DTYPE_NAMES.items()}
 _CHUNK = 1 << 20  # bytes read (and hashed) at a time: small enough to stay in the CPU's cache
 
 
-class StoreError(ValueError):
+class StoreError(ProblemError):
     """A store problem a user can act on; the message names the file."""
 
 

@@ -25,7 +25,7 @@ from eyas.data.records import (
 )
 from eyas.decoders.hf import AuxTap, decode_all
 from eyas.decoders.result import EvalResult
-from eyas.errors import UsageError
+from eyas.errors import ProblemError, UsageError
 from eyas.host.ui import still_working
 from eyas.stages.card import record_evaluation
 from eyas.stages.config import EvaluateConfig as _D  # the defaults, written once
@@ -212,7 +212,7 @@ def draft_length(drafter_dir: str, k: int | None) -> tuple[int, dict]:
     }
 
 
-class PromptsRefused(ValueError):
+class PromptsRefused(ProblemError):
     """Too many records of --data cannot be prompts (exit 1, before the model loads)."""
 
 

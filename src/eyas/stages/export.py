@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from eyas import __version__
 from eyas.drafters import kind_for_export, kind_of
-from eyas.errors import UsageError
+from eyas.errors import EXIT_USAGE, ProblemError, UsageError
 from eyas.run.fsutil import (
     DiskFullError,
     atomic_write_bytes,
@@ -44,12 +44,14 @@ DEFAULT_TOKENS = 3  # a chain's draft length where nothing else says
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ExportError(ValueError):
-    pass
+class ExportError(ProblemError):
+    """An export that cannot be made or read as it is (exit 1)."""
 
 
 class ExportUsage(ExportError, UsageError):
     """A flag that cannot work as given (exit 2); other ExportErrors are problems found (exit 1)."""
+
+    code = EXIT_USAGE
 
 
 def trained_weights(train_dir: Path) -> tuple[dict, dict, dict]:
@@ -120,6 +122,8 @@ def export(
     tokens = speculative_tokens or DEFAULT_TOKENS
     try:
         tensors, config = k.export(fmt, state, cdict, info, target, _DTYPES[dtype], tokens)
+    except UsageError as exc:  # a format the drafter cannot be served in: exit 2
+        raise ExportUsage(f"{train_dir}: {exc}") from None
     except ValueError as exc:
         raise ExportError(f"{train_dir}: {exc}") from None
     out = Path(out).absolute()

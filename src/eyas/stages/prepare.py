@@ -31,7 +31,7 @@ from eyas.data.records import (
     read_conversation,
     record_id,
 )
-from eyas.errors import UsageError
+from eyas.errors import ProblemError, UsageError
 from eyas.host.ui import Reporter
 from eyas.stages.config import PrepareConfig
 from eyas.targets.target import (
@@ -392,7 +392,7 @@ def _conversations(raws: list[RawRecord]) -> int:
     return n
 
 
-class PrepareFailed(ValueError):
+class PrepareFailed(ProblemError):
     """Too many records failed: the errors are written, the dataset is not."""
 
     def __init__(self, message: str, summary: PrepareSummary):

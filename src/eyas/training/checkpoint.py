@@ -47,7 +47,7 @@ MARKER = "COMPLETE"  # the checkpoint's manifest: its files' sizes and checksums
 FINAL_MANIFEST = "drafter.manifest.json"  # the final drafter's: drafter.safetensors and its config
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ProblemError):
     """No usable checkpoint where one was needed; the message says why and what to do."""
 
 
