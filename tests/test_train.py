@@ -972,7 +972,7 @@ def test_sglang_refuses_a_drafter_it_would_run_otherwise(trained, tmp_path):
     """SGLang's EAGLE-3 model has none of the three norms: the default recipe's drafter is
     refused for it (exit 1, naming them and the flags that train one it runs), nothing written."""
     r = eyas("export", trained, "--format", "sglang", "--out", tmp_path / "sg")
-    assert r.returncode == 1 and "norm_before_fc, norm_before_residual, norm_output" in r.stderr, (
+    assert r.returncode == 2 and "norm_before_fc, norm_before_residual, norm_output" in r.stderr, (
         r.stderr
     )
     assert "--no-norm-before-fc --no-norm-before-residual --no-norm-output" in r.stderr
@@ -1029,7 +1029,7 @@ def test_attention_window_is_trained_exported_for_sglang_and_refused_for_vllm(de
              "--attention-window", 16, "--serve-with", "sglang")  # fmt: skip
     assert r.returncode == 0 and "attention window 16" in r.stderr, r.stderr
     r = eyas("export", out, "--format", "vllm", "--out", tmp_path / "v")
-    assert r.returncode == 1 and "--attention-window 16" in r.stderr and "vLLM does not" in r.stderr
+    assert r.returncode == 2 and "--attention-window 16" in r.stderr and "vLLM does not" in r.stderr
     assert not (tmp_path / "v").exists()
     r = eyas("export", out, "--format", "sglang", "--out", tmp_path / "s")
     assert r.returncode == 0 and "--speculative-draft-window-size 16" in r.stderr, r.stderr
