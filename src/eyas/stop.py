@@ -18,6 +18,11 @@ command line runs the stage inside `stop_at_once(then)`: there the first signal 
 nothing half-written published (the store's commits survive even SIGKILL). A signal whose
 exception Python swallows (one raised inside a `__del__`) is not lost: it stays pending, and
 the next `StopSignals` starts as requested, so the stage's loop stops at its first check.
+
+A helper thread is started with `start_thread`, which holds both signals while the thread
+starts: a signal landing inside `Thread.start` would raise there and leave a thread that
+nobody stops, still starting up while the interpreter shuts down (its traceback torn
+in half on stderr).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from contextlib import contextmanager
 
 from eyas.errors import Stopped
 
-__all__ = ["SIGNALS", "StopSignals", "stop_at_once"]
+__all__ = ["SIGNALS", "StopSignals", "held", "start_thread", "stop_at_once"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _pending: list[str] = []  # a signal `stop_at_once` took, until it ends
@@ -127,3 +132,31 @@ def stop_at_once(then: str) -> Iterator[None]:
         for s, h in old.items():
             signal.signal(s, h)
         _pending.clear()
+
+
+@contextmanager
+def held() -> Iterator[None]:
+    """SIGINT and SIGTERM are only noted while the block runs, and handled as it ends, by
+    whatever handlers were there (the signal sent again). A mask would not do: the kernel
+    gives a process's signal to any thread that does not block it (a library's pool), and
+    Python then runs the handler in the main thread all the same."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    old = {s: signal.signal(s, lambda signum, _frame: noted.append(signum)) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for signum in noted:
+            signal.raise_signal(signum)
+
+
+def start_thread(thread: threading.Thread) -> threading.Thread:
+    """`thread` started whole: a signal during the start is handled after it (raising in
+    the caller, who can then still stop and join the thread)."""
+    with held():
+        thread.start()
+    return thread

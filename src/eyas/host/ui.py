@@ -15,6 +15,8 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from eyas.stop import start_thread
+
 console = Console(stderr=True, soft_wrap=True)
 
 
@@ -162,7 +164,11 @@ class still_working:  # noqa: N801 - used as a context manager, like a function
             self._thread = threading.Thread(
                 target=self._beat, name="eyas-still-working", daemon=True
             )
-            self._thread.start()
+            try:
+                start_thread(self._thread)
+            except BaseException:  # a signal taken as the thread started: it ends here too
+                self.stop()
+                raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -170,7 +176,7 @@ class still_working:  # noqa: N801 - used as a context manager, like a function
 
     def stop(self) -> None:
         self._done.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread.ident is not None:
             self._thread.join()
             self._thread = None
 

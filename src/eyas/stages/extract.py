@@ -76,7 +76,7 @@ from eyas.run.store import (
 )
 from eyas.run.stream import Retirer
 from eyas.stages.config import ExtractConfig
-from eyas.stop import StopSignals
+from eyas.stop import StopSignals, start_thread
 from eyas.targets.backends import BackendSpec, open_backend, registered
 from eyas.targets.layers import hf_indices, spread
 from eyas.targets.target import (
@@ -778,7 +778,7 @@ class _Extraction:
             event=self.stop, on_first=lambda name: self.stop_reason.append(f"stopped by {name}")
         )
         self.writer = threading.Thread(target=self._writer, name="eyas-writer", daemon=True)
-        self.writer.start()
+        start_thread(self.writer)
         with signals:
             try:
                 with Reporter(

@@ -45,7 +45,7 @@ from eyas.resume import ResumeRule
 from eyas.run.fsutil import atomic_write, atomic_write_json, fsync_dir, read_json
 from eyas.run.lock import WriterLock
 from eyas.stages.config import GenerateConfig
-from eyas.stop import StopSignals
+from eyas.stop import StopSignals, start_thread
 
 STATE_SUFFIX = ".eyas-gen"
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -520,7 +520,7 @@ def _start_workers(cfg, stop: threading.Event) -> tuple[queue.Queue, queue.Queue
                 results.put((item, None, exc))
 
     for _ in range(cfg.concurrency):
-        threading.Thread(target=worker, name="eyas-gen", daemon=True).start()
+        start_thread(threading.Thread(target=worker, name="eyas-gen", daemon=True))
     return work, results
 
 

@@ -26,6 +26,7 @@ import torch
 
 from eyas.run.journal import committed
 from eyas.run.store import StoreError, check_sample_file, read_into, sample_relpath, stored_layout
+from eyas.stop import start_thread
 from eyas.targets.target import plan_batches
 
 
@@ -407,7 +408,7 @@ class prefetch:
         self._stop = threading.Event()
         self._items, self._load = items, load
         self._t = threading.Thread(target=self._work, name="eyas-prefetch", daemon=True)
-        self._t.start()
+        start_thread(self._t)
 
     def _put(self, res) -> bool:
         while not self._stop.is_set():
