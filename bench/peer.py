@@ -139,6 +139,7 @@ def build_run(
 def batch_plan(run: Path, train_dir: Path) -> dict:
     """eyas's training of `train_dir`, batch by batch: samples, split, lr per step."""
     from eyas.data.dataset import PreparedDataset
+    from eyas.drafters.block_kind import choose_mask_token
     from eyas.run.runmeta import read_run_meta
     from eyas.training.train_data import epoch_batches, plan_batches, split_samples, usable_samples
     from eyas.training.trainer import draft_vocab_for, lr_at, warmup_for
@@ -157,9 +158,13 @@ def batch_plan(run: Path, train_dir: Path) -> dict:
     lrs = [lr_at(s, cfg["lr"], cfg["min_lr_ratio"], warm, total) for s in range(total)]
     ds = PreparedDataset.open(meta["dataset_path"], check=False)
     draft_ids = ds.draft_vocab(draft_vocab_for(cfg["draft_vocab_size"], meta)).tolist()
+    mask = cfg.get("mask_token_id")
+    if cfg.get("kind", "eagle3") != "eagle3" and mask is None:  # as eyas's block kinds choose it
+        mask = choose_mask_token(meta["model_path"], ds.vocab_counts())
     return {"run": str(run), "model": meta["model_path"], "aux_layers_hf": meta["aux_layers_hf"],
             "epochs": epochs, "val": plan_batches(lengths, val_idx, cfg["batch_tokens"]),
-            "lrs": lrs, "ttt_steps": cfg.get("ttt_steps", 3), "draft_ids": draft_ids, "eyas": cfg}  # fmt: skip
+            "lrs": lrs, "ttt_steps": cfg.get("ttt_steps", 3), "draft_ids": draft_ids, "eyas": cfg,
+            "mask_token_id": mask}  # fmt: skip
 
 
 def val_accuracy(export: Path, run: Path, plan: dict) -> dict:
@@ -227,6 +232,42 @@ def peer_eagle3(model_dir: str, draft_ids: list[int], aux_layers_hf: list[int], 
     return model.float().train()
 
 
+PEER_ANCHORS = 512  # the peer's blocks a row, its CLI's default (--max-anchors)
+
+
+def peer_block(p: dict, kind: str, attn: str = "sdpa", recipe: str = "eyas-shape"):
+    """speculators' DFlash or DSpark drafter at eyas's default shape (2 layers, blocks of 4,
+    qwen3 layers with full attention), float32, training; and its forward's keywords: the
+    loss its CLI gives the kind (DFlash: cross-entropy weighted by D-PACE; DSpark: KL with the
+    exponential position decay, its TV-based confidence target), `recipe` "kl" the KL and
+    decay for both. `p`: model, draft_ids, aux_layers_hf, mask_token_id."""
+    import torch
+    from speculators.losses import resolve_loss_config
+    from speculators.train.cli import create_transformer_layer_config
+
+    t2d, d2t = vocab_maps(p["model"], p["draft_ids"])
+    layer_cfg = create_transformer_layer_config(p["model"], num_layers=2, draft_arch="qwen3",
+                                                hidden_act=None, sliding_window=2048,
+                                                full_attention_indices=[0, 1])  # fmt: skip
+    if kind == "dflash":
+        from speculators.models.dflash import DFlashDraftModel as cls
+    else:
+        from speculators.models.dspark import DSparkDraftModel as cls
+    model = cls.from_training_args(
+        layer_cfg, t2d=t2d, d2t=d2t, draft_vocab_size=len(p["draft_ids"]), block_size=4,
+        verifier_name_or_path=p["model"], target_layer_ids=p["aux_layers_hf"],
+        draft_attn_impl=attn, mask_token_id=p["mask_token_id"],
+    )  # fmt: skip
+    model.verifier_norm = torch.nn.Identity()
+    cli_dflash = kind == "dflash" and recipe != "kl"
+    kw = {"loss_config": resolve_loss_config("ce" if cli_dflash else "kl_div", "eager"),
+          "gamma": 4.0, "max_anchors": PEER_ANCHORS,
+          "per_position_loss_weight": "dpace" if cli_dflash else "fixed-exp-decay"}  # fmt: skip
+    if kind == "dspark":
+        kw["tv_loss_fn"] = resolve_loss_config("tv", "eager")["tv"][0]
+    return model.float().train(), kw
+
+
 def packer(run: Path, shifted: bool = True):
     """A function of sample indices -> one packed row of those samples of `run`, as the
     peer's collation makes it (`shifted`: EAGLE-3's shift of the states against the ids)."""
@@ -273,16 +314,18 @@ def worker(args) -> None:
     torch.manual_seed(42 + args.seed)  # the peer's CLI seed, moved by the comparison's seed
     lrs = plan["lrs"] if args.schedule == "eyas" else own_schedule(len(plan["lrs"]))
     norms = args.peer_norms == "on"
-    model = peer_eagle3(plan["model"], plan["draft_ids"], plan["aux_layers_hf"],
-                        plan["ttt_steps"], norms)  # fmt: skip
+    if args.kind == "eagle3":
+        model = peer_eagle3(plan["model"], plan["draft_ids"], plan["aux_layers_hf"],
+                            plan["ttt_steps"], norms)  # fmt: skip
+        kw = {"ttt_steps": plan["ttt_steps"], "ttt_step_loss_decay": 1.0,
+              "loss_config": resolve_loss_config("kl_div", "eager")}  # fmt: skip
+    else:
+        model, kw = peer_block(plan, args.kind)
     opt_cfg = argparse.Namespace(optimizer=args.peer_optimizer, lr=lrs[0], weight_decay=0.01,
                                  muon_lr=lrs[0], muon_momentum=0.95, muon_weight_decay=0.1,
                                  muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw")  # fmt: skip
     opts = build_optimizers(model, opt_cfg)
-    loss_cfg = resolve_loss_config("kl_div", "eager")
-    packed = packer(Path(plan["run"]))
-
-    kw = {"ttt_steps": plan["ttt_steps"], "ttt_step_loss_decay": 1.0, "loss_config": loss_cfg}
+    packed = packer(Path(plan["run"]), shifted=args.kind == "eagle3")
     step, t0, tokens = 0, time.monotonic(), 0
     log = open(out / "metrics.jsonl", "w")
     for epoch, batches in enumerate(plan["epochs"]):
@@ -300,10 +343,10 @@ def worker(args) -> None:
                 o.step()
             step += 1
             tokens += batch["input_ids"].shape[1]
-            acc = [float(metrics[f"full_acc_{i}_sum"] / metrics[f"full_acc_{i}_total"].clamp(min=1))
-                   for i in range(plan["ttt_steps"])]  # fmt: skip
+            acc = accuracies(metrics, args.kind, plan["ttt_steps"])
             log.write(
-                json.dumps({"step": step, "epoch": epoch, "loss": float(loss), "acc": acc}) + "\n"
+                json.dumps({"step": step, "epoch": epoch, "loss": float(loss.detach()), "acc": acc})
+                + "\n"
             )
             if step % 10 == 0:
                 log.flush()
@@ -317,9 +360,44 @@ def worker(args) -> None:
         {k: v.contiguous() for k, v in model.state_dict().items()},
         str(out / "speculators.safetensors"),
     )
-    _to_eyas(model, packed, plan, norms, out, Path(args.eyas_train))
+    if args.kind == "eagle3":
+        _to_eyas(model, packed, plan, norms, out, Path(args.eyas_train))
+    else:
+        _block_export(model, plan, out)
     print(f"peer: trained {step} steps in {time.monotonic() - t0:.0f} s "
           f"({tokens / (time.monotonic() - t0):.0f} tok/s)", flush=True)  # fmt: skip
+
+
+def accuracies(metrics: dict, kind: str, ttt_steps: int) -> list[float]:
+    """The peer's training accuracy per TTT step (EAGLE-3) or per predicting block
+    position (its metrics name every position of the block; the anchor's, where it holds
+    the verified token, has none)."""
+    if kind == "eagle3":
+        names = [f"full_acc_{i}" for i in range(ttt_steps)]
+    else:
+        names = sorted((k[: -len("_sum")] for k in metrics if k.startswith("position_") and k.endswith("_acc_sum")),
+                       key=lambda k: int(k.split("_")[1]))  # fmt: skip
+    return [float(metrics[f"{n}_sum"] / metrics[f"{n}_total"].clamp(min=1)) for n in names]
+
+
+def _block_export(model, plan: dict, out: Path) -> None:
+    """The peer's block drafter as its own `save_pretrained` writes it (speculators' format,
+    which eyas evaluates and vLLM serves), with the target's embedding table added: the peer
+    leaves that frozen copy out of its checkpoint, and eyas's reader wants it in the file.
+    Written to OUT/export; OUT/export.done marks it whole."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eyas.targets.weights import embed_weight
+
+    dest = out / "export"
+    shutil.rmtree(dest, ignore_errors=True)
+    model.save_pretrained(str(dest))
+    tensors = load_file(str(dest / "model.safetensors"))
+    tensors["embed_tokens.weight"] = embed_weight(plan["model"]).float().contiguous()
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    (out / "export.done").write_text("")
 
 
 def _to_eyas(model, packed, plan: dict, norms: bool, out: Path, eyas_train: Path) -> None:
@@ -445,22 +523,41 @@ def eyas_job(run: Path, out: Path, options: str, seed: int) -> Job:
 def peer_job(py: Path, run: Path, base: Path, out: Path, config: str, seed: int) -> Job:
     """The peer trained on the batch plan of eyas's training `base` (its split, batches and
     schedule), once `base` has written its train.json."""
-    optimizer, norms, schedule = PEER_CONFIGS[config]
+    kind, optimizer, norms, schedule = PEER_CONFIGS[config]
     plan = out.with_name(out.name + ".plan.json")
     cmd = [sys.executable, __file__, "plan", "--run", str(run), "--eyas-train", str(base), "--out", str(plan),
            "&&", str(py), __file__, "worker", "--plan", str(plan), "--out", str(out), "--eyas-train", str(base),
-           "--peer-optimizer", optimizer, "--peer-norms", norms, "--schedule", schedule, "--seed", str(seed)]  # fmt: skip
+           "--kind", kind, "--peer-optimizer", optimizer, "--peer-norms", norms, "--schedule", schedule,
+           "--seed", str(seed)]  # fmt: skip
     shell = ["bash", "-c", " ".join(c if c == "&&" else shlex.quote(c) for c in cmd)]
-    return Job(f"peer {out.name}", shell, out / "eyas-train" / "drafter.manifest.json",
-               out.with_suffix(".log"), one_thread(), after=base / "train.json")  # fmt: skip
+    done = out / "eyas-train" / "drafter.manifest.json" if kind == "eagle3" else out / "export.done"
+    return Job(f"peer {out.name}", shell, done, out.with_suffix(".log"), one_thread(),
+               after=base / "train.json")  # fmt: skip
 
 
-# name -> (optimizer, normalisations, schedule): the peer as its CLI builds it, at eyas's
+# name -> (kind, optimizer, normalisations, schedule): the peer as its CLI builds it, at eyas's
 # schedule (eyas's lr for both optimizers, warm-up and cosine) or at its own defaults
 # (speculators 0.9.0's TrainConfig: lr 1e-3 for AdamW and Muon alike, a linear schedule with
 # 1% warm-up down to zero); both with its step decay 1.0, grad clip 1.0 and weight decays.
-PEER_CONFIGS = {"peer-eyas-schedule": ("muon", "on", "eyas"), "peer-own-defaults": ("muon", "on", "own"),
-                "peer-adamw": ("adamw", "on", "eyas"), "peer-no-norms": ("muon", "off", "eyas")}  # fmt: skip
+# The block kinds at eyas's default shape (2 layers, blocks of 4; the peer's CLI would give 5
+# layers and blocks of 16 or 8), with the loss its CLI gives each kind and its 512 anchors.
+PEER_CONFIGS = {"peer-eyas-schedule": ("eagle3", "muon", "on", "eyas"),
+                "peer-own-defaults": ("eagle3", "muon", "on", "own"),
+                "peer-adamw": ("eagle3", "adamw", "on", "eyas"),
+                "peer-no-norms": ("eagle3", "muon", "off", "eyas"),
+                "peer-dflash": ("dflash", "muon", "on", "eyas"),
+                "peer-dspark": ("dspark", "muon", "on", "eyas")}  # fmt: skip
+
+
+def eyas_base(confs: dict[str, str], kind: str) -> str:
+    """The eyas configuration whose batch plan a peer of `kind` replays: the first of that
+    kind, else the first."""
+    for name, options in confs.items():
+        words = shlex.split(options)
+        mine = words[words.index("--kind") + 1] if "--kind" in words[:-1] else "eagle3"
+        if mine == kind:
+            return name
+    return next(iter(confs))
 
 
 def own_schedule(total: int, lr: float = 1e-3) -> list[float]:
@@ -489,7 +586,9 @@ def judge_all(args, real: Path, run: Path, exports: dict[str, Path], trainings: 
             continue
         t0 = time.monotonic()
         val = val_accuracy(ex, run, plan)
-        hold = holdout_accuracy(trainings[name], args.holdout, 3) if args.holdout else None
+        hold = None  # (an eyas training's; the peer's block drafters have none)
+        if args.holdout and name in trainings:
+            hold = holdout_accuracy(trainings[name], args.holdout, 3)
         rec = {"val": val, "holdout": hold, "seconds": round(time.monotonic() - t0)}
         print(f"{name}: val accuracy {' '.join(f'{a:.3f}' for a in val['acc'])}, est. acceptance "
               f"{val['accept_len'][-1]:.3f}" + (f", held-out {hold['accept_len'][-1]:.3f}" if hold else ""),
@@ -598,6 +697,7 @@ def main() -> None:
     w.add_argument("--plan", required=True, help="the batch plan written by the comparison")
     w.add_argument("--out", required=True, help="where the peer's drafter goes")
     w.add_argument("--eyas-train", required=True, help="eyas's training directory (its train.json)")
+    w.add_argument("--kind", default="eagle3", choices=("eagle3", "dflash", "dspark"))
     w.add_argument("--peer-optimizer", default="muon", choices=("muon", "adamw"))
     w.add_argument("--peer-norms", default="on", choices=("on", "off"))
     w.add_argument("--schedule", default="eyas", choices=("eyas", "own"))
@@ -689,15 +789,16 @@ def main() -> None:
             for name, options in eyas_confs.items():
                 jobs.append(eyas_job(run, wn / f"{name}-s{seed}", options, seed))
             for conf in peers:
-                jobs.append(
-                    peer_job(py, run, wn / f"{first}-s{seed}", wn / f"{conf}-s{seed}", conf, seed)
-                )
+                base = wn / f"{eyas_base(eyas_confs, PEER_CONFIGS[conf][0])}-s{seed}"
+                jobs.append(peer_job(py, run, base, wn / f"{conf}-s{seed}", conf, seed))
         run_jobs(jobs, args.jobs)
         if args.train_only:
             continue
         trainings = {f"{n}-s{s}": wn / f"{n}-s{s}" for n in eyas_confs for s in seeds}
-        trainings |= {f"{c}-s{s}": wn / f"{c}-s{s}" / "eyas-train" for c in peers for s in seeds}
-        exports = {}
+        trainings |= {f"{c}-s{s}": wn / f"{c}-s{s}" / "eyas-train" for c in peers for s in seeds
+                      if PEER_CONFIGS[c][0] == "eagle3"}  # fmt: skip
+        exports = {f"{c}-s{s}": wn / f"{c}-s{s}" / "export" for c in peers for s in seeds
+                   if PEER_CONFIGS[c][0] != "eagle3"}  # the peer's own files  # fmt: skip
         for name, tdir in trainings.items():
             dest = wn / f"export-{name}"
             if not (dest / "eyas-manifest.json").is_file():

@@ -42,10 +42,10 @@ import time
 from pathlib import Path
 
 from judging import one_thread_env
+from peer import PEER_ANCHORS
 
 REPO = Path(__file__).resolve().parent.parent
 WARM = 2
-PEER_ANCHORS = 512  # the peer's blocks a row, its CLI's default
 
 
 def plan(run: Path, steps: int, batch_tokens: int, device: str, stride: int) -> dict:
@@ -185,34 +185,16 @@ def eyas_one(p: dict, kind: str, profile: bool) -> dict:
 
 
 def peer_model(p: dict, kind: str, attn: str):
-    """The peer's drafter of `kind` at eyas's default shape, and its forward's keywords."""
-    from peer import peer_eagle3, vocab_maps
+    """The peer's drafter of `kind` at eyas's default shape, and its forward's keywords (KL
+    for every kind, as eyas trains)."""
+    from peer import peer_block, peer_eagle3
     from speculators.losses import resolve_loss_config
-    from speculators.train.cli import create_transformer_layer_config
 
-    loss = resolve_loss_config("kl_div", "eager")
     if kind == "eagle3":
         model = peer_eagle3(p["model"], p["draft_ids"], p["aux_layers_hf"], 3, True, attn)
+        loss = resolve_loss_config("kl_div", "eager")
         return model, {"ttt_steps": 3, "ttt_step_loss_decay": 1.0, "loss_config": loss}
-    from speculators.models.dflash import DFlashDraftModel
-    from speculators.models.dspark import DSparkDraftModel
-
-    t2d, d2t = vocab_maps(p["model"], p["draft_ids"])
-    layer_cfg = create_transformer_layer_config(p["model"], num_layers=2, draft_arch="qwen3",
-                                                hidden_act=None, sliding_window=2048,
-                                                full_attention_indices=[0, 1])  # fmt: skip
-    cls = {"dflash": DFlashDraftModel, "dspark": DSparkDraftModel}[kind]
-    model = cls.from_training_args(
-        layer_cfg, t2d=t2d, d2t=d2t, draft_vocab_size=len(p["draft_ids"]), block_size=4,
-        verifier_name_or_path=p["model"], target_layer_ids=p["aux_layers_hf"],
-        draft_attn_impl=attn, mask_token_id=p["mask_token_id"],
-    )  # fmt: skip
-    model.verifier_norm = __import__("torch").nn.Identity()
-    kw = {"loss_config": loss, "gamma": 4.0, "max_anchors": PEER_ANCHORS,
-          "per_position_loss_weight": "fixed-exp-decay"}  # fmt: skip
-    if kind == "dspark":
-        kw["tv_loss_fn"] = resolve_loss_config("tv", "eager")["tv"][0]
-    return model.float().train(), kw
+    return peer_block(p, kind, attn, recipe="kl")
 
 
 def peer_one(p: dict, kind: str, profile: bool) -> dict:
