@@ -497,6 +497,7 @@ def test_drafters_saved_by_other_tools_are_read_as_those_tools_wrote_them(
     from safetensors.torch import save_file
 
     from eyas.drafters import kind
+    from eyas.drafters.formats import format_named
     from eyas.run.runmeta import read_run_meta
     from eyas.stages.export import load_export
     from eyas.training.config import TrainConfig
@@ -511,7 +512,7 @@ def test_drafters_saved_by_other_tools_are_read_as_those_tools_wrote_them(
         p.data.normal_(0, 0.3) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
     model.eval()
     k = kind(kname)
-    tensors, cfg = k.export(fmt, model.state_dict(), k.config_dict(model), meta,
+    tensors, cfg = k.export(format_named(fmt), model.state_dict(), k.config_dict(model), meta,
                             {"path": "target", "architectures": []}, torch.float32, 3)  # fmt: skip
     if foreign == "speculators-eagle3":
         cfg = {**cfg, "architectures": ["Eagle3DraftModel"],

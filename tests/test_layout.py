@@ -151,17 +151,23 @@ def test_kinds_and_backends_are_reached_through_their_registries():
 # A module that is one registered thing's own (the vLLM judge runs vLLM itself) may name its
 # engine's backend; each such lookup is listed with its reason.
 NAMED_ON_PURPOSE = {("decoders/vllm.py", "vllm"): "vLLM's judge runs vLLM itself"}
-_LOOKUPS = {"kind", "backend_module", "open_backend", "registered"}
-_REGISTRIES = {"KINDS", "_REGISTRY", "JUDGES"}
-_ASKERS = ("kind", "backend", "engine")  # what a registered name is held in
+_LOOKUPS = {"kind", "backend_module", "open_backend", "registered", "format_named"}
+_REGISTRIES = {"KINDS", "_REGISTRY", "JUDGES", "FORMATS"}
+# what a registered name is held in
+_ASKERS = ("kind", "backend", "engine", "fmt", "format", "serve_with")
 
 
 def _literal_lookups(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
     """(line, name) of every registered name looked up or compared as a literal: a registry
-    function called with it, a registry subscripted by it, or a variable that holds a kind,
-    backend or engine compared with it."""
+    function called with it, a registry subscripted by it, a variable that holds a kind,
+    backend, engine or format compared with it, or a list of such names written out (a
+    registry's names, copied)."""
     out = []
     for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            lits = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+            if len(lits) > 1 and all(v in names for v in lits):
+                out += [(node.lineno, v) for v in lits]
         if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
             f = node.func
             fname = (
@@ -193,11 +199,16 @@ def test_registries_are_never_asked_by_a_literal_name():
     written out: a caller asks the registry what the thing does (its traits), so a new one is
     one registration and no caller changes."""
     from eyas.drafters import KINDS
+    from eyas.drafters.formats import FORMATS
     from eyas.stages.evaluate import JUDGES
     from eyas.targets.backends import BACKENDS
 
-    names = set(KINDS) | set(BACKENDS) | set(JUDGES)
-    registries = {"drafters/__init__.py", "targets/backends/__init__.py"}
+    names = set(KINDS) | set(BACKENDS) | set(JUDGES) | set(FORMATS)
+    registries = {
+        "drafters/__init__.py",
+        "targets/backends/__init__.py",
+        "drafters/formats/__init__.py",
+    }
     bad = []
     for path in _sources():
         rel = str(path.relative_to(SRC))
@@ -213,9 +224,13 @@ def test_the_literal_rule_sees_each_form():
     code = (
         "kind('dflash')\nbackend_module('vllm')\nJUDGES['hf']\nif cfg.backend == 'hf': pass\n"
         "if engine in ('vllm',): pass\nif fmt == 'vllm': pass\nkind(name)\n"
+        "if o.serve_with != 'sglang': pass\nENGINES = ('vllm', 'sglang')\nFORMATS['vllm']\n"
+        "format_named('sglang')\nx = ('vllm', 'other')\n"
     )
-    got = _literal_lookups(ast.parse(code), {"dflash", "vllm", "hf"})
-    assert got == [(1, "dflash"), (2, "vllm"), (3, "hf"), (4, "hf"), (5, "vllm")], got
+    got = _literal_lookups(ast.parse(code), {"dflash", "vllm", "hf", "sglang"})
+    assert sorted(got) == [(1, "dflash"), (2, "vllm"), (3, "hf"), (4, "hf"), (5, "vllm"),
+                           (6, "vllm"), (8, "sglang"), (9, "sglang"), (9, "vllm"), (10, "vllm"),
+                           (11, "sglang")], got  # fmt: skip
 
 
 def test_no_module_of_eyas_shadows_the_standard_library():

@@ -79,8 +79,12 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-_KIND_NAMES = {"run": "extraction run directory", "dataset": "prepared dataset directory",
-               "training": "training directory", "export": "exported drafter directory"}  # fmt: skip
+_KIND_NAMES = {
+    "run": "extraction run directory",
+    "dataset": "prepared dataset directory",
+    "training": "training directory",
+    "export": "exported drafter directory",
+}
 
 
 def _need(path, kind: str, eyas_only: bool = False) -> None:

@@ -19,8 +19,13 @@ from eyas.errors import ProblemError
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 # Other names of the roles, read alike in every form: ShareGPT dumps name the assistant
 # after the service the answer came from.
-ROLE_ALIASES = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-                "bard": "assistant"}  # fmt: skip
+ROLE_ALIASES = {
+    "human": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
 
 
 class RecordError(ProblemError):

@@ -74,8 +74,17 @@ class EvalResult:
         for p in parts:
             out.mismatches += [{**m, "prompt": m["prompt"] + out.prompts} for m in p.mismatches]
             out.groups += [[i + out.prompts for i in g] for g in p.groups]
-            for name in ("prompts", "rounds", "drafted", "accepted", "spec_tokens", "base_tokens",
-                         "spec_seconds", "base_seconds", "planned"):  # fmt: skip
+            for name in (
+                "prompts",
+                "rounds",
+                "drafted",
+                "accepted",
+                "spec_tokens",
+                "base_tokens",
+                "spec_seconds",
+                "base_seconds",
+                "planned",
+            ):
                 setattr(out, name, getattr(out, name) + getattr(p, name))
             for name in ("per_prompt", "lengths", "positions"):
                 getattr(out, name).extend(getattr(p, name))

@@ -108,8 +108,9 @@ def _count(
     for j in range(k):
         res.per_position[j][0] += at[j]
         res.per_position[j][1] = res.rounds
-    res.per_prompt.append([grew["vllm:spec_decode_num_drafts"],
-                           grew["vllm:spec_decode_num_accepted_tokens"], emitted])  # fmt: skip
+    res.per_prompt.append(
+        [grew["vllm:spec_decode_num_drafts"], grew["vllm:spec_decode_num_accepted_tokens"], emitted]
+    )
     res.positions.append(at)
     res.groups.append(group)
 

@@ -52,8 +52,14 @@ CHATML_TEMPLATE = (
 # <tool_call></tool_call>; tool results as a user turn of <tool_response> blocks; the reasoning
 # of assistant turns after the last user message as <think>\n...\n</think>\n\n (earlier turns'
 # reasoning is dropped); `enable_thinking=False` opens the generation prompt with an empty think.
-QWEN3_SPECIAL_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
-                        "</tool_response>"]  # fmt: skip
+QWEN3_SPECIAL_TOKENS = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
 QWEN3_TEMPLATE = (
     "{%- set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none -%}"
     "{%- if tools -%}"
@@ -96,11 +102,26 @@ QWEN3_TEMPLATE = (
 # an empty <think></think>; tools are declared per conversation; `thinking=False` opens the
 # generation prompt with an empty <think></think>.
 KIMI_SPECIAL_TOKENS = [
-    "[BOS]", "[EOS]", "[PAD]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
-    "<|im_middle|>", "<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
-    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|media_start|>",
-    "<|media_content|>", "<|media_end|>", "<|media_pad|>",
-]  # fmt: skip
+    "[BOS]",
+    "[EOS]",
+    "[PAD]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<think>",
+    "</think>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|media_start|>",
+    "<|media_content|>",
+    "<|media_end|>",
+    "<|media_pad|>",
+]
 KIMI_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) -%}"
     "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
@@ -142,13 +163,19 @@ _HUB_NAMES = {
 _PREPROCESSOR = {
     "kimi_k25": {
         "media_proc_cfg": {
-            "patch_size": 14, "merge_kernel_size": 2, "temporal_merge_kernel_size": 2,
-            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "in_patch_limit": 256,
-            "in_patch_limit_each_frame": 256, "in_patch_limit_video": 256, "patch_limit_on_one_side": 64,
+            "patch_size": 14,
+            "merge_kernel_size": 2,
+            "temporal_merge_kernel_size": 2,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "in_patch_limit": 256,
+            "in_patch_limit_each_frame": 256,
+            "in_patch_limit_video": 256,
+            "patch_limit_on_one_side": 64,
             "fixed_output_tokens": None,
         }
     }
-}  # fmt: skip
+}
 _HUB_ARCHITECTURES = {"kimi_k25": ["KimiK25ForConditionalGeneration"]}
 
 
@@ -339,13 +366,31 @@ def _wrapper_config(model_type: str, text, tokenizer, top: dict | None = None):
 
 # Keys that set a model's size; scaled down by `_like_config`. Everything else is kept.
 _SIZE_KEYS = {
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
-    "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok",
-    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-    "n_group", "topk_group", "first_k_dense_replace", "max_window_layers", "layer_types",
-    "mlp_only_layers", "decoder_sparse_step",
-}  # fmt: skip
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "n_routed_experts",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "n_group",
+    "topk_group",
+    "first_k_dense_replace",
+    "max_window_layers",
+    "layer_types",
+    "mlp_only_layers",
+    "decoder_sparse_step",
+}
 
 
 def _like_config(like: Path, sizes: TinySizes, vocab_size: int, tokenizer=None):

@@ -23,6 +23,8 @@ from eyas.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
+    from eyas.drafters.formats import Format, Served
+
 __all__ = [
     "DEFAULT",
     "KINDS",
@@ -63,16 +65,12 @@ class Proposer(Protocol):
 
 class DrafterKind(Protocol):
     name: str
-    export_formats: tuple[str, ...]
+    serving: dict[Format, Served]
+    """The formats the kind is written in, and how each serves it (`drafters.formats`)."""
     position_name: str
     """What the metrics' positions are called (TTT step, block position)."""
     demo_options: dict
     """The kind's own options `eyas demo` trains its drafter with on the demo target."""
-
-    vllm_method: str
-    """vLLM's `speculative_config` method that serves this kind."""
-    sglang_algorithm: str
-    """SGLang's `--speculative-algorithm` that serves this kind."""
 
     def unservable(self, cfg) -> str | None:
         """Why no serving format of this kind could run a drafter trained as `cfg` asks
@@ -80,10 +78,6 @@ class DrafterKind(Protocol):
 
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         """Tokens an export (its config.json) drafts a round, asked for `tokens`."""
-
-    def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
-        """SGLang's options that make it run the drafter as it was trained and evaluated,
-        drafting `tokens` a round (its defaults may run another shape, a tree)."""
 
     def build(self, cfg, meta: dict, model_dir: str, draft_ids: torch.Tensor):
         """(drafter, lm_head) for a training of `cfg` (its own options in `cfg.options`) on a
@@ -112,9 +106,11 @@ class DrafterKind(Protocol):
         """(loss, stats): the training loss of a batch, normalised by `norm` (per position
         counts, summed over ranks) or by this batch's; stats (positions, 6) for `summarize`."""
 
-    def export(self, fmt: str, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int):
-        """(tensors, config.json) of an export in `fmt`; raises ValueError where the engine
-        would run another network than the one trained."""
+    def export(
+        self, fmt: Format, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int
+    ):
+        """(tensors, config.json) of an export in `fmt` (one of `serving`); raises UsageError
+        where the engine would run another network than the one trained."""
 
     def reads_export(self, cfg: dict) -> bool:
         """Whether an export's config.json is of this kind."""

@@ -149,7 +149,8 @@ class BlockKind:
         return model, head
 
     def unservable(self, cfg) -> str | None:
-        return None  # DFlash's window is vLLM's use_swa
+        why = [w for served in self.serving.values() if (w := served.refuses(cfg))]
+        return "; ".join(why) if len(why) == len(self.serving) else None  # none serves it
 
     def own_config(self, cfg, target_config, draft_vocab: int) -> dict:
         """The drafter config's fields that come from the kind's own options."""

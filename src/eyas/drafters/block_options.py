@@ -24,8 +24,12 @@ class BlockOptions:
     --block-size: each position is predicted once per step, at one block position)."""
 
     may_change: ClassVar[frozenset[str]] = frozenset()
-    before: ClassVar[dict] = {"block_size": 4, "drafter_layers": 2, "block_decay": 4.0,
-                              "anchor_stride": 1}  # fmt: skip
+    before: ClassVar[dict] = {
+        "block_size": 4,
+        "drafter_layers": 2,
+        "block_decay": 4.0,
+        "anchor_stride": 1,
+    }
 
     def __post_init__(self) -> None:
         if self.block_size < 2:

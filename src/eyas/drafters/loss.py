@@ -183,19 +183,39 @@ def _ref_lk(p, q, mask):
 # The one place a loss is named: `train --loss` offers these, `divergence` runs them.
 LOSSES: dict[str, Loss] = {
     "kl": Loss(_kl, lambda p, q, m: -(p * q.log()).sum(-1)),
-    "tv": Loss(lambda lq, lp, m: 1 - _alpha(lq, lp), lambda p, q, m: 1 - torch.minimum(p, q).sum(-1)),
-    "mix": Loss(lambda lq, lp, m: 0.1 * _hard(lq, lp, m) + 0.9 * (1 - _alpha(lq, lp)),
-                lambda p, q, m: -0.1 * q.log().gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)
-                + 0.9 * (1 - torch.minimum(p, q).sum(-1))),
+    "tv": Loss(
+        lambda lq, lp, m: 1 - _alpha(lq, lp), lambda p, q, m: 1 - torch.minimum(p, q).sum(-1)
+    ),
+    "mix": Loss(
+        lambda lq, lp, m: 0.1 * _hard(lq, lp, m) + 0.9 * (1 - _alpha(lq, lp)),
+        lambda p, q, m: (
+            -0.1 * q.log().gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)
+            + 0.9 * (1 - torch.minimum(p, q).sum(-1))
+        ),
+    ),
     "lk": Loss(_lk, _ref_lk),
-    "nla": Loss(lambda lq, lp, m: -torch.log(_alpha(lq, lp).clamp_min(1e-6)),
-                lambda p, q, m: -torch.minimum(p, q).sum(-1).log()),
-    "hass": Loss(_hass, lambda p, q, m: -(p * q.log()).sum(-1)
-                 - (p * q.log()).gather(-1, p.topk(min(10, p.shape[-1]), -1).indices).sum(-1)),
-    "hard": Loss(_hard, lambda p, q, m: -q.log().gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)),
-    "kd": Loss(_kd, lambda p, q, m: -(torch.softmax(p.log() / 2, -1) * torch.log_softmax(q.log() / 2, -1)).sum(-1) * 4),
+    "nla": Loss(
+        lambda lq, lp, m: -torch.log(_alpha(lq, lp).clamp_min(1e-6)),
+        lambda p, q, m: -torch.minimum(p, q).sum(-1).log(),
+    ),
+    "hass": Loss(
+        _hass,
+        lambda p, q, m: (
+            -(p * q.log()).sum(-1)
+            - (p * q.log()).gather(-1, p.topk(min(10, p.shape[-1]), -1).indices).sum(-1)
+        ),
+    ),
+    "hard": Loss(
+        _hard, lambda p, q, m: -q.log().gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)
+    ),
+    "kd": Loss(
+        _kd,
+        lambda p, q, m: (
+            -(torch.softmax(p.log() / 2, -1) * torch.log_softmax(q.log() / 2, -1)).sum(-1) * 4
+        ),
+    ),
     "opd": Loss(None, None),  # the chain's: `on_policy`, read by the kinds' loss loops
-}  # fmt: skip
+}
 
 
 def divergence(

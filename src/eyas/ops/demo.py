@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.table import Table
 
 from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
+from eyas.drafters.formats import DEFAULT as DEFAULT_FORMAT
 from eyas.errors import ProblemError, UsageError
 from eyas.host.ui import console
 from eyas.stages.config import DemoConfig
@@ -32,10 +33,10 @@ def run_demo(cfg: DemoConfig) -> dict:
     p, x = _prepare_and_extract(workdir, clock)
     tdir, t = _train(training, clock)
     exports, not_written = _export(cfg.kind, tdir, workdir, clock)
-    e = _evaluate(cfg, exports["vllm"], workdir, clock)
+    e = _evaluate(cfg, exports[DEFAULT_FORMAT.name], workdir, clock)
     summary = _summary(cfg.kind, p, x, t, e.to_dict(), tdir, exports, clock)
     summary["not_exported"] = not_written
-    summary["next"] = _next_steps(exports["vllm"])
+    summary["next"] = _next_steps(exports[DEFAULT_FORMAT.name])
     _print_table(summary)
     return summary
 
@@ -45,7 +46,7 @@ def _next_steps(export: Path) -> list[str]:
     from eyas.stages.export import serve_command
 
     return [
-        f"serve it: {serve_command(export, 'vllm')}",
+        f"serve it: {serve_command(export, DEFAULT_FORMAT.name)}",
         "train one for your own target and conversations: eyas prepare --model TARGET --data "
         "chats.jsonl --out ds, then extract, train, export, evaluate (README.md, docs/your-data.md)",
     ]
@@ -156,7 +157,7 @@ def _export(
 
     exports, not_written = {}, {}
     with clock("export"):
-        for fmt in drafter_kind(kind).export_formats:
+        for fmt in (f.name for f in drafter_kind(kind).serving):
             try:
                 exports[fmt] = export(tdir, fmt, workdir / f"drafter-{fmt}")
             except ExportError as exc:

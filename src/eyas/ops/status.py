@@ -371,11 +371,27 @@ def _stream_lines(st: RunStatus) -> list[str]:
 
 # What each kind of eyas directory is called, which command makes it, and which reads it next.
 _KINDS = {
-    "run": ("an extraction run", "eyas extract", "eyas train --data {p} --out TRAIN_DIR (eyas status, verify and doctor check it)"),
-    "dataset": ("a prepared dataset", "eyas prepare", "eyas extract --model MODEL --data {p} --out RUN_DIR"),
-    "training": ("a training directory", "eyas train", "eyas export {p} --format vllm --out DRAFTER_DIR (eyas status shows its state)"),
-    "export": ("an exported drafter", "eyas export", "eyas evaluate --model TARGET --drafter {p} --data PROMPTS.jsonl"),
-}  # fmt: skip
+    "run": (
+        "an extraction run",
+        "eyas extract",
+        "eyas train --data {p} --out TRAIN_DIR (eyas status, verify and doctor check it)",
+    ),
+    "dataset": (
+        "a prepared dataset",
+        "eyas prepare",
+        "eyas extract --model MODEL --data {p} --out RUN_DIR",
+    ),
+    "training": (
+        "a training directory",
+        "eyas train",
+        "eyas export {p} --format vllm --out DRAFTER_DIR (eyas status shows its state)",
+    ),
+    "export": (
+        "an exported drafter",
+        "eyas export",
+        "eyas evaluate --model TARGET --drafter {p} --data PROMPTS.jsonl",
+    ),
+}
 
 
 def kind_of(path: Path) -> str | None:

@@ -46,12 +46,27 @@ SAMPLES_PER_DIR = 1000
 CHECKSUM = "xxh3_128"
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value
 
-_ST_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I16": 2, "U8": 1, "I64": 8, "F64": 8,
-              "F8_E4M3": 1}  # fmt: skip
+_ST_DTYPES = {
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "I16": 2,
+    "U8": 1,
+    "I64": 8,
+    "F64": 8,
+    "F8_E4M3": 1,
+}
 _DTYPE_NAMES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
-    torch.int16: "I16", torch.uint8: "U8", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3",
-}  # fmt: skip
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.uint8: "U8",
+    torch.int64: "I64",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
 
 
 _TORCH_DTYPES = {name: dt for dt, name in _DTYPE_NAMES.items()}
@@ -288,8 +303,16 @@ def ensure_inside(run: Path, path: Path) -> None:
 
 
 # What a run directory holds: an extraction writes these names and nothing else.
-RUN_ENTRIES = ("run.json", "run.backup.json", "samples", "journal", "errors", "locks", "quarantine",
-               "followers")  # fmt: skip
+RUN_ENTRIES = (
+    "run.json",
+    "run.backup.json",
+    "samples",
+    "journal",
+    "errors",
+    "locks",
+    "quarantine",
+    "followers",
+)
 
 
 def check_subdirs_inside(run: Path) -> None:

@@ -14,6 +14,7 @@ import dataclasses
 import time
 from pathlib import Path
 
+from eyas.drafters.formats import DEFAULT, FORMATS
 from eyas.run.fsutil import atomic_write_bytes, atomic_write_json, read_json
 
 __all__ = ["CARD", "EVALUATIONS", "evaluations", "record_evaluation", "recipe", "write_card"]
@@ -22,8 +23,17 @@ CARD = "README.md"
 EVALUATIONS = "eyas-evaluations.json"
 MANIFEST = "eyas-manifest.json"
 # The shared training options a reader of the card wants; the kind's own are all shown.
-_SHARED = ("epochs", "lr", "batch_tokens", "loss", "loss_positions", "optimizer", "seed",
-           "attention_window", "init_from")  # fmt: skip
+_SHARED = (
+    "epochs",
+    "lr",
+    "batch_tokens",
+    "loss",
+    "loss_positions",
+    "optimizer",
+    "seed",
+    "attention_window",
+    "init_from",
+)
 
 
 def recipe(train_info: dict) -> dict:
@@ -51,8 +61,16 @@ def record_evaluation(path: Path, result: dict, prompts: str, judge: str) -> boo
     path = Path(path)
     if result.get("partial") or not (path / MANIFEST).is_file():
         return False
-    keep = ("prompts", "draft_tokens", "tokens_per_forward", "tokens_per_forward_ci95",
-            "acceptance_length", "acceptance_length_ci95", "per_position_acceptance", "lossless")  # fmt: skip
+    keep = (
+        "prompts",
+        "draft_tokens",
+        "tokens_per_forward",
+        "tokens_per_forward_ci95",
+        "acceptance_length",
+        "acceptance_length_ci95",
+        "per_position_acceptance",
+        "lossless",
+    )
     rec = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "prompts_file": str(Path(prompts).resolve()),
@@ -88,7 +106,8 @@ def _card(path: Path) -> str:
     from eyas.stages.export import serve_command
 
     m = read_json(path / MANIFEST)
-    kind, fmt = m.get("kind", "eagle3"), m.get("format", "vllm")
+    kind, fmt = m.get("kind", "eagle3"), m.get("format", DEFAULT.name)
+    others = " | ".join(f for f in FORMATS if f != fmt)
     data, rec = m.get("data") or {}, m.get("recipe") or {}
     lines = [
         f"# A {kind} drafter for {m.get('target')}",
@@ -102,8 +121,8 @@ def _card(path: Path) -> str:
         serve_command(path, fmt),
         "```",
         "",
-        "The other engine's format: `eyas export TRAINING_DIR --format "
-        f"{'sglang' if fmt == 'vllm' else 'vllm'}` (where the kind has one).",
+        f"Another engine's format: `eyas export TRAINING_DIR --format {others}` (where the "
+        "kind has one).",
         "",
         "## Target and data",
         "",

@@ -16,8 +16,16 @@ if TYPE_CHECKING:
     from eyas.run.store import Layout
 
 
-__all__ = ["DemoConfig", "ENGINES", "EstimateConfig", "EvaluateConfig", "ExportConfig",
-           "ExtractConfig", "GenerateConfig", "PrepareConfig", "TinyTargetConfig"]  # fmt: skip
+__all__ = [
+    "DemoConfig",
+    "EstimateConfig",
+    "EvaluateConfig",
+    "ExportConfig",
+    "ExtractConfig",
+    "GenerateConfig",
+    "PrepareConfig",
+    "TinyTargetConfig",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,9 +283,6 @@ class ExtractConfig:
         return Layout(self.storage, self.target, self.aux_count)
 
 
-ENGINES = ("hf", "vllm")
-
-
 @dataclass(frozen=True, kw_only=True)
 class EvaluateConfig:
     draft_tokens: int | None = None
@@ -305,8 +310,10 @@ class EvaluateConfig:
     (exit 1)."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise UsageError(f"--engine must be {' or '.join(ENGINES)}, got {self.engine!r}")
+        from eyas.stages.evaluate import JUDGES  # (torch, which an evaluation loads anyway)
+
+        if self.engine not in JUDGES:
+            raise UsageError(f"--engine must be {' or '.join(JUDGES)}, got {self.engine!r}")
         if self.limit < 0 or self.max_new_tokens < 1 or self.precision < 0:
             raise UsageError("--limit must be >= 0, --max-new-tokens >= 1 and --precision >= 0")
         if self.draft_tokens is not None and self.draft_tokens < 1:

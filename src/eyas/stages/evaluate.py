@@ -500,9 +500,12 @@ def _hf_options(cfg, several: bool) -> dict:
 
 JUDGES = {
     "hf": Judge(run=evaluate, paired=True, options=_hf_options),
-    "vllm": Judge(run=evaluate_vllm, paired=False,
-                  options=lambda cfg, _several: {"tensor_parallel_size": cfg.tensor_parallel_size}),
-}  # fmt: skip
+    "vllm": Judge(
+        run=evaluate_vllm,
+        paired=False,
+        options=lambda cfg, _several: {"tensor_parallel_size": cfg.tensor_parallel_size},
+    ),
+}
 
 
 def judge(

@@ -11,7 +11,6 @@ refuses one it cannot run as declared.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -22,6 +21,7 @@ from safetensors.torch import load_file
 
 from eyas import __version__
 from eyas.drafters import kind_for_export, kind_of
+from eyas.drafters.formats import FORMATS, VLLM, format_named
 from eyas.errors import EXIT_USAGE, ProblemError, UsageError
 from eyas.run.fsutil import (
     DiskFullError,
@@ -36,7 +36,6 @@ from eyas.stages.card import recipe, write_card
 from eyas.stages.config import ExportConfig as _D  # the defaults, written once
 from eyas.training.checkpoint import save_safetensors
 
-FORMATS = ("vllm", "sglang")
 MANIFEST = "eyas-manifest.json"  # the export's files and checksums, written last
 CHAT_TEMPLATE = "chat_template.jinja"  # the template the training data was rendered with
 DEFAULT_TOKENS = 3  # a chain's draft length where nothing else says
@@ -102,13 +101,14 @@ def export(
     holds anything but an earlier export is refused unless `force` (then it is replaced)."""
     if fmt not in FORMATS:
         raise ExportUsage(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    form = FORMATS[fmt]
     if dtype not in _DTYPES:
         raise ExportUsage(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     state, cdict, info = trained_weights(Path(train_dir))
     k, cdict = kind_of(cdict)
-    if fmt not in k.export_formats:
+    if form not in k.serving:
         raise ExportUsage(
-            f"a {k.name} drafter exports as {', '.join(k.export_formats)}, not {fmt!r}"
+            f"a {k.name} drafter exports as {', '.join(f.name for f in k.serving)}, not {fmt!r}"
         )
     target_cfg = (
         read_json(Path(info["model_path"]) / "config.json")
@@ -121,7 +121,7 @@ def export(
     }
     tokens = speculative_tokens or DEFAULT_TOKENS
     try:
-        tensors, config = k.export(fmt, state, cdict, info, target, _DTYPES[dtype], tokens)
+        tensors, config = k.export(form, state, cdict, info, target, _DTYPES[dtype], tokens)
     except UsageError as exc:  # a format the drafter cannot be served in: exit 2
         raise ExportUsage(f"{train_dir}: {exc}") from None
     except ValueError as exc:
@@ -261,11 +261,8 @@ def export_kind(path: str | Path, cfg: dict | None = None):
 def vllm_speculative_config(path: str | Path, tokens: int) -> dict:
     """vLLM's `speculative_config` for the export at `path`: its kind's method, `tokens`
     drafted a round."""
-    return {
-        "method": export_kind(path).vllm_method,
-        "model": str(Path(path).resolve()),
-        "num_speculative_tokens": tokens,
-    }
+    served = export_kind(path).serving[VLLM]
+    return VLLM.speculative_config(served, str(Path(path).resolve()), tokens)
 
 
 def export_serving(path: str | Path) -> dict:
@@ -294,38 +291,16 @@ def serve_command(path: str | Path, fmt: str, tokens: int | None = None) -> str:
     evaluated: the target it was exported for, its kind's method, and the tokens it drafts a
     round (`tokens`, else the export's own)."""
     cfg = read_json(Path(path) / "config.json")
-    k = export_kind(path, cfg)
+    k, form = export_kind(path, cfg), format_named(fmt)
+    if form not in k.serving:
+        raise ExportUsage(f"a {k.name} drafter is not served by {form.engine}")
     target = str(export_serving(path).get("target") or "TARGET")
-    n = drafts_per_round(path, tokens)
     template = Path(path) / CHAT_TEMPLATE
     render = ["--chat-template", str(template)] if template.is_file() else []
-    if fmt == "sglang":
-        return shlex.join(
-            [
-                "python",
-                "-m",
-                "sglang.launch_server",
-                "--model-path",
-                target,
-                "--speculative-algorithm",
-                k.sglang_algorithm,
-                "--speculative-draft-model-path",
-                str(path),
-                *k.sglang_flags(cfg, n),
-                *render,
-            ]
-        )
-    spec = {"method": k.vllm_method, "model": str(path), "num_speculative_tokens": n}
-    return shlex.join(
-        [
-            "vllm",
-            "serve",
-            target,
-            "--speculative-config",
-            json.dumps(spec, separators=(",", ":")),
-            *render,
-        ]  # fmt: skip
+    line = form.serve_line(
+        target, str(path), k.serving[form], cfg, drafts_per_round(path, tokens), render
     )
+    return shlex.join(line)
 
 
 def render_export(path: str | Path, fmt: str, asked_tokens: int | None = None) -> str:

@@ -102,11 +102,34 @@ from eyas.targets.target import (
 # then no longer bit-identical to an uninterrupted run's. The dataset and the target may be
 # given at new paths (moved to another disk): they are identified by their fingerprints.
 RESUME_RULE = ResumeRule(
-    per_invocation=frozenset({"rank", "world", "trust_remote_code", "progress", "queue_depth",
-                              "ignore_busy_gpus", "max_foreign_gpu_mem", "staging_dir", "out"}),
-    may_change=frozenset({"batch_tokens", "device", "min_free", "allow_partial", "tensor_parallel_size",
-                          "gpu_memory_utilization", "max_model_len", "max_store", "data", "model"}),
-)  # fmt: skip
+    per_invocation=frozenset(
+        {
+            "rank",
+            "world",
+            "trust_remote_code",
+            "progress",
+            "queue_depth",
+            "ignore_busy_gpus",
+            "max_foreign_gpu_mem",
+            "staging_dir",
+            "out",
+        }
+    ),
+    may_change=frozenset(
+        {
+            "batch_tokens",
+            "device",
+            "min_free",
+            "allow_partial",
+            "tensor_parallel_size",
+            "gpu_memory_utilization",
+            "max_model_len",
+            "max_store",
+            "data",
+            "model",
+        }
+    ),
+)
 
 
 class ExtractStopped(Stopped):

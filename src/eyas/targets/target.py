@@ -270,8 +270,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # Families whose final norm is `rms_norm` above (weight times normalised input).
-PLAIN_RMSNORM = {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3",
-                 "deepseek_v2", "kimi_k2", "glm4_moe", "mixtral"}  # fmt: skip
+PLAIN_RMSNORM = {
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v3",
+    "deepseek_v2",
+    "kimi_k2",
+    "glm4_moe",
+    "mixtral",
+}
 
 
 def plan_batches(lengths, indices: list[int], batch_tokens: int) -> list[list[int]]:

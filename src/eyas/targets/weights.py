@@ -82,10 +82,18 @@ def _tied(model_dir: Path) -> bool:
 # Where a checkpoint keeps each tensor: plain causal LMs, transformers' multimodal layout
 # (`model.language_model.*`) and the hub layout of wrapped targets such as Kimi-K2.5
 # (`language_model.model.*`, `language_model.lm_head`).
-_EMBED = ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
-          "language_model.model.embed_tokens.weight", "embed_tokens.weight"]  # fmt: skip
-_NORM = ["model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
-         "norm.weight"]  # fmt: skip
+_EMBED = [
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "embed_tokens.weight",
+]
+_NORM = [
+    "model.norm.weight",
+    "model.language_model.norm.weight",
+    "language_model.model.norm.weight",
+    "norm.weight",
+]
 _HEAD = ["lm_head.weight", "language_model.lm_head.weight"]
 
 
@@ -104,9 +112,17 @@ def lm_head_weight(model_dir: str | Path) -> torch.Tensor:
 
 
 _LAYERS = ["model.layers", "model.language_model.layers", "language_model.model.layers", "layers"]
-LAYER_TENSORS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-                 "post_attention_layernorm")  # fmt: skip
+LAYER_TENSORS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "input_layernorm",
+    "post_attention_layernorm",
+)
 
 
 def layer_weights(model_dir: str | Path, index: int) -> dict[str, torch.Tensor]:

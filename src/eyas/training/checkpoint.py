@@ -280,7 +280,7 @@ def read_export(path: Path):
         raise UsageError(
             f"{path}: {EXPORT_MANIFEST} says kind {m.get('kind')!r} but config.json is {arch!r}"
         )
-    if m.get("format") is not None and m.get("format") not in k.export_formats:
+    if m.get("format") is not None and m.get("format") not in {f.name for f in k.serving}:
         raise UsageError(
             f"{path}: {EXPORT_MANIFEST} says format {m.get('format')!r}, which a {k.name} export is not"
         )

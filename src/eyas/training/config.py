@@ -28,12 +28,35 @@ LOSS_POSITIONS = ("assistant", "all")
 # the rest is fixed. A training directory made before an option existed was trained with its
 # `before` value. Each kind's options add their own (`Options.may_change`, `Options.before`).
 SHARED_RULE = ResumeRule(
-    may_change=frozenset({"progress", "device", "verify_data", "eval_every", "save_every", "keep_checkpoints",
-                          "data", "out", "model", "allow_partial", "report_to"}),
-    before={"pack": False, "follow": False, "feature_noise": 0.0, "kind": "eagle3", "optimizer": "adamw",
-            "loss": "kl", "muon_lr_scale": 1.0, "init_from": None, "attention_window": None,
-            "loss_average": "token", "loss_positions": "assistant"},
-)  # fmt: skip
+    may_change=frozenset(
+        {
+            "progress",
+            "device",
+            "verify_data",
+            "eval_every",
+            "save_every",
+            "keep_checkpoints",
+            "data",
+            "out",
+            "model",
+            "allow_partial",
+            "report_to",
+        }
+    ),
+    before={
+        "pack": False,
+        "follow": False,
+        "feature_noise": 0.0,
+        "kind": "eagle3",
+        "optimizer": "adamw",
+        "loss": "kl",
+        "muon_lr_scale": 1.0,
+        "init_from": None,
+        "attention_window": None,
+        "loss_average": "token",
+        "loss_positions": "assistant",
+    },
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,9 +183,13 @@ class TrainConfig:
             )
         from eyas.drafters.loss import LOSSES  # the registry of losses
 
-        for name, allowed in (("loss", tuple(LOSSES)), ("loss_average", LOSS_AVERAGES),
-                              ("loss_positions", LOSS_POSITIONS), ("optimizer", OPTIMIZERS),
-                              ("dtype", ("float32", "bfloat16"))):  # fmt: skip
+        for name, allowed in (
+            ("loss", tuple(LOSSES)),
+            ("loss_average", LOSS_AVERAGES),
+            ("loss_positions", LOSS_POSITIONS),
+            ("optimizer", OPTIMIZERS),
+            ("dtype", ("float32", "bfloat16")),
+        ):
             if getattr(self, name) not in allowed:
                 raise UsageError(
                     f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "

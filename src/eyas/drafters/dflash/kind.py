@@ -13,42 +13,55 @@ from eyas.drafters.block_kind import (
     speculators_block_fields,
 )
 from eyas.drafters.blocks import layer_fields
+from eyas.drafters.formats import SGLANG, VLLM, Format, Served
 from eyas.errors import UsageError
 
 ARCH = "DFlashDraftModel"
 
 
+def _drafts(export_config: dict, tokens: int) -> int:
+    # A block of B drafts B - 1 tokens: the export's block, not the tokens asked for.
+    d = export_config.get("dflash_config") or export_config  # z-lab's, or speculators'
+    return int(d.get("block_size", tokens + 1)) - 1
+
+
+def _pinned_block(export_config: dict, tokens: int) -> list[str]:
+    # SGLang reads the block from the drafter's config and falls back to 16 where it
+    # cannot: pinned, so the block verified is the block trained.
+    return ["--speculative-num-draft-tokens", str(_drafts(export_config, tokens) + 1)]
+
+
+def _causal_window(c) -> str | None:
+    if not c.attention_window:
+        return None
+    return (
+        f"--attention-window {c.attention_window}: SGLang's DFlash model runs a window causally "
+        "inside the block (its sliding layers are decoder layers), so it would run another "
+        "network than the one trained. Export --format vllm (its dflash_config.use_swa), or "
+        "train without --attention-window"
+    )
+
+
 class DFlash(BlockKind):
     name = "dflash"
-    export_formats = ("vllm", "sglang")
-    vllm_method, sglang_algorithm = "dflash", "DFLASH"
+    serving = {
+        VLLM: Served("dflash"),
+        SGLANG: Served("DFLASH", flags=_pinned_block, refuses=_causal_window),
+    }
 
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
-        # A block of B drafts B - 1 tokens: the export's block, not the tokens asked for.
-        d = export_config.get("dflash_config") or export_config  # z-lab's, or speculators'
-        return int(d.get("block_size", tokens + 1)) - 1
-
-    def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
-        # SGLang reads the block from the drafter's config and falls back to 16 where it
-        # cannot: pinned, so the block verified is the block trained.
-        return [
-            "--speculative-num-draft-tokens",
-            str(self.drafts_per_round(export_config, tokens) + 1),
-        ]
+        return _drafts(export_config, tokens)
 
     # ---------------------------------------------------------------- export
 
-    def export(self, fmt: str, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int):
+    def export(
+        self, fmt: Format, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int
+    ):
         from eyas import __version__
 
         c = DFlashConfig(**cdict)
-        if fmt == "sglang" and c.attention_window:
-            raise UsageError(
-                f"the drafter was trained with --attention-window {c.attention_window}, which SGLang's "
-                "DFlash model runs causally inside the block (its sliding layers are decoder layers): "
-                "it would run another network than the one trained. Export --format vllm (its "
-                "dflash_config.use_swa), or train without --attention-window"
-            )
+        if why := self.serving[fmt].refuses(c):
+            raise UsageError(why)
         tensors = export_tensors(state, c, dtype)
         config = {
             "architectures": [ARCH],

@@ -16,15 +16,24 @@ from eyas.drafters.block_kind import (
 )
 from eyas.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eyas.drafters.dspark.options import MARKOV_HEADS
+from eyas.drafters.formats import VLLM, Format, Served
 from eyas.errors import UsageError
 
 ARCH = "DSparkSpeculator"
 
 
+def _full_attention(c) -> str | None:
+    if not c.attention_window:
+        return None
+    return (
+        f"--attention-window {c.attention_window}: eyas writes DSpark's speculators format with "
+        "full attention only: train without it"
+    )
+
+
 class DSpark(BlockKind):
     name = "dspark"
-    export_formats = ("vllm",)
-    vllm_method, sglang_algorithm = "dspark", "DSPARK"
+    serving = {VLLM: Served("dspark", refuses=_full_attention)}  # vLLM's format only
     config_class, model_class = DSparkConfig, DSparkDrafter
     first_slot = 0  # the anchor's slot drafts too: slot j predicts the token at anchor + j + 1
 
@@ -61,9 +70,6 @@ class DSpark(BlockKind):
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         return int(export_config.get("block_size", tokens))  # every slot drafts
 
-    def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
-        return []
-
     def outputs(self, model: DSparkDrafter, batch: dict) -> dict:
         # every slot predicts: the i-th predicting slot is slot i
         args = (batch["input_ids"], batch["aux"], batch["anchors"])
@@ -84,24 +90,25 @@ class DSpark(BlockKind):
 
     # ---------------------------------------------------------------- export
 
-    def export(self, fmt: str, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int):
+    def export(
+        self, fmt: Format, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int
+    ):
         from eyas import __version__
         from eyas.targets.layers import hf_indices
 
         c = DSparkConfig(**cdict)
-        if c.attention_window:
-            raise UsageError(
-                f"the drafter was trained with --attention-window {c.attention_window}; eyas "
-                "writes DSpark's speculators format with full attention only: train without it"
-            )
+        if why := self.serving[fmt].refuses(c):
+            raise UsageError(why)
         tensors = export_tensors(state, c, dtype)
         dtype_name = str(dtype).removeprefix("torch.")
         config = {
             "architectures": [ARCH],
             "speculators_model_type": "dspark",
             "speculators_version": "0.1.0",
-            "transformer_layer_config": {**decoder_fields(c, "qwen3", c.num_hidden_layers),
-                                         "torch_dtype": dtype_name},
+            "transformer_layer_config": {
+                **decoder_fields(c, "qwen3", c.num_hidden_layers),
+                "torch_dtype": dtype_name,
+            },
             "draft_vocab_size": c.draft_vocab_size,
             "block_size": c.block_size,
             "target_hidden_size": c.hidden_size,
@@ -118,12 +125,17 @@ class DSpark(BlockKind):
             "speculators_config": {
                 "algorithm": "dspark",
                 "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size}],
-                "verifier": {"name_or_path": target["path"], "architectures": target["architectures"]},
+                "proposal_methods": [
+                    {"proposal_type": "greedy", "speculative_tokens": c.block_size}
+                ],
+                "verifier": {
+                    "name_or_path": target["path"],
+                    "architectures": target["architectures"],
+                },
             },
             "torch_dtype": dtype_name,
             "eyas_version": __version__,
-        }  # fmt: skip
+        }
         return tensors, config
 
     def reads_export(self, cfg: dict) -> bool:

@@ -4,57 +4,115 @@ vLLM's speculators format and SGLang's EAGLE format, drafting one token per draf
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import NamedTuple
+
 import torch
 
 from eyas.drafters import decoder_fields
 from eyas.drafters.blocks import layer_fields, load_weights
 from eyas.drafters.eagle3.model import Drafter, DrafterConfig
-from eyas.drafters.eagle3.options import SGLANG_LACKS
+from eyas.drafters.eagle3.serving import SERVING, SGLANG_LACKS, WINDOW
+from eyas.drafters.formats import SGLANG, VLLM, Format, format_named
 from eyas.drafters.loss import add_targets, counted, loss_masks, sample_ids, ttt_loss
 from eyas.errors import ProblemError, UsageError
 from eyas.targets.weights import embed_weight, final_norm_weight, layer_weights, lm_head_weight
 
-_ARCHS = {"vllm": "Eagle3Speculator", "sglang": "LlamaForCausalLMEagle3"}
-_LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
+_ARCHS = ("Eagle3Speculator", "LlamaForCausalLMEagle3")  # vLLM's, SGLang's
 # Fields of a speculators config that change the network, and the values eyas's drafter runs.
-_ARCH_FIELDS = {"fc_norm": (False, None), "norm_before_fc": (False, True, None),
-                "norm_before_residual": (False, True, None), "norm_output": (False, True, None)}  # fmt: skip
+_ARCH_FIELDS = {
+    "fc_norm": (False, None),
+    "norm_before_fc": (False, True, None),
+    "norm_before_residual": (False, True, None),
+    "norm_output": (False, True, None),
+}
+
+
+class _Files(NamedTuple):
+    """An EAGLE-3 export's files in one format: the decoder layer's tensor prefix, and the
+    config.json of (config, aux layers as 0-based layer outputs, target, dtype name, drafts)."""
+
+    prefix: str
+    config: Callable[[DrafterConfig, list[int], dict, str, int], dict]
+
+
+def _llama_fields(c: DrafterConfig) -> dict:
+    return {**decoder_fields(c, "llama", 1), "mlp_bias": False}
+
+
+def _vllm_config(c: DrafterConfig, aux_layers: list[int], target: dict, dtype: str, k: int) -> dict:
+    from eyas import __version__
+    from eyas.targets.layers import hf_indices
+
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": c.norm_before_fc,
+        "norm_output": c.norm_output,
+        "fc_norm": False,
+        "target_hidden_size": c.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": hf_indices(aux_layers),
+        "transformer_layer_config": _llama_fields(c),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
+            "verifier": {
+                "name_or_path": target["path"],
+                "architectures": target["architectures"],
+            },
+        },
+        "torch_dtype": dtype,
+        "eyas_version": __version__,
+    }
+
+
+def _sglang_config(
+    c: DrafterConfig, aux_layers: list[int], target: dict, dtype: str, k: int
+) -> dict:
+    from eyas import __version__
+    from eyas.targets.layers import sglang_ids
+
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_fields(c),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.hidden_size,
+        "norm_before_residual": False,  # what SGLang's model does; a drafter otherwise is refused
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": sglang_ids(aux_layers),
+            "use_aux_hidden_state": True,
+        },
+        **({WINDOW: c.attention_window} if c.attention_window else {}),
+        "torch_dtype": dtype,
+        "eyas_version": __version__,
+    }
 
 
 class Eagle3:
     name = "eagle3"
-    export_formats = ("vllm", "sglang")
     position_name = "TTT step"  # what the metrics' positions are called
     # `eyas demo`'s recipe: 5 TTT steps, the target's head trained on (docs/recipe.md)
     demo_options = {"ttt_steps": 5, "head_init": "target"}
-
-    vllm_method, sglang_algorithm = "eagle3", "EAGLE3"
+    serving = {
+        VLLM: replace(SERVING[VLLM], writer=_Files("layers.0.", _vllm_config)),
+        SGLANG: replace(SERVING[SGLANG], writer=_Files("midlayer.", _sglang_config)),
+    }
 
     def unservable(self, cfg) -> str | None:
-        if cfg.attention_window and cfg.options.serve_with == "vllm":
-            return (
-                f"--attention-window {cfg.attention_window}: vLLM applies no window to an EAGLE-3 "
-                "drafter (its speculative config has none), so the drafter served would attend to "
-                "more than it was trained on. Train it for SGLang (--serve-with sglang: its "
-                "--speculative-draft-window-size serves the window), or without the window"
-            )
-        return None
+        trained = SimpleNamespace(
+            attention_window=cfg.attention_window,
+            **{n: getattr(cfg.options, n) for n in SGLANG_LACKS},
+        )
+        return self.serving[format_named(cfg.options.serve_with)].refuses(trained)
 
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         return tokens  # a chain drafts as many as it is asked
-
-    def sglang_flags(self, export_config: dict, tokens: int) -> list[str]:
-        # A chain: one candidate per step (top-k 1), K steps, K + 1 tokens verified a round.
-        window = export_config.get(_WINDOW)
-        return [
-            "--speculative-num-steps",
-            str(tokens),
-            "--speculative-eagle-topk",
-            "1",
-            "--speculative-num-draft-tokens",
-            str(tokens + 1),
-            *(["--speculative-draft-window-size", str(window)] if window else []),
-        ]
 
     # ---------------------------------------------------------------- training
 
@@ -137,27 +195,17 @@ class Eagle3:
 
     # ---------------------------------------------------------------- export
 
-    def export(self, fmt: str, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int):
+    def export(
+        self, fmt: Format, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int
+    ):
         c = DrafterConfig(**cdict)
-        if fmt == "sglang" and (on := [n for n in SGLANG_LACKS if getattr(c, n)]):
-            raise UsageError(
-                f"the drafter was trained with {', '.join(on)}, which SGLang's EAGLE-3 model does "
-                "not have: it would run another network than the one trained. Export --format vllm, "
-                "or train with --serve-with sglang (the same as --no-"
-                + " --no-".join(n.replace("_", "-") for n in on)
-                + ")"
-            )
+        served = self.serving[fmt]
+        if why := served.refuses(c):
+            raise UsageError(why)
         if c.target_layers != 3:
             raise UsageError(
                 f"the drafter reads {c.target_layers} target layers; vLLM's and SGLang's EAGLE-3 "
                 "models read three: extract with three --aux-layers to serve it"
-            )
-        if fmt == "vllm" and c.attention_window:
-            raise UsageError(
-                f"the drafter was trained with --attention-window {c.attention_window}, which vLLM does not "
-                "apply to a drafter (its speculative config has no draft window): it would attend to "
-                "the whole context it was not trained on. Export --format sglang (its "
-                "--speculative-draft-window-size), or train without --attention-window"
             )
         if c.draft_vocab_size == c.vocab_size:
             if state["d2t"].any():
@@ -168,7 +216,7 @@ class Eagle3:
         tensors = {}
         for name, t in state.items():
             if name.startswith("midlayer."):
-                name = _LAYER_PREFIX[fmt] + name.removeprefix("midlayer.")
+                name = served.writer.prefix + name.removeprefix("midlayer.")
             if t.is_floating_point():
                 t = t.to(dtype)
             elif name == "t2d":
@@ -176,14 +224,13 @@ class Eagle3:
             elif name == "d2t":
                 t = t.long()
             tensors[name] = t.contiguous()
-        return tensors, export_config(
-            fmt, c, info["aux_layers"], target, str(dtype).removeprefix("torch."), k
-        )
+        dtype_name = str(dtype).removeprefix("torch.")
+        return tensors, served.writer.config(c, info["aux_layers"], target, dtype_name, k)
 
     def reads_export(self, cfg: dict) -> bool:
         # vLLM keys on the speculators type, whatever the architecture is called (speculators'
         # own save_pretrained writes Eagle3DraftModel).
-        return (cfg.get("architectures") or [None])[0] in _ARCHS.values() or cfg.get(
+        return (cfg.get("architectures") or [None])[0] in _ARCHS or cfg.get(
             "speculators_model_type"
         ) == "eagle3"
 
@@ -209,7 +256,7 @@ class Eagle3:
             aux = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
             norms = {
                 "norm_before_residual": False,  # what SGLang's model does whatever is written
-                "attention_window": cfg.get(_WINDOW),
+                "attention_window": cfg.get(WINDOW),
             }
         if layer.get("num_hidden_layers", 1) != 1:
             raise UsageError(
@@ -243,61 +290,6 @@ class Eagle3:
         return [int(model.draft_ids[logits[0, at - 1].argmax()]) for logits, _ in steps]
 
 
-_WINDOW = "eyas_attention_window"  # an SGLang export's window, served by the flag its line names
-
-
-def _llama_fields(c: DrafterConfig) -> dict:
-    return {**decoder_fields(c, "llama", 1), "mlp_bias": False}
-
-
-def export_config(
-    fmt: str, c: DrafterConfig, aux_layers: list[int], target: dict, dtype: str, k: int
-) -> dict:
-    """The config.json of an export; `aux_layers` are outputs of 0-based decoder layers."""
-    from eyas import __version__
-    from eyas.targets.layers import hf_indices, sglang_ids
-
-    if fmt == "vllm":
-        return {
-            "architectures": ["Eagle3Speculator"],
-            "speculators_model_type": "eagle3",
-            "speculators_version": "0.1.0",
-            "draft_vocab_size": c.draft_vocab_size,
-            "norm_before_residual": c.norm_before_residual,
-            "norm_before_fc": c.norm_before_fc,
-            "norm_output": c.norm_output,
-            "fc_norm": False,
-            "target_hidden_size": c.hidden_size,
-            "eagle_aux_hidden_state_layer_ids": hf_indices(aux_layers),
-            "transformer_layer_config": _llama_fields(c),
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
-                "verifier": {
-                    "name_or_path": target["path"],
-                    "architectures": target["architectures"],
-                },
-            },
-            "torch_dtype": dtype,
-            "eyas_version": __version__,
-        }
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        **_llama_fields(c),
-        "draft_vocab_size": c.draft_vocab_size,
-        "target_hidden_size": c.hidden_size,
-        "norm_before_residual": False,  # what SGLang's model does; a drafter otherwise is refused
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": sglang_ids(aux_layers),
-            "use_aux_hidden_state": True,
-        },
-        **({_WINDOW: c.attention_window} if c.attention_window else {}),
-        "torch_dtype": dtype,
-        "eyas_version": __version__,
-    }
-
-
 def start_from_target_layer(drafter: Drafter, model_dir, index: int) -> None:
     """--layer-init target: the drafter's decoder layer starts as the target's layer `index`.
     Its q/k/v read [embedding, state] side by side: the state's half takes the target's
@@ -305,11 +297,14 @@ def start_from_target_layer(drafter: Drafter, model_dir, index: int) -> None:
     takes the target's input norm; o_proj, the MLP and the post-attention norm are copied."""
     w = layer_weights(model_dir, index)
     layer, H = drafter.midlayer, drafter.config.hidden_size
-    copies = {"self_attn.o_proj": layer.self_attn.o_proj.weight,
-              "mlp.gate_proj": layer.mlp.gate_proj.weight, "mlp.up_proj": layer.mlp.up_proj.weight,
-              "mlp.down_proj": layer.mlp.down_proj.weight,
-              "input_layernorm": layer.hidden_norm.weight,
-              "post_attention_layernorm": layer.post_attention_layernorm.weight}  # fmt: skip
+    copies = {
+        "self_attn.o_proj": layer.self_attn.o_proj.weight,
+        "mlp.gate_proj": layer.mlp.gate_proj.weight,
+        "mlp.up_proj": layer.mlp.up_proj.weight,
+        "mlp.down_proj": layer.mlp.down_proj.weight,
+        "input_layernorm": layer.hidden_norm.weight,
+        "post_attention_layernorm": layer.post_attention_layernorm.weight,
+    }
     halves = {
         f"self_attn.{n}": getattr(layer.self_attn, n).weight.detach()[:, H:]
         for n in ("q_proj", "k_proj", "v_proj")

@@ -8,13 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from eyas.drafters.eagle3.serving import SERVING
+from eyas.drafters.formats import DEFAULT, format_named
 from eyas.errors import UsageError
 
 ATTENTIONS = ("reference", "chunked", "flex")  # drafters.eagle3.attention
 HEAD_INITS = ("random", "target", "target-frozen")
-ENGINES = ("vllm", "sglang")
-# SGLang's EAGLE-3 network has none of these norms (drafters.eagle3.kind).
-SGLANG_LACKS = ("norm_before_fc", "norm_before_residual", "norm_output")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +28,7 @@ class Options:
     target's argmax was among the drafter's K likeliest ids at every earlier step (the chains
     a K-wide draft tree could still hold; 1: the chain served); 0: every step scores every
     position."""
-    serve_with: str = "vllm"
+    serve_with: str = DEFAULT.name
     """The engine the drafter will be served by. vllm: eyas's recipe (the three norms below);
     sglang: the network SGLang's EAGLE-3 model runs, which has none of them (they are turned
     off), so that `export --format sglang` serves what was trained."""
@@ -55,25 +54,31 @@ class Options:
     # How a resume meets a saved training (eyas.resume): the implementation of the same
     # attention may change; a training made before an option existed had its `before` value.
     may_change: ClassVar[frozenset[str]] = frozenset({"attention"})
-    before: ClassVar[dict] = {"head_init": "random", "norm_before_fc": False,
-                              "norm_before_residual": False, "norm_output": False,
-                              "serve_with": "vllm", "align_topk": 0, "layer_init": "random"}  # fmt: skip
+    before: ClassVar[dict] = {
+        "head_init": "random",
+        "norm_before_fc": False,
+        "norm_before_residual": False,
+        "norm_output": False,
+        "serve_with": "vllm",
+        "align_topk": 0,
+        "layer_init": "random",
+    }
 
     def __post_init__(self) -> None:
-        if self.serve_with not in ENGINES:
-            raise UsageError(f"--serve-with must be vllm or sglang, got {self.serve_with!r}")
+        served = SERVING.get(format_named(self.serve_with, "--serve-with"))
+        if served is None:
+            names = ", ".join(f.name for f in SERVING)
+            raise UsageError(f"--serve-with: an EAGLE-3 drafter is served by {names}")
         if self.head_init is None:  # left out: what measured best for that engine's network
-            head = "random" if self.serve_with == "sglang" else "target-frozen"
-            object.__setattr__(self, "head_init", head)
+            object.__setattr__(self, "head_init", served.defaults["head_init"])
         if self.head_init not in HEAD_INITS:
             raise UsageError(
                 f"--head-init must be one of {', '.join(HEAD_INITS)}, got {self.head_init!r}"
             )
         if self.layer_init not in ("random", "target"):
             raise UsageError(f"--layer-init must be random or target, got {self.layer_init!r}")
-        if self.serve_with == "sglang":
-            for name in SGLANG_LACKS:
-                object.__setattr__(self, name, False)
+        for name, value in served.trains.items():  # what that engine's network is
+            object.__setattr__(self, name, value)
         if self.ttt_steps < 1:
             raise UsageError(f"--ttt-steps must be at least 1, got {self.ttt_steps}")
         if self.align_topk < 0:

