@@ -308,3 +308,22 @@ def test_every_error_class_of_eyas_is_an_eyas_error():
                         f"{p.relative_to(SRC)}: class {node.name}({', '.join(sorted(names))})"
                     )
     assert not bad, "derive from UsageError or ProblemError (eyas.errors):\n" + "\n".join(bad)
+
+
+def test_a_run_and_a_target_are_recognised_one_way():
+    """Whether a directory is a run (run.json or its backup) is `runmeta.is_run`, and whether
+    a model directory is a run's target is `targets.target.require_target`: neither is
+    written out again elsewhere, where one copy could drift from the other."""
+    import re
+
+    inline_run = re.compile(r'"run(\.backup)?\.json"\)\.(exists|is_file)\(\)')
+    inline_target = re.compile(r'!= *meta\["model_fingerprint"\]|meta\["model_fingerprint"\] *!=')
+    bad = []
+    for path in _sources():
+        rel = str(path.relative_to(SRC))
+        text = path.read_text()
+        if not rel.startswith("run/") and inline_run.search(text):
+            bad.append(f"{rel}: tests for run.json itself")
+        if rel != "targets/target.py" and inline_target.search(text):
+            bad.append(f"{rel}: compares the target's fingerprint itself")
+    assert not bad, bad

@@ -34,6 +34,7 @@ from eyas.drafters.formats import FORMATS
 from eyas.errors import EXIT_PROBLEMS, EXIT_STOPPED, EXIT_USAGE
 from eyas.host.cpu import pin_runtime_env
 from eyas.options import OPTS, config_options, given
+from eyas.run.runmeta import is_run
 from eyas.stages.config import (
     EvaluateConfig,
     ExportConfig,
@@ -143,7 +144,7 @@ def extract(
     again = f"eyas extract --resume {resume or out}"
     # A run's resume on a disk still full is a clean stop that names itself; a new run's
     # refusal for lack of space is not (there is no run to resume yet).
-    exists = resume is not None or (out is not None and (out / "run.json").exists())
+    exists = resume is not None or (out is not None and is_run(out))
     with exits(then=again if exists else None, resume=again):
         if resume is not None:
             if out:

@@ -22,7 +22,7 @@ from eyas.host.ui import RATE_WINDOW, recent_rate
 from eyas.run.fsutil import filesystem_info
 from eyas.run.journal import ledger, pass_of, read_errors
 from eyas.run.lock import all_locks, live_locks
-from eyas.run.runmeta import load_run_meta
+from eyas.run.runmeta import is_run, load_run_meta
 from eyas.run.store import stray_temp_files
 
 
@@ -397,7 +397,7 @@ _KINDS = {
 def kind_of(path: Path) -> str | None:
     """Which kind of eyas directory `path` is: run, dataset, training, export; None if none."""
     path = Path(path)
-    if (path / "run.json").exists() or (path / "run.backup.json").exists():
+    if is_run(path):
         return "run"
     if (path / "train.json").is_file():
         return "training"
@@ -559,7 +559,7 @@ def status_of(path: Path) -> tuple[dict, str]:
     if (gen / "generate.json").is_file():
         g = generation_status(gen)
         return g, format_generation(g)
-    if not (path / "run.json").exists() and not (path / "run.backup.json").exists():
+    if not is_run(path):
         if (other := describe_other(path)) is not None:
             return {"kind": other.split()[0], "describe": other}, other
     st = run_status(path)

@@ -85,6 +85,12 @@ def load_run_meta(run: str | Path) -> MetaRead:
     return MetaRead(backup, damage=f"{run / PRIMARY} is {why}; read from {run / BACKUP}")
 
 
+def is_run(path: str | Path) -> bool:
+    """Whether `path` is an extraction run: it holds run.json, or the backup that restores
+    it (a run whose primary copy was lost is still a run)."""
+    return (Path(path) / PRIMARY).exists() or (Path(path) / BACKUP).exists()
+
+
 def read_run_meta(run: str | Path) -> dict:
     return load_run_meta(run).meta
 

@@ -63,7 +63,7 @@ from eyas.run.journal import (
 )
 from eyas.run.lock import LockHeld, WriterLock
 from eyas.run.recovery import check_journaled_files, recover
-from eyas.run.runmeta import load_run_meta, write_run_meta
+from eyas.run.runmeta import is_run, load_run_meta, write_run_meta
 from eyas.run.store import (
     STORE_VERSION,
     Layout,
@@ -89,6 +89,7 @@ from eyas.targets.target import (
     model_fingerprint,
     past_context,
     plan_batches,
+    require_target,
     resolve_device,
     resolve_dtype,
     target_facts,
@@ -231,13 +232,7 @@ def _check_same_inputs(cfg: ExtractConfig, meta: dict, run: Path, ds: PreparedDa
             f"dataset changed: {cfg.data} has fingerprint {ds.fingerprint}, run {run} was made from "
             f"{meta['dataset_fingerprint']}; refusing to mix samples (start a new run)"
         )
-    check_model_dir(cfg.model, weights=True)
-    fp = model_fingerprint(cfg.model)
-    if fp != meta["model_fingerprint"]:
-        raise UsageError(
-            f"model changed: {cfg.model} has fingerprint {fp}, run {run} was made with "
-            f"{meta['model_fingerprint']}; refusing to mix samples (start a new run)"
-        )
+    require_target(cfg.model, meta, f"run {run}", "refusing to mix samples (start a new run)")
 
 
 def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: dict | None = None):
@@ -264,14 +259,12 @@ def plan_run(cfg: ExtractConfig | None, resume: str | None = None, overrides: di
         cfg = resolve(cfg)
         run = Path(cfg.out)
         meta = {}
-        if not ((run / "run.json").exists() or (run / "run.backup.json").exists()) and (
-            foreign := foreign_run_entries(run)
-        ):
+        if not is_run(run) and (foreign := foreign_run_entries(run)):
             raise OutDirError(
                 f"--out {run} holds files extract did not write ({', '.join(foreign[:3])}"
                 f"{' ...' if len(foreign) > 3 else ''}); give an empty or new directory"
             )
-        if (run / "run.json").exists() or (run / "run.backup.json").exists():
+        if is_run(run):
             meta = load_run_meta(run).meta
             if diff := RESUME_RULE.differences(meta["config"], stored_config(cfg)):
                 if _nothing_committed(run):  # a start that failed early: start it over

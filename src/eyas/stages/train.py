@@ -47,7 +47,7 @@ from eyas.run.fsutil import (
     read_json,
 )
 from eyas.run.lock import WriterLock
-from eyas.run.runmeta import read_run_meta
+from eyas.run.runmeta import is_run, read_run_meta
 from eyas.stop import StopSignals
 from eyas.training.checkpoint import latest_checkpoint, remove_stale_temp, save_final
 from eyas.training.config import SHARED_RULE, TrainConfig, resume_rule, saved_flat
@@ -260,7 +260,7 @@ def _train_rank(cfg: TrainConfig, resume: bool) -> dict:
 
 def _wait_for_run(run: Path) -> None:
     """A follower may start before its extractor has written the run's intent."""
-    if (run / "run.json").exists() or (run / "run.backup.json").exists():
+    if is_run(run):
         return
     console.print(
         f"waiting for {run} to be created by `eyas extract` (Ctrl-C stops; if nothing is "
@@ -268,7 +268,7 @@ def _wait_for_run(run: Path) -> None:
         markup=False,
         highlight=False,
     )
-    while not ((run / "run.json").exists() or (run / "run.backup.json").exists()):
+    while not is_run(run):
         time.sleep(0.5)
 
 

@@ -36,7 +36,7 @@ from eyas.run.journal import (
     set_aside_damaged_lines,
 )
 from eyas.run.lock import LockHeld, WriterLock
-from eyas.run.runmeta import load_run_meta, restore_run_meta
+from eyas.run.runmeta import is_run, load_run_meta, restore_run_meta
 from eyas.run.store import (
     Layout,
     StoreError,
@@ -117,7 +117,7 @@ def verify(
     `progress`, the samples checked so far, the rate and the time left, as extract shows."""
     if not repair:
         return _verify(Path(run), quick, False, workers, progress)
-    if not (Path(run) / "run.json").exists() and not (Path(run) / "run.backup.json").exists():
+    if not is_run(run):
         return _verify(Path(run), quick, False, workers, progress)  # raises: not a run
     try:
         lock = WriterLock(Path(run), 0, 1, what="verify --repair").acquire()

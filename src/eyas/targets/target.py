@@ -249,6 +249,18 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+def require_target(model_dir: str | Path, meta: dict, made: str, then: str) -> None:
+    """The one check that `model_dir` holds the target a run (`meta`, of `made`) was
+    extracted with: its weights there and its fingerprint the run's; else a usage error
+    saying both fingerprints and `then`, what to do."""
+    check_model_dir(model_dir, weights=True)
+    if (fp := model_fingerprint(model_dir)) != meta["model_fingerprint"]:
+        raise UsageError(
+            f"model changed: {model_dir} has fingerprint {fp}, {made} was made with "
+            f"{meta['model_fingerprint']}; {then}"
+        )
+
+
 def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 

@@ -28,6 +28,7 @@ from eyas.errors import UsageError
 from eyas.run.fsutil import human_bytes, parse_size
 from eyas.run.journal import Ledger, journal_files, ledger, pass_of, read_errors
 from eyas.run.lock import all_locks, live_locks
+from eyas.run.runmeta import is_run
 from eyas.run.stream import from_ranges, publish, to_ranges
 from eyas.targets.target import plan_batches
 from eyas.training.train_data import (
@@ -138,7 +139,7 @@ class FollowSource:
             self.rank == 0
         ):  # register before anything is consumed (a run without followers deletes nothing)
             self._publish(state["epoch"], self.consumed, self.trained)
-            if state["epoch"] < self.passes and (self.run / "run.json").exists():
+            if state["epoch"] < self.passes and is_run(self.run):
                 self._note_lost(self._ledger(), state["epoch"])  # at once, not at the pass's end
 
     def windows(self, epoch: int, state: dict, hooks):

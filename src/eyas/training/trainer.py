@@ -31,15 +31,10 @@ def build_drafter(cfg, meta: dict) -> tuple[torch.nn.Module, torch.Tensor | None
     """The drafter of `cfg`'s kind for the run's target (checked to be the run's, with the
     tokenizer its data was made with), and the target's lm_head where its loss needs it."""
     from eyas.data.dataset import PreparedDataset, check_tokenizer
-    from eyas.targets.target import check_model_dir, model_fingerprint
+    from eyas.targets.target import require_target
 
     model_dir = cfg.model or meta["model_path"]
-    check_model_dir(model_dir, weights=True)
-    if (fp := model_fingerprint(model_dir)) != meta["model_fingerprint"]:
-        raise UsageError(
-            f"{model_dir} is not the target {cfg.data} was extracted with (fingerprint {fp}, "
-            f"the run's is {meta['model_fingerprint']}); pass the right --model"
-        )
+    require_target(model_dir, meta, f"run {cfg.data}", "pass the right --model")
     ds = PreparedDataset.open(meta["dataset_path"], check=False)
     check_tokenizer(
         meta["dataset_path"],
