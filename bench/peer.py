@@ -761,6 +761,7 @@ def main() -> None:
         except Skip as exc:
             print(f"skipped: {exc}")
             return None
+    from eyas.stages.config import ExportConfig
     from eyas.stages.export import export
 
     eyas_confs = dict(e.split("=", 1) for e in (args.eyas or ["eyas="]))
@@ -804,7 +805,7 @@ def main() -> None:
             if not (dest / "eyas-manifest.json").is_file():
                 cfg = json.loads((tdir / "train.json").read_text())["config"]
                 fmt = "sglang" if cfg.get("serve_with") == "sglang" else "vllm"  # a draft window
-                export(tdir, fmt, dest, force=True)
+                export(ExportConfig(train_dir=str(tdir), format=fmt, out=str(dest), force=True))
             exports[name] = dest
         plan = batch_plan(run, wn / f"{first}-s{seeds[0]}")
         results = judge_all(args, args.real, run, exports, trainings, plan, wn / "judged")

@@ -59,7 +59,7 @@ def main() -> None:
             t = train(TrainConfig.of(data=str(run), out=str(work / f"train-{name}"), epochs=args.epochs,
                                   ttt_steps=args.ttt_steps, lr=3e-3, warmup_steps=10, batch_tokens=2048,
                                   val_fraction=0.1, seed=0, progress=False))  # fmt: skip
-            rows[name] = (x.bytes_written / x.tokens, t["val"], f"aux={storage}, target={target}")
+            rows[name] = (x.bytes_written / x.tokens, t.val, f"aux={storage}, target={target}")
         print(
             f"demo target (H=128), 300 conversations, {args.epochs} epochs, {args.ttt_steps} TTT steps, same seed"
         )
@@ -81,6 +81,7 @@ def compare_heads(args) -> None:
     from eyas.demo_target.build import DEMO_CONVERSATIONS, DEMO_TARGET
     from eyas.demo_target.data import generate_conversations, write_jsonl
     from eyas.ops.demo import EVAL_SEED
+    from eyas.stages.config import ExportConfig
     from eyas.stages.evaluate import evaluate
     from eyas.stages.export import export
     from eyas.stages.extract import ExtractConfig, extract
@@ -103,10 +104,14 @@ def compare_heads(args) -> None:
                 t = train(TrainConfig.of(data=str(run), out=str(out), epochs=args.epochs, ttt_steps=args.ttt_steps,
                                       lr=3e-3, warmup_steps=10, batch_tokens=2048, val_fraction=0.1, seed=seed,
                                       head_init=h, progress=False))  # fmt: skip
-                ex = export(out, "vllm", work / f"ex-{h}-{seed}")
+                ex = export(
+                    ExportConfig(
+                        train_dir=str(out), format="vllm", out=str(work / f"ex-{h}-{seed}")
+                    )
+                ).path
                 e = evaluate(str(DEMO_TARGET), str(ex), str(held), k=3, max_new_tokens=48,
                              limit=args.eval_prompts, progress=False).to_dict()  # fmt: skip
-                v = t["val"]
+                v = t.val
                 rows[h].append({"acc": v["acc"], "loss0": v["loss"][0], "est": v["accept_len"][min(2, len(v["acc"]) - 1)],
                                 "tpf": e["tokens_per_forward"], "tpf_ci": e["tokens_per_forward_ci95"],
                                 "al": e["acceptance_length"], "rounds": e["rounds"]})  # fmt: skip

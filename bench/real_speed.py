@@ -139,7 +139,7 @@ def part_train(args, work: Path) -> dict:
                 bare.append(bare_train(cfg, work / "run", 1, args.batch_tokens, args.ttt_steps))
             else:
                 shutil.rmtree(work / "train", ignore_errors=True)
-                ours.append(train(cfg)["tokens_per_s"])
+                ours.append(train(cfg).tokens_per_s)
         print(f"  train round {r + 1}: eyas {ours[-1]:,.0f} tok/s, bare loop {bare[-1]:,.0f} tok/s",
               file=sys.stderr, flush=True)  # fmt: skip
     return {"ttt_steps": args.ttt_steps, "draft_vocab": args.draft_vocab, "batch_tokens": args.batch_tokens,
@@ -269,6 +269,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     from eyas.host.cpu import choose_threads
+    from eyas.stages.config import ExportConfig
     from eyas.stages.export import export
 
     hf_logging.disable_progress_bar()
@@ -308,7 +309,11 @@ def main() -> None:
         if "decode" in parts:
             drafter = args.drafter
             if drafter is None:
-                drafter = export(work / "train", "vllm", work / "drafter")
+                drafter = export(
+                    ExportConfig(
+                        train_dir=str(work / "train"), format="vllm", out=str(work / "drafter")
+                    )
+                ).path
             out["decode"] = part_decode(args, model, str(drafter))
             torch.set_num_threads(out["decode"]["threads"])
             out["decode"]["one_token_matvec_gflops"] = round(

@@ -261,6 +261,7 @@ def train_options(text: str) -> dict:
 
 
 def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
+    from eyas.stages.config import ExportConfig
     from eyas.stages.evaluate import evaluate
     from eyas.stages.export import export
     from eyas.stages.extract import ExtractConfig, extract
@@ -296,7 +297,14 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
         lr=args.lr, warmup_steps=args.warmup_steps, batch_tokens=args.batch_tokens,
         val_fraction=0.05, save_every=200, dtype=args.train_dtype, **train_options(args.train_args),
         progress=True)))  # fmt: skip
-    drafter = timed("export", lambda: export(w / "train", "vllm", w / "drafter"))
+    drafter = timed(
+        "export",
+        lambda: (
+            export(
+                ExportConfig(train_dir=str(w / "train"), format="vllm", out=str(w / "drafter"))
+            ).path
+        ),
+    )
     if args.engine == "vllm":  # vLLM as the judge: far faster than the hf loop on a CPU
         from eyas.stages.evaluate import evaluate_vllm
 
@@ -318,7 +326,7 @@ def run_size(args, work: Path, real: Path, recs: list[dict]) -> dict:
     d = e.to_dict()
     return {
         "conversations": n, "samples_kept": p.samples, "left_out": dict(p.reasons), "tokens": p.tokens, "trainable_tokens": p.trainable_tokens,
-        "samples": x.done_before + x.committed, "val_acc": [round(a, 3) for a in tr["val"]["acc"]],
+        "samples": x.done_before + x.committed, "val_acc": [round(a, 3) for a in tr.val["acc"]],
         "tokens_per_forward": d["tokens_per_forward"], "tokens_per_forward_ci95": d["tokens_per_forward_ci95"],
         "acceptance_length": d["acceptance_length"], "acceptance_length_ci95": d["acceptance_length_ci95"],
         "per_position_acceptance": d["per_position_acceptance"], "prompts": d["prompts"],

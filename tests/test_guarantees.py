@@ -193,10 +193,11 @@ def test_one_training_per_directory(small_run, tmp_path):
 
 
 def test_export_is_atomic_and_refuses_foreign_directories(finished, tmp_path):
+    from eyas.stages.config import ExportConfig
     from eyas.stages.export import MANIFEST, export, load_export
 
     out = tmp_path / "x"
-    export(finished, "vllm", out)
+    export(ExportConfig(train_dir=str(finished), format="vllm", out=str(out)))
     # Killed at random moments while an SGLang export replaces it: out is always one whole
     # export, never a mix, and no temp directory outlives the next export.
     import random
@@ -225,17 +226,19 @@ def test_export_is_atomic_and_refuses_foreign_directories(finished, tmp_path):
         fmt = json.loads((out / MANIFEST).read_text())["format"]
         assert fmt in ("vllm", "sglang")
         if fmt == "sglang" and p.returncode == 0:
-            export(finished, "vllm", out)  # back to the old one, and kill again
+            export(
+                ExportConfig(train_dir=str(finished), format="vllm", out=str(out))
+            )  # back to the old one, and kill again
         if kills >= 5:
             break
     assert kills >= 5
-    export(finished, "sglang", out)
+    export(ExportConfig(train_dir=str(finished), format="sglang", out=str(out)))
     assert not [
         p for p in tmp_path.iterdir() if p.name.startswith(".x.")
     ]  # stale temp dirs removed
     # A config swapped in from another export: refused, not loaded as a mix.
     other = tmp_path / "v"
-    export(finished, "vllm", other)
+    export(ExportConfig(train_dir=str(finished), format="vllm", out=str(other)))
     shutil.copy(other / "config.json", out / "config.json")
     with pytest.raises(ValueError, match="config.json"):
         load_export(out)

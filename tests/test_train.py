@@ -447,9 +447,10 @@ def test_evaluate_reports_a_lossy_decoder(trained, tmp_path, monkeypatch):
     """The lossless check can fail: a decoder that alters one token is caught."""
     import eyas.decoders.hf as decoder
     import eyas.stages.evaluate as ev
+    from eyas.stages.config import ExportConfig
     from eyas.stages.export import export
 
-    ex = export(trained, "vllm", tmp_path / "ex")
+    ex = export(ExportConfig(train_dir=str(trained), format="vllm", out=str(tmp_path / "ex"))).path
     real = decoder.speculative
 
     def lossy(*a, **kw):
@@ -470,9 +471,10 @@ def test_slices_judged_apart_merge_into_the_whole_files_result(trained, tmp_path
     import eyas.decoders.hf as decoder
     import eyas.stages.evaluate as ev
     from eyas.decoders.result import EvalResult
+    from eyas.stages.config import ExportConfig
     from eyas.stages.export import export
 
-    ex = export(trained, "vllm", tmp_path / "ex")
+    ex = export(ExportConfig(train_dir=str(trained), format="vllm", out=str(tmp_path / "ex"))).path
     real = decoder.speculative
     monkeypatch.setattr(decoder, "speculative", lambda *a, **kw: [7, *real(*a, **kw)[1:]])
     lines = DEMO_CONVERSATIONS.read_text().splitlines()[:6]
@@ -506,9 +508,10 @@ def test_greedy_store_decodes_each_prompt_greedily_once_across_processes(trained
 
     import eyas.decoders.hf as decoder
     import eyas.stages.evaluate as ev
+    from eyas.stages.config import ExportConfig
     from eyas.stages.export import export
 
-    ex = export(trained, "vllm", tmp_path / "ex")
+    ex = export(ExportConfig(train_dir=str(trained), format="vllm", out=str(tmp_path / "ex"))).path
     held = tmp_path / "p.jsonl"
     held.write_text("".join(x + "\n" for x in DEMO_CONVERSATIONS.read_text().splitlines()[:3]))
     calls, real = [], decoder.greedy

@@ -9,7 +9,6 @@ extraction stopped early for lack of disk space or by signal, resumable.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from eyas.stages.config import (
     ExtractConfig,
     GenerateConfig,
     PrepareConfig,
+    VerifyConfig,
 )
 from eyas.training.config import TrainConfig
 
@@ -166,27 +166,22 @@ def extract(
 
 
 @app.command()
+@config_options(VerifyConfig, skip={"progress"})
 def verify(
     run: Path = typer.Argument(..., help="Extraction run directory (from eyas extract)."),
-    quick: bool = typer.Option(
-        False, "--quick", help="Headers, shapes and sizes only; skip checksums."
-    ),
-    repair: bool = typer.Option(
-        False, "--repair", help="Quarantine bad files and drop their journal entries."
-    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    opts: dict = OPTS,
 ) -> None:
     """Check every committed sample; report missing, corrupt, orphan and duplicate samples."""
-    from eyas.stages.verify import render as render_verify
     from eyas.stages.verify import verify as run_verify
 
     need(run, "run", eyas_only=True)
     with exits():
-        rep = run_verify(run, quick=quick, repair=repair, progress=True)
+        rep = run_verify(config(VerifyConfig, run=str(run), progress=True, **opts))
     if as_json:
         print_json(rep.to_dict())
     else:
-        render_verify(rep, report)
+        report.print(rep.render(), markup=False, highlight=False)
     if not rep.clean and not rep.repaired:
         raise typer.Exit(EXIT_PROBLEMS)
 
@@ -214,7 +209,7 @@ def train(
     opts: dict = OPTS,
 ) -> None:
     """Train a drafter of any kind on an extraction run; torchrun for data parallel."""
-    from eyas.stages.train import render_result, resume_options
+    from eyas.stages.train import resume_options
     from eyas.stages.train import train as run_train
 
     quiet_transformers()
@@ -233,11 +228,11 @@ def train(
     with exits(then=f"eyas train --resume --out {out}", also=(KeyError,)):
         res = run_train(cfg, resume=resume)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one line for the training
-        say(render_result(res, out, resume))
+        say(res.render())
 
 
 @app.command()
-@config_options(ExportConfig)
+@config_options(ExportConfig, skip={"format"})
 def export(
     train_dir: Path = typer.Argument(..., help="Training directory (from eyas train)."),
     fmt: str = typer.Option(
@@ -253,17 +248,15 @@ def export(
     """Write the trained drafter in a format vLLM or SGLang loads (atomically: --out is
     always a whole export, the old one or the new one)."""
     from eyas.stages.export import export as run_export
-    from eyas.stages.export import render_export
 
     need(train_dir, "training")
-    cfg = config(ExportConfig, **opts)
+    cfg = config(ExportConfig, train_dir=str(train_dir), format=fmt, out=str(out), **opts)
     with exits(then=this_command("export", "export again")):
-        path = run_export(train_dir, fmt, out, **dataclasses.asdict(cfg))
-    say(render_export(path, fmt, cfg.speculative_tokens))
+        say(run_export(cfg).render())
 
 
 @app.command()
-@config_options(EvaluateConfig)
+@config_options(EvaluateConfig, skip={"drafters"})
 def evaluate(
     model: Path = typer.Option(..., "--model", help="Target model directory."),
     drafter: list[Path] = typer.Option(
@@ -287,34 +280,29 @@ def evaluate(
 ) -> None:
     """Speculative decoding vs plain greedy: acceptance length, speed, and a lossless check.
     Several --drafter are judged on the same prompts, with their paired differences."""
-    from eyas.stages.eval_report import render_inputs, render_paired, render_result, stopped_line
     from eyas.stages.evaluate import judge
 
     quiet_transformers()
-    cfg = config(EvaluateConfig, **opts)
-    engine = cfg.engine
+    cfg = config(
+        EvaluateConfig,
+        model=str(model),
+        drafters=tuple(str(d) for d in drafter),
+        data=str(data),
+        chat_template_kwargs=json_object(chat_template_kwargs),
+        **opts,
+    )
     for dr in drafter:
         if Path(dr).exists():  # a missing one is said after the prompts and the tokenizer
             need(dr, "export")
     with exits():
-        results, pairs = judge(
-            cfg,
-            str(model),
-            [str(d) for d in drafter],
-            str(data),
-            json_object(chat_template_kwargs),
-        )
-    ds = [{"engine": engine, **r.to_dict()} for r in results]
+        s = judge(cfg)
     if as_json:
-        print_json(ds[0] if len(drafter) == 1 else {"drafters": ds, "paired": pairs})
+        print_json(s.to_json())
     else:
-        render_inputs(report, ds[0], data)
-        for d in ds:
-            render_result(report, d)
-        render_paired(report, pairs)
-    if not all(d["lossless"] for d in ds):
+        report.print(s.render(), markup=False, highlight=False)
+    if not s.lossless:
         raise typer.Exit(EXIT_PROBLEMS)
-    if (line := stopped_line(ds, len(drafter))) is not None:
+    if (line := s.stopped()) is not None:
         say(line)
         raise typer.Exit(EXIT_STOPPED)
 

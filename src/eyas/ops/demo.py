@@ -153,13 +153,18 @@ def _export(
     """Every format the drafter runs in, and why each other format of its kind was not
     written (it would run another network: said in the summary, not as an error mid-run)."""
     from eyas.drafters import kind as drafter_kind
+    from eyas.stages.config import ExportConfig
     from eyas.stages.export import ExportError, export
 
     exports, not_written = {}, {}
     with clock("export"):
         for fmt in (f.name for f in drafter_kind(kind).serving):
             try:
-                exports[fmt] = export(tdir, fmt, workdir / f"drafter-{fmt}")
+                exports[fmt] = export(
+                    ExportConfig(
+                        train_dir=str(tdir), format=fmt, out=str(workdir / f"drafter-{fmt}")
+                    )
+                ).path
             except ExportError as exc:
                 not_written[fmt] = str(exc).split(": ", 1)[-1]
         console.print(
@@ -187,7 +192,7 @@ def _evaluate(cfg: DemoConfig, drafter: Path, workdir: Path, clock: _StageClock)
 def _summary(kind, p, x, t, ed: dict, tdir: Path, exports: dict, clock: _StageClock) -> dict:
     from eyas.drafters import kind as drafter_kind
 
-    val = t["val"]
+    val = t.val
     k = ed["drafter"]["draft_tokens"]  # what the export drafts a round
     return {
         "kind": kind,
@@ -209,7 +214,7 @@ def _summary(kind, p, x, t, ed: dict, tdir: Path, exports: dict, clock: _StageCl
         "tokens_per_forward_ci95": ed["tokens_per_forward_ci95"],
         "eval_rounds": ed["rounds"],
         "per_position_acceptance": ed["per_position_acceptance"],
-        "train_tokens_per_s": round(t["tokens_per_s"], 1),
+        "train_tokens_per_s": round(t.tokens_per_s, 1),
         "spec_tokens_per_s": ed["spec_tokens_per_s"],
         "greedy_tokens_per_s": ed["greedy_tokens_per_s"],
         "lossless": ed["lossless"],

@@ -417,9 +417,12 @@ def _check_leftovers(run: Path, st, rep: RunReport) -> None:
 def _check_integrity(run: Path, st, deep: bool, rep: RunReport, actions: list[Action]) -> dict:
     """verify's findings (headers and sizes, or every checksum with `deep`), and what repairs
     them; the count of each kind of problem."""
+    from eyas.stages.config import VerifyConfig
     from eyas.stages.verify import verify
 
-    v = verify(run, quick=not deep, progress=deep)  # a deep check reads every byte: minutes
+    v = verify(
+        VerifyConfig(run=str(run), quick=not deep, progress=deep)
+    )  # deep: every byte, minutes
     kinds = {
         k: v.count(k)
         for k in ("missing", "corrupt", "orphan", "duplicate", "temp", "journal", "meta")

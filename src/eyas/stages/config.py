@@ -285,6 +285,14 @@ class ExtractConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EvaluateConfig:
+    model: str
+    """The target model directory."""
+    drafters: tuple[str, ...]
+    """Exported drafters (any format eyas reads), judged on the same prompts."""
+    data: str
+    """JSONL prompts."""
+    chat_template_kwargs: dict | None = None
+    """Chat-template variables (default: those the drafter's training data was prepared with)."""
     draft_tokens: int | None = None
     """Tokens drafted a round, K (default: what the export serves: a chain's
     --speculative-tokens, a block's size - 1)."""
@@ -321,7 +329,25 @@ class EvaluateConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class VerifyConfig:
+    run: str
+    """The extraction run directory."""
+    quick: bool = False
+    """Headers, shapes and sizes only; skip checksums."""
+    repair: bool = False
+    """Quarantine bad files and drop their journal entries."""
+    progress: bool = False
+    """The samples checked so far, the rate and the time left, as extract shows."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ExportConfig:
+    train_dir: str
+    """The training directory (from eyas train)."""
+    format: str
+    """The serving format to write (drafters.formats: vllm, sglang)."""
+    out: str
+    """The directory to write config.json and model.safetensors to."""
     dtype: str = "float32"
     """The weights' dtype in the export: float32, bfloat16 or float16."""
     speculative_tokens: int | None = None

@@ -28,7 +28,9 @@ from eyas.decoders.result import EvalResult
 from eyas.errors import ProblemError, UsageError
 from eyas.host.ui import still_working
 from eyas.stages.card import record_evaluation
+from eyas.stages.config import EvaluateConfig
 from eyas.stages.config import EvaluateConfig as _D  # the defaults, written once
+from eyas.stages.eval_report import render_inputs, render_paired, render_result, stopped_line
 from eyas.stages.export import (
     drafts_per_round,
     export_kind,
@@ -508,12 +510,52 @@ JUDGES = {
 }
 
 
-def judge(
-    cfg, model: str, drafters: list[str], data: str, chat_template_kwargs: dict | None = None
-) -> tuple[list[EvalResult], list[dict]]:
+@dataclass(frozen=True)
+class EvaluateSummary:
+    """Every drafter's evaluation (`EvalResult`, its engine's), in the order given, and each
+    one's paired difference with the first."""
+
+    engine: str
+    data: str
+    asked: int
+    results: list[EvalResult]
+    pairs: list[dict]
+
+    def dicts(self) -> list[dict]:
+        return [{"engine": self.engine, **r.to_dict()} for r in self.results]
+
+    def to_json(self) -> dict:
+        ds = self.dicts()
+        return ds[0] if self.asked == 1 else {"drafters": ds, "paired": self.pairs}
+
+    @property
+    def lossless(self) -> bool:
+        return all(r.to_dict()["lossless"] for r in self.results)
+
+    def stopped(self) -> str | None:
+        """Where a judge stopped early (by a signal), or None."""
+        return stopped_line(self.dicts(), self.asked)
+
+    def render(self) -> str:
+        """The inputs used, each drafter's result, the paired differences: as text."""
+        import io
+
+        from rich.console import Console
+
+        out = Console(file=io.StringIO(), record=True, width=100, soft_wrap=True)
+        ds = self.dicts()
+        render_inputs(out, ds[0], self.data)
+        for d in ds:
+            render_result(out, d)
+        render_paired(out, self.pairs)
+        return out.export_text().rstrip("\n")
+
+
+def judge(cfg: EvaluateConfig) -> EvaluateSummary:
     """Every drafter judged by `cfg.engine` on the same prompts (the target's greedy pass
     shared where the judge can), in order, until one is stopped; and each one's paired
     difference with the first. UsageError for drafters the judge cannot compare."""
+    model, drafters, data = cfg.model, list(cfg.drafters), cfg.data
     j = JUDGES[cfg.engine]
     if len(drafters) > 1 and not j.paired:
         paired = ", ".join(n for n, o in JUDGES.items() if o.paired)
@@ -529,7 +571,7 @@ def judge(
         limit=cfg.limit or None,
         trust_remote_code=cfg.trust_remote_code,
         max_error_rate=cfg.max_error_rate,
-        chat_template_kwargs=chat_template_kwargs,
+        chat_template_kwargs=cfg.chat_template_kwargs,
         chat_template=cfg.chat_template,
         **j.options(cfg, len(drafters) > 1),
     )
@@ -540,4 +582,5 @@ def judge(
         record_evaluation(Path(dr), results[-1].to_dict(), data, cfg.engine)
         if results[-1].stopped_by:
             break
-    return results, [paired_difference(results[0], r) for r in results[1:]]
+    pairs = [paired_difference(results[0], r) for r in results[1:]]
+    return EvaluateSummary(cfg.engine, data, len(drafters), results, pairs)

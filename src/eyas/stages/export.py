@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ from eyas.run.fsutil import (
 )
 from eyas.run.manifest import ManifestError, write_manifest
 from eyas.stages.card import recipe, write_card
-from eyas.stages.config import ExportConfig as _D  # the defaults, written once
+from eyas.stages.config import ExportConfig
 from eyas.training.checkpoint import save_safetensors
 
 MANIFEST = "eyas-manifest.json"  # the export's files and checksums, written last
@@ -83,22 +84,28 @@ def trained_weights(train_dir: Path) -> tuple[dict, dict, dict]:
     )  # from before final drafters had manifests
 
 
-def export(
-    train_dir: str | Path,
-    fmt: str,
-    out: str | Path,
-    *,
-    dtype: str = _D.dtype,
-    speculative_tokens: int | None = _D.speculative_tokens,
-    verifier: str | None = _D.verifier,
-    force: bool = _D.force,
-) -> Path:
-    """Write `train_dir`'s drafter to `out`; `verifier` is the target's name or path as the
-    serving machine knows it (default: the local path it was trained against).
+@dataclass(frozen=True)
+class ExportSummary:
+    """An export written: where, in which format, and the tokens a round asked for."""
+
+    path: Path
+    format: str
+    asked_tokens: int | None = None
+
+    def render(self) -> str:
+        return render_export(self.path, self.format, self.asked_tokens)
+
+
+def export(cfg: ExportConfig) -> ExportSummary:
+    """Write `cfg.train_dir`'s drafter to `cfg.out` in `cfg.format`; `cfg.verifier` is the
+    target's name or path as the serving machine knows it (default: the local path it was
+    trained against).
 
     The export is written whole into a temp directory beside `out` and swapped into place,
     so `out` is always a complete export (the old one or the new one). A directory that
     holds anything but an earlier export is refused unless `force` (then it is replaced)."""
+    train_dir, fmt, out, dtype = cfg.train_dir, cfg.format, cfg.out, cfg.dtype
+    speculative_tokens, verifier, force = cfg.speculative_tokens, cfg.verifier, cfg.force
     if fmt not in FORMATS:
         raise ExportUsage(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     form = FORMATS[fmt]
@@ -161,7 +168,7 @@ def export(
         if is_disk_full(exc):
             raise DiskFullError(exc.errno, f"no space left writing the export to {out}") from exc
         raise
-    return out
+    return ExportSummary(out, fmt, speculative_tokens)
 
 
 def _trained_positions(k, info: dict) -> int | None:

@@ -161,44 +161,59 @@ def _resolve_schedule(cfg: TrainConfig, meta: dict, rank: int) -> TrainConfig:
     return replace(cfg, **chosen)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False) -> dict:
-    """Train (or resume) a drafter; returns the last validation summary. Rank 0 holds the
-    training directory's writer lock throughout: one training per directory. Under torchrun
-    the ranks leave together and the process group is closed once training is done."""
+@dataclass(frozen=True)
+class TrainSummary:
+    """What a training did: its steps (in all, and in this invocation), its rate, the last
+    validation summary (None without one), the seconds it ran and waited for samples."""
+
+    out: str
+    resumed: bool
+    val: dict | None
+    steps: int
+    steps_now: int
+    tokens_per_s: float
+    seconds: float
+    waited_s: float = 0.0
+
+    def render(self) -> str:
+        """One line: steps, speed, the last validation, where the drafter is."""
+        out = self.out
+        if self.resumed and self.steps_now == 0:
+            return (
+                f"already trained: {self.steps} steps, nothing left to do; the drafter is in "
+                f"{out} (eyas export {out} --format vllm --out DRAFTER_DIR)"
+            )
+        v = self.val
+        tail = (
+            f"; val acc/step {[round(a, 3) for a in v['acc']]}, est. acceptance "
+            f"{v['accept_len'][-1]:.2f}"
+            if v
+            else ""
+        )
+        waited = f"; waited {human_duration(self.waited_s)} for samples" if self.waited_s else ""
+        skipped = len(_skipped_indices(Path(out) / "skipped_samples.jsonl"))
+        left_out = (
+            f"; {skipped} damaged sample(s) left out, never trained on "
+            f"({Path(out) / 'skipped_samples.jsonl'}; `eyas verify --repair` of the run, then "
+            "`eyas extract --resume`, brings them back)"
+            if skipped
+            else ""
+        )
+        return (
+            f"trained {self.steps} steps at {self.tokens_per_s:.0f} tokens/s{tail} -> {out}"
+            f"{waited}{left_out}"
+        )
+
+
+def train(cfg: TrainConfig, *, resume: bool = False) -> TrainSummary:
+    """Train (or resume) a drafter. Rank 0 holds the training directory's writer lock
+    throughout: one training per directory. Under torchrun the ranks leave together and the
+    process group is closed once training is done."""
     res = _train_rank(cfg, resume)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return res
-
-
-def render_result(res: dict, out: str | Path, resume: bool) -> str:
-    """train's result in one line: steps, speed, the last validation, where the drafter is."""
-    if resume and res.get("steps_now") == 0:
-        return (
-            f"already trained: {res['steps']} steps, nothing left to do; the drafter is in {out} "
-            f"(eyas export {out} --format vllm --out DRAFTER_DIR)"
-        )
-    v = res["val"]
-    tail = (
-        f"; val acc/step {[round(a, 3) for a in v['acc']]}, est. acceptance {v['accept_len'][-1]:.2f}"
-        if v
-        else ""
-    )
-    waited = (
-        f"; waited {human_duration(res['waited_s'])} for samples" if res.get("waited_s") else ""
-    )
-    skipped = len(_skipped_indices(Path(out) / "skipped_samples.jsonl"))
-    left_out = (
-        f"; {skipped} damaged sample(s) left out, never trained on ({Path(out) / 'skipped_samples.jsonl'}; "
-        "`eyas verify --repair` of the run, then `eyas extract --resume`, brings them back)"
-        if skipped
-        else ""
-    )
-    return (
-        f"trained {res['steps']} steps at {res['tokens_per_s']:.0f} tokens/s{tail} -> {out}{waited}"
-        f"{left_out}"
-    )
+    return TrainSummary(out=cfg.out, resumed=resume, **res)
 
 
 def resume_options(out: str | Path, opts: dict, given: dict) -> dict:

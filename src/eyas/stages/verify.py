@@ -48,6 +48,7 @@ from eyas.run.store import (
     samples_dir,
     stray_temp_files,
 )
+from eyas.stages.config import VerifyConfig
 
 KINDS = ("missing", "corrupt", "orphan", "duplicate", "temp", "journal", "meta")
 
@@ -85,6 +86,37 @@ class VerifyReport:
     def mb_per_s(self) -> float:
         return self.bytes_read / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
+    def render(self) -> str:
+        """The report for people, as text."""
+        run, lines = self.run, []
+        what = "headers and sizes" if self.quick else "headers, sizes and checksums"
+        hashed = (
+            ""
+            if self.quick
+            else f"; {self.bytes_read / 1e6:.1f} MB hashed at {self.mb_per_s:.0f} MB/s"
+        )
+        lines.append(
+            f"checked {self.checked} samples ({what}): {self.ok} ok in {self.seconds:.2f}s{hashed}"
+        )
+        if self.retired:
+            lines.append(
+                f"  {self.retired} retired sample(s): consumed by training and deleted (done, "
+                "not missing)"
+            )
+        lines += [f"  {p.kind:9s} {p.detail}" for p in self.problems]
+        if self.unjournaled:
+            lines.append(
+                f"  {len(self.unjournaled)} intact sample file(s) have no journal entry (written "
+                f"just before a stop): `eyas extract --resume {run}` adopts them after checking "
+                "every checksum"
+            )
+        lines += [f"  repaired: {r}" for r in self.repairs]
+        if self.repaired:
+            lines.append(f"repaired; now run: eyas extract --resume {run}")
+        elif self.problems:
+            lines.append(f"to fix: eyas verify --repair {run} && eyas extract --resume {run}")
+        return "\n".join(lines)
+
     def to_dict(self) -> dict:
         return {
             "run": self.run,
@@ -104,17 +136,13 @@ class VerifyReport:
         }
 
 
-def verify(
-    run: str | Path,
-    *,
-    quick: bool = False,
-    repair: bool = False,
-    workers: int | None = None,
-    progress: bool = False,
-) -> VerifyReport:
-    """Check a run; with `repair`, hold the whole run's writer lock from before the check
-    until the repair is done, so no writer can append to what the repair rewrites. With
-    `progress`, the samples checked so far, the rate and the time left, as extract shows."""
+def verify(cfg: VerifyConfig | str | Path, *, workers: int | None = None) -> VerifyReport:
+    """Check a run (`cfg`, or the run's path for the defaults: every checksum, no repair);
+    with `repair`, hold the whole run's writer lock from before the check until the repair
+    is done, so no writer can append to what the repair rewrites."""
+    if not isinstance(cfg, VerifyConfig):
+        cfg = VerifyConfig(run=str(cfg))
+    run, quick, repair, progress = Path(cfg.run), cfg.quick, cfg.repair, cfg.progress
     if not repair:
         return _verify(Path(run), quick, False, workers, progress)
     if not is_run(run):
@@ -321,44 +349,3 @@ def _repair(run: Path, rep: VerifyReport, scans, led, bad: set[int], total: int)
             keep.append(e)
         if len(keep) != len(scan.entries):
             rewrite_journal(paths[rank], keep)
-
-
-def render(rep: VerifyReport, out) -> None:
-    """The report for people, on a rich console `out`."""
-    from rich.markup import escape
-
-    run = rep.run
-    what = "headers and sizes" if rep.quick else "headers, sizes and checksums"
-    hashed = (
-        "" if rep.quick else f"; {rep.bytes_read / 1e6:.1f} MB hashed at {rep.mb_per_s:.0f} MB/s"
-    )
-    out.print(
-        f"checked {rep.checked} samples ({what}): {rep.ok} ok in {rep.seconds:.2f}s{hashed}",
-        markup=False,
-        highlight=False,
-    )
-    if rep.retired:
-        out.print(
-            f"  {rep.retired} retired sample(s): consumed by training and deleted (done, not missing)",
-            markup=False,
-            highlight=False,
-        )
-    for p in rep.problems:
-        out.print(f"  [red]{p.kind:9s}[/] {escape(p.detail)}", highlight=False)
-    if rep.unjournaled:
-        out.print(
-            f"  {len(rep.unjournaled)} intact sample file(s) have no journal entry (written just before a "
-            f"stop): `eyas extract --resume {run}` adopts them after checking every checksum",
-            markup=False,
-            highlight=False,
-        )
-    for r in rep.repairs:
-        out.print(f"  repaired: {r}", markup=False, highlight=False)
-    if rep.repaired:
-        out.print(f"repaired; now run: eyas extract --resume {run}", markup=False, highlight=False)
-    elif rep.problems:
-        out.print(
-            f"to fix: eyas verify --repair {run} && eyas extract --resume {run}",
-            markup=False,
-            highlight=False,
-        )
