@@ -457,6 +457,62 @@ def test_every_kind_drafts_at_inference_what_its_training_forward_predicts(
             assert kind(kname).trained_drafts(model, seq, states[:, : m + 1 + k], m, k) == drafts, m
 
 
+@pytest.mark.parametrize("kname", sorted(KINDS))
+def test_a_head_too_large_for_one_piece_is_applied_in_parts_with_the_same_loss_and_gradients(
+    kname, demo_runs, monkeypatch
+):
+    """Over the kind registry: where a batch's logits would pass HEAD_ELEMENTS (a large
+    vocabulary, long batches), the loss applies the head a part of the rows at a time, each
+    part recomputed in the backward pass: the same loss, metrics and gradients as the whole
+    head at once, for a per-position loss (kl, tv); a loss of the whole batch (lk) is never
+    cut."""
+    import torch.utils.checkpoint as ckpt
+
+    import eyas.drafters.loss as L
+    from eyas.drafters import kind
+    from eyas.run.runmeta import read_run_meta
+    from eyas.training.config import TrainConfig
+    from eyas.training.train_data import SampleReader, to_device, usable_samples
+    from eyas.training.trainer import build_drafter
+
+    run = demo_runs(60)
+    meta = read_run_meta(run)
+    torch.manual_seed(0)
+    model, lm_head = build_drafter(TrainConfig.of(data=str(run), out="unused", kind=kname), meta)
+    for p in model.parameters():  # away from the initialisation, so a wrong wiring shows
+        if p.requires_grad:
+            p.data.normal_(0, 0.05) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
+    entries, _ = usable_samples(run, meta["hidden_size"], lambda m: None)
+    reader = SampleReader(run, entries, True)
+    batch = to_device(reader.batch(sorted(entries)[:3], packed=True), torch.device("cpu"))
+    reader.close()
+    k, D, whole_head = kind(kname), model.draft_ids.numel(), L.HEAD_ELEMENTS
+    parts = []
+    real = ckpt.checkpoint
+    monkeypatch.setattr(ckpt, "checkpoint", lambda *a, **kw: (parts.append(1), real(*a, **kw))[1])
+    for loss in ("kl", "tv", "lk"):
+        cfg = TrainConfig.of(data=str(run), out="unused", kind=kname, loss=loss)
+        b = dict(batch)
+        k.prepare_batch(model, b, lm_head, cfg)
+        got = []
+        for elements in (whole_head, 7 * D):  # whole; then 7 rows a part
+            monkeypatch.setattr(L, "HEAD_ELEMENTS", elements)
+            parts.clear()
+            model.zero_grad(set_to_none=True)
+            total, stats = k.loss(model, b, cfg, None)
+            total.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            got.append((total.detach(), stats, grads, len(parts)))
+        (whole, s0, g0, n0), (cut, s1, g1, n1) = got
+        assert n0 == 0 and (n1 > 2 if loss != "lk" else n1 == 0), (loss, n0, n1)
+        torch.testing.assert_close(cut, whole, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(s1[:, 1:], s0[:, 1:])  # counts: exactly
+        torch.testing.assert_close(s1, s0, rtol=1e-5, atol=1e-4)
+        assert g0.keys() == g1.keys() and g0
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=f"{loss} {n}")
+
+
 def _tf5(layer: dict) -> dict:
     """A decoder-layer config as transformers 5 writes it: the rope in rope_parameters."""
     out = {k: v for k, v in layer.items() if k not in ("rope_theta", "rope_scaling")}

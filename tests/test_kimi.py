@@ -219,8 +219,9 @@ def test_61_layer_kimi_config_like_and_export_ids(kimi, tmp_path):
     """A real-sized Kimi-K2.5 config (no weights): sizes come from the text part, the aux ids
     are [2, 30, 58] for vLLM and [1, 29, 57] for SGLang, and `tiny-target --like` makes a twin
     of the same shape, saying that it leaves the quantization config out."""
-    from eyas.drafters.eagle3.kind import export_config
+    from eyas.drafters.eagle3.kind import KIND
     from eyas.drafters.eagle3.model import DrafterConfig
+    from eyas.drafters.formats import format_named
     from eyas.targets.target import default_aux_layers, target_facts
 
     real = tmp_path / "Kimi-K2.5"
@@ -245,10 +246,16 @@ def test_61_layer_kimi_config_like_and_export_ids(kimi, tmp_path):
     c = DrafterConfig(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,
                       head_dim=112, vocab_size=163840, draft_vocab_size=32000)  # fmt: skip
     target = {"path": "moonshotai/Kimi-K2.5", "architectures": cfg["architectures"]}
-    assert export_config("vllm", c, aux, target, "bfloat16", 3)[
-        "eagle_aux_hidden_state_layer_ids"
-    ] == [2, 30, 58]
-    assert export_config("sglang", c, aux, target, "bfloat16", 3)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]  # fmt: skip
+
+    def export_config(fmt: str) -> dict:
+        return KIND.serving[format_named(fmt)].writer.config(c, aux, target, "bfloat16", 3)
+
+    assert export_config("vllm")["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]
+    assert export_config("sglang")["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        1,
+        29,
+        57,
+    ]
     # extract on the quantized checkpoint points to the vLLM backend, in one line.
     r = eyas("tiny-target", "--like", real, "--out", tmp_path / "twin")
     assert r.returncode == 0, r.stderr

@@ -1032,7 +1032,9 @@ def test_attention_window_is_trained_exported_for_sglang_and_refused_for_vllm(de
              "--attention-window", 16, "--serve-with", "sglang")  # fmt: skip
     assert r.returncode == 0 and "attention window 16" in r.stderr, r.stderr
     r = eyas("export", out, "--format", "vllm", "--out", tmp_path / "v")
-    assert r.returncode == 2 and "--attention-window 16" in r.stderr and "vLLM does not" in r.stderr
+    assert (
+        r.returncode == 2 and "--attention-window 16" in r.stderr and "vLLM applies no" in r.stderr
+    )
     assert not (tmp_path / "v").exists()
     r = eyas("export", out, "--format", "sglang", "--out", tmp_path / "s")
     assert r.returncode == 0 and "--speculative-draft-window-size 16" in r.stderr, r.stderr

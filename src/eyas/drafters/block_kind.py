@@ -10,7 +10,17 @@ import torch.nn.functional as F
 
 from eyas.drafters.block_drafter import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
 from eyas.drafters.blocks import layer_fields, load_weights
-from eyas.drafters.loss import Chain, add_targets, counted, divergence, on_policy, sample_ids
+from eyas.drafters.loss import (
+    LOSSES,
+    Chain,
+    add_targets,
+    by_rows,
+    counted,
+    divergence,
+    head_rows,
+    on_policy,
+    sample_ids,
+)
 from eyas.errors import UsageError
 from eyas.targets.weights import embed_weight, lm_head_weight
 
@@ -210,21 +220,23 @@ class BlockKind:
         return sample_ids(batch).gather(1, batch["anchors"].clamp(min=0))
 
     def outputs(self, model: DFlashDrafter, batch: dict) -> dict:
-        """The training forward's outputs: logits (B, N, S', D) of the S' predicting block
-        slots (the head never reads the anchor's own slot, a quarter of a block of 4)."""
+        """The training forward's outputs: the states the head reads (B, N, S', H) of the S'
+        predicting block slots (the head never reads the anchor's own slot, a quarter of a
+        block of 4), and `head(states, i, rows)`, the i-th predicting slot's logits of those
+        rows of blocks (the loss applies it a part of the blocks at a time)."""
         a = batch["anchors"]
         B, N, S = *a.shape, model.config.block_size
         blocks = model.training_blocks(
             batch["input_ids"], batch["aux"], a, batch.get("segments"), batch.get("positions")
         )
-        h = model.block_states(*blocks).view(B, N, S, -1)[:, :, self.first_slot :].contiguous()
-        return {"logits": model.lm_head(h)}
+        h = model.block_states(*blocks).view(B, N, S, -1)[:, :, self.first_slot :]
+        return {"states": h, "head": lambda xs, _i, _rows: model.lm_head(xs)}
 
-    def slot_loss(self, out: dict, slot: int, logq, logp, lmask, chain: Chain, i: int, cfg):
-        """The loss (B, N) of block slot `slot`, the i-th predicting one (`out`'s i-th), from
-        the drafter's and the target's log-probabilities (B, N, D)."""
+    def slot_loss(self, out: dict, slot: int, logq, logp, lmask, chain: Chain, i: int, cfg, rows):
+        """The loss (B, r) of block slot `slot`, the i-th predicting one (`out`'s i-th), at
+        the blocks `rows`, from the drafter's and the target's log-probabilities (B, r, D)."""
         if cfg.loss == "opd":
-            return on_policy(logq, logp, chain.all_right, chain.since(i))
+            return on_policy(logq, logp, chain.all_right[:, rows], chain.since(i)[:, rows])
         return divergence(logq, logp, cfg.loss, lmask)
 
     def loss(self, model: DFlashDrafter, batch: dict, cfg, norm):
@@ -234,13 +246,22 @@ class BlockKind:
         dids = model.draft_ids
         ids = self._sample_ids(batch, cfg)
         chain = Chain(batch["anchors"], ids)
+        B, N = batch["anchors"].shape
+        rows = head_rows(B, N, dids.numel(), LOSSES[cfg.loss].per_position)
+        tgt, head = batch["tgt_logits"], out["head"]
         for i, (src, scored, lmask) in enumerate(self._masks(batch, S)):
             slot = self.first_slot + i
-            lj = out["logits"][:, :, i].float()  # (B, N, D)
-            tgt = batch["tgt_logits"].gather(1, src[..., None].expand(-1, -1, lj.shape[-1])).float()
-            logq, logp = F.log_softmax(lj, -1), F.log_softmax(tgt, -1)  # (B, N, D)
-            right = dids[lj.argmax(-1)] == batch["tgt_top"].gather(1, src)
-            per = self.slot_loss(out, slot, logq, logp, lmask, chain, i, cfg)  # (B, N)
+
+            def per_rows(logits, sl, slot=slot, i=i, src=src, lmask=lmask):
+                at = src[:, sl, None].expand(-1, -1, tgt.shape[-1])
+                logq = F.log_softmax(logits.float(), -1)  # (B, r, D)
+                logp = F.log_softmax(tgt.gather(1, at).float(), -1)
+                return self.slot_loss(out, slot, logq, logp, lmask[:, sl], chain, i, cfg, sl)
+
+            per, arg, _ = by_rows(
+                out["states"][:, :, i], lambda xs, sl, i=i: head(xs, i, sl), per_rows, rows
+            )  # (B, N)
+            right = dids[arg] == batch["tgt_top"].gather(1, src)
             n = norm[i] if norm is not None else counted(lmask, ids)
             chain.add(i, per, lmask, scored, right, float(w[i]), n)
         return chain.result()

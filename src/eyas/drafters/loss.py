@@ -53,10 +53,55 @@ def target_view(
     return torch.cat(sel).view(B, T, -1), torch.cat(top).view(B, T)
 
 
-def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """x[:, t + n] at position t, `fill` past the end; x (B, T, ...)."""
-    pad = x.new_full((x.shape[0], n, *x.shape[2:]), fill)
-    return torch.cat([x[:, n:], pad], 1)
+def shift(x: torch.Tensor, n: int, fill=0, rows: slice | None = None) -> torch.Tensor:
+    """x[:, t + n] at position t, `fill` past the end; x (B, T, ...). With `rows`, those
+    positions t only (the rest is never copied)."""
+    T = x.shape[1]
+    a, b = (0, T) if rows is None else (rows.start, rows.stop)
+    part = x[:, min(a + n, T) : min(b + n, T)]
+    pad = x.new_full((x.shape[0], (b - a) - part.shape[1], *x.shape[2:]), fill)
+    return torch.cat([part, pad], 1)
+
+
+# Elements (B x rows x D) of the head's output one part of a loss computes at once: 2^26, 256 MB
+# in float32. Below it a batch's logits are computed whole; above it (a large vocabulary, long
+# batches) in parts of rows, each recomputed for the backward pass (`by_rows`).
+HEAD_ELEMENTS = 2**26
+
+
+def head_rows(batch: int, n: int, vocab: int, local: bool = True) -> int:
+    """Rows of a (batch, n, vocab) head output to compute at once: all of them where they fit
+    in HEAD_ELEMENTS, or where the loss of a row is not the row's alone (`local`)."""
+    return n if not local else max(1, min(n, HEAD_ELEMENTS // max(1, batch * vocab)))
+
+
+def by_rows(x: torch.Tensor, head: Callable, per_rows: Callable, rows: int, k: int = 0):
+    """A loss per row of the head's logits of the states x (B, n, H): `head(xs, sl)` gives the
+    logits (B, r, D) of the rows `sl`, `per_rows(logits, sl)` their loss (B, r). Computed
+    `rows` rows at a time; where that is a part of them, each part under activation
+    checkpointing, so its logits exist only while it is computed (and again in the backward
+    pass) and never all at once. Returns the loss (B, n), the argmax (B, n) and, with `k`,
+    the k likeliest ids (B, n, k)."""
+    n = x.shape[1]
+
+    def part(xs: torch.Tensor, sl: slice):
+        logits = head(xs, sl)
+        top = logits.detach().topk(k, -1).indices if k else None
+        return per_rows(logits, sl), logits.detach().argmax(-1), top
+
+    if rows >= n:
+        return part(x, slice(0, n))
+    from torch.utils.checkpoint import checkpoint
+
+    outs = []
+    for a in range(0, n, rows):
+        sl = slice(a, min(a + rows, n))
+        grad = torch.is_grad_enabled()
+        outs.append(
+            checkpoint(part, x[:, sl], sl, use_reentrant=False) if grad else part(x[:, sl], sl)
+        )
+    loss, arg, top = zip(*outs, strict=True)
+    return torch.cat(loss, 1), torch.cat(arg, 1), torch.cat(top, 1) if k else None
 
 
 class TargetHead:
@@ -121,14 +166,15 @@ def add_targets(
     batch["in_vocab"] = drafter.t2d[batch["tgt_top"]]  # (B, T)
 
 
-def target_logprobs(batch: dict, logits: torch.Tensor, n: int):
+def target_logprobs(batch: dict, logits: torch.Tensor, n: int, rows: slice | None = None):
     """The drafter's and the target's log-probabilities at position t+n, on the same ids:
-    (logq, logp), both (B, T, D) for a full-vocabulary store, (B, T, K) for top-K."""
+    (logq, logp), both (B, T, D) for a full-vocabulary store, (B, T, K) for top-K; with
+    `rows`, the drafter's logits are those positions' and so is the result."""
     logq = F.log_softmax(logits.float(), -1)  # (B, T, D)
     if "tgt_logits" in batch:
-        return logq, F.log_softmax(shift(batch["tgt_logits"], n).float(), -1)
-    logp = F.log_softmax(shift(batch["topk_lp"], n, -1e4).float(), -1)  # (B, T, K)
-    return logq.gather(-1, shift(batch["topk_ids"], n)), logp
+        return logq, F.log_softmax(shift(batch["tgt_logits"], n, rows=rows).float(), -1)
+    logp = F.log_softmax(shift(batch["topk_lp"], n, -1e4, rows).float(), -1)  # (B, T, K)
+    return logq.gather(-1, shift(batch["topk_ids"], n, rows=rows)), logp
 
 
 def _alpha(logq: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -172,6 +218,9 @@ class Loss:
 
     fn: Callable | None
     reference: Callable | None
+    per_position: bool = True
+    """Whether a position's loss is its own alone (lk's weight is a mean over the batch):
+    such a loss may be computed a part of the rows at a time (`by_rows`)."""
 
 
 def _ref_lk(p, q, mask):
@@ -193,7 +242,7 @@ LOSSES: dict[str, Loss] = {
             + 0.9 * (1 - torch.minimum(p, q).sum(-1))
         ),
     ),
-    "lk": Loss(_lk, _ref_lk),
+    "lk": Loss(_lk, _ref_lk, per_position=False),
     "nla": Loss(
         lambda lq, lp, m: -torch.log(_alpha(lq, lp).clamp_min(1e-6)),
         lambda p, q, m: -torch.minimum(p, q).sum(-1).log(),
@@ -214,7 +263,9 @@ LOSSES: dict[str, Loss] = {
             -(torch.softmax(p.log() / 2, -1) * torch.log_softmax(q.log() / 2, -1)).sum(-1) * 4
         ),
     ),
-    "opd": Loss(None, None),  # the chain's: `on_policy`, read by the kinds' loss loops
+    "opd": Loss(
+        None, None, per_position=False
+    ),  # the chain's: `on_policy`, read by the kinds' loss loops
 }
 
 
@@ -288,24 +339,38 @@ def ttt_loss(
     """
     dids = drafter.draft_ids
     outs = drafter.forward_ttt(
-        batch["input_ids"], batch["aux"], steps, batch.get("segments"), batch.get("positions")
-    )
+        batch["input_ids"],
+        batch["aux"],
+        steps,
+        batch.get("segments"),
+        batch.get("positions"),
+        head=False,
+    )  # per step: the state the head reads (B, T, H), and the next step's
+    B, T = batch["input_ids"].shape
+    rows = head_rows(B, T, dids.numel(), LOSSES[kind].per_position)
     ids = sample_ids(batch) if average == "sequence" else None
     chain = Chain(batch["input_ids"], ids)
     aligned = torch.ones_like(batch["input_ids"], dtype=torch.bool) if align else None
-    for i, ((logits, _), (scored, lmask)) in enumerate(
+    for i, ((state, _), (scored, lmask)) in enumerate(
         zip(outs, loss_masks(batch, steps), strict=True)
     ):
         want = shift(batch["tgt_top"], 1 + i, -1)  # (B, T)
-        right = dids[logits.argmax(-1)] == want
-        if aligned is not None and drafter.training:
+        aligning = aligned is not None and drafter.training
+        if aligning:
             lmask = lmask & aligned
-            top = dids[logits.detach().topk(align, -1).indices]  # (B, T, K)
-            aligned = aligned & (top == want[..., None]).any(-1)
-        if kind == "opd":
-            ce = on_policy(*target_logprobs(batch, logits, 1 + i), chain.all_right, chain.since(i))
-        else:
-            ce = position_loss(batch, logits, 1 + i, kind, lmask)  # (B, T)
+
+        def per_rows(logits, sl, i=i, lmask=lmask):
+            logq, logp = target_logprobs(batch, logits, 1 + i, sl)
+            if kind == "opd":
+                return on_policy(logq, logp, chain.all_right[:, sl], chain.since(i)[:, sl])
+            return divergence(logq, logp, kind, lmask[:, sl])
+
+        ce, arg, top = by_rows(
+            state, lambda xs, _sl: drafter.lm_head(xs), per_rows, rows, align if aligning else 0
+        )  # (B, T)
+        right = dids[arg] == want
+        if aligning:
+            aligned = aligned & (dids[top] == want[..., None]).any(-1)
         n = norm[i] if norm is not None else counted(lmask, ids)
         chain.add(i, ce, lmask, scored, right, decay**i, n)
     return chain.result()

@@ -59,32 +59,28 @@ class DSpark(BlockKind):
             f"DSpark, blocks of {o.block_size}, {o.drafter_layers} layer(s), {heads}{conf}{window}"
         )
 
-    def unservable(self, cfg) -> str | None:
-        if cfg.attention_window:
-            return (
-                f"--attention-window {cfg.attention_window}: eyas writes DSpark's speculators "
-                "format with full attention only; train without it"
-            )
-        return None
-
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
         return int(export_config.get("block_size", tokens))  # every slot drafts
 
     def outputs(self, model: DSparkDrafter, batch: dict) -> dict:
         # every slot predicts: the i-th predicting slot is slot i
         args = (batch["input_ids"], batch["aux"], batch["anchors"])
-        logits, conf = model.forward_heads(*args, batch.get("segments"), batch.get("positions"))
-        return {"logits": logits, "confidence": conf}
+        h, prev = model.training_states(*args, batch.get("segments"), batch.get("positions"))
+        return {
+            "states": h,
+            "head": lambda xs, i, rows: model.slot_logits(xs, prev[:, rows, i]),
+            "confidence": model.confidence(h, prev),
+        }
 
-    def slot_loss(self, out: dict, slot: int, logq, logp, lmask, chain, i: int, cfg):
+    def slot_loss(self, out: dict, slot: int, logq, logp, lmask, chain, i: int, cfg, rows):
         """The block loss of the slot, plus the confidence head's: the binary cross-entropy
         of its logit against the slot's acceptance, 1 - TV = sum(min(p, q)), not
         differentiated."""
-        loss = super().slot_loss(out, slot, logq, logp, lmask, chain, i, cfg)
+        loss = super().slot_loss(out, slot, logq, logp, lmask, chain, i, cfg, rows)
         if out["confidence"] is None or not cfg.options.confidence_weight:
             return loss
-        accept = torch.minimum(logp.exp(), logq.exp()).sum(-1).detach().clamp(0, 1)  # (B, N)
-        conf = out["confidence"][:, :, i].float()
+        accept = torch.minimum(logp.exp(), logq.exp()).sum(-1).detach().clamp(0, 1)  # (B, r)
+        conf = out["confidence"][:, rows, i].float()
         bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
         return loss + cfg.options.confidence_weight * bce
 

@@ -75,14 +75,39 @@ class DSparkDrafter(DFlashDrafter):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """States h (..., H) and the tokens before their slots prev (...) -> logits (..., D)
         with the Markov bias, and the confidence logits (...) (None without the head)."""
-        logits, feats = self.lm_head(h), h
-        if self.markov_head is not None:
-            bias, e = self.markov_head(prev, h)
-            logits, feats = logits + bias, torch.cat([h, e.to(h.dtype)], -1)
-        conf = self.confidence_head(feats) if self.confidence_head is not None else None
-        return logits, conf
+        return self.slot_logits(h, prev), self.confidence(h, prev)
+
+    def slot_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(h)
+        return logits if self.markov_head is None else logits + self.markov_head(prev, h)[0]
+
+    def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        if self.confidence_head is None:
+            return None
+        if self.markov_head is None:
+            return self.confidence_head(h)
+        e = self.markov_head.markov_w1(prev)
+        return self.confidence_head(torch.cat([h, e.to(h.dtype)], -1))
 
     # -------------------------------------------------------------- training
+
+    def training_states(
+        self,
+        input_ids: torch.Tensor,
+        states: torch.Tensor,
+        anchors: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots' states (B, N, S, H) of N blocks per row, as `forward_blocks` places
+        them, and the token before each slot (B, N, S): slot j's is the true x_{a+j}."""
+        B, T = input_ids.shape
+        N, S = anchors.shape[1], self.config.block_size
+        inputs = self.training_blocks(input_ids, states, anchors, segments, positions)
+        h = self.block_states(*inputs).view(B, N, S, -1)  # (B, N, S, H)
+        j = torch.arange(S, device=input_ids.device)
+        at = (anchors.clamp(min=0)[:, :, None] + j).clamp(max=T - 1)  # (B, N, S)
+        return h, input_ids.gather(1, at.view(B, N * S)).view(B, N, S)
 
     def forward_heads(
         self,
@@ -92,16 +117,8 @@ class DSparkDrafter(DFlashDrafter):
         segments: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, N, S, D) and confidence logits (B, N, S) of N blocks per row, as
-        `forward_blocks` places them; slot j's previous token is the true x_{a+j}."""
-        B, T = input_ids.shape
-        N, S = anchors.shape[1], self.config.block_size
-        inputs = self.training_blocks(input_ids, states, anchors, segments, positions)
-        h = self.block_states(*inputs).view(B, N, S, -1)  # (B, N, S, H)
-        j = torch.arange(S, device=input_ids.device)
-        at = (anchors.clamp(min=0)[:, :, None] + j).clamp(max=T - 1)  # (B, N, S)
-        prev = input_ids.gather(1, at.view(B, N * S)).view(B, N, S)
-        return self.heads(h, prev)
+        """Logits (B, N, S, D) and confidence logits (B, N, S) of N blocks per row."""
+        return self.heads(*self.training_states(input_ids, states, anchors, segments, positions))
 
     def forward_blocks(self, input_ids, states, anchors, segments=None, positions=None):
         return self.forward_heads(input_ids, states, anchors, segments, positions)[0]

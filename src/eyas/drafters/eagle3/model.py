@@ -190,11 +190,13 @@ class Drafter(DraftVocab):
         """The target states (B, T, 3H) -> the fused state (B, T, H)."""
         return self.fc(self.input_norm(aux) if self.input_norm is not None else aux)
 
-    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder layer's output h (B, T, H) -> logits (B, T, D) and the state the next
-        TTT step reads (B, T, H): h itself, or norm(h) with `norm_output`."""
+    def head(self, h: torch.Tensor, logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layer's output h (B, T, H) -> logits (B, T, D) (without `logits`, the
+        normed state the head reads, (B, T, H)) and the state the next TTT step reads
+        (B, T, H): h itself, or norm(h) with `norm_output`."""
         normed = self.norm(h)
-        return self.lm_head(normed), normed if self.config.norm_output else h
+        nxt = normed if self.config.norm_output else h
+        return (self.lm_head(normed) if logits else normed), nxt
 
     def forward_ttt(
         self,
@@ -203,12 +205,14 @@ class Drafter(DraftVocab):
         steps: int,
         segments: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        head: bool = True,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Unroll `steps` TTT steps over whole sequences.
 
         input_ids (B, T) and aux (B, T, 3H). Step i at root t consumes x_{t+1+i} (padded with
         0 past the end; such positions are masked by the loss). Returns per step the logits
-        (B, T, D) and the output states h_i (B, T, H).
+        (B, T, D) and the output states h_i (B, T, H); without `head`, instead of the logits
+        the normed state the head reads (B, T, H), for a loss that applies the head in parts.
 
         Packed rows (several samples one after another in a row): `segments` (B, T) says
         which sample each position is, `positions` (B, T) its position within it. Attention
@@ -253,7 +257,7 @@ class Drafter(DraftVocab):
                 a = attn.project(
                     impl(q, prefix_k, prefix_v, chain_k, chain_v, segments=segments, window=window)
                 )  # never (T, T) at once
-            logits, hidden = self.head(layer.finish(a, residual))  # (B, T, D), (B, T, H)
+            logits, hidden = self.head(layer.finish(a, residual), head)  # (B, T, D), (B, T, H)
             out.append((logits, hidden))
         return out
 
