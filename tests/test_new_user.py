@@ -308,6 +308,18 @@ def test_estimate_small_runs_in_readable_units():
     assert p.returncode == 0 and "0.00 TB" not in p.stdout and " kB)" in p.stdout, p.stdout
 
 
+def test_estimate_states_the_training_memory_of_the_heads_logits():
+    """At Kimi-K2.5's vocabulary (163,840, the whole of it drafted) and 8,192-token batches:
+    one float32 (tokens, vocabulary) tensor is 5 GiB; in parts a step holds that and one
+    part's few tensors, far below the whole head's (bench/head_memory.py measures both)."""
+    p = eyas("estimate", "--samples", "10", "--tokens-per-sample", "100", "--hidden-size", "7168",
+             "--draft-vocab-size", "163840", "--batch-tokens", "8192")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    line = p.stdout.splitlines()[-1]
+    assert "--batch-tokens 8,192, draft vocabulary 163,840" in line and "is 5.0 GiB" in line, line
+    assert "about 6.5 GiB of logits" in line and "about 50.0 GiB for EAGLE-3" in line, line
+
+
 def test_long_silent_work_says_it_goes_on(capsys, monkeypatch):
     """A model load or a first step of minutes prints a line every interval, and none after."""
     from eyas.host.ui import still_working

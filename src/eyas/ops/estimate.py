@@ -1,7 +1,11 @@
-"""`eyas estimate`: the disk an extraction run will take, before there is a dataset or a GPU.
+"""`eyas estimate`: the disk an extraction run will take, before there is a dataset or a GPU,
+and the memory the head's logits take in a training step.
 
-The figures are the store's own (`eyas.run.store`: bytes per token of the layout, each
-sample's header and journal line), so the estimate is what `extract` will write.
+The disk figures are the store's own (`eyas.run.store`: bytes per token of the layout, each
+sample's header and journal line), so the estimate is what `extract` will write. The memory
+figures count float32 tensors of (batch tokens, draft vocabulary): what a step keeps for the
+backward pass of each predicted position, with the head whole, against eyas's head in parts
+(`drafters.loss.by_rows`); bench/head_memory.py measures both.
 """
 
 from __future__ import annotations
@@ -40,7 +44,33 @@ class Estimate:
             "(header, journal line)\n"
             f"  {human_bytes(self.total)} in all ({_decimal(self.total)}); "
             f"{self.per_token / peers:.0%} of the {peers:,} bytes per token other tools store for "
-            f"{c.aux_layers} layers and the final state (in bfloat16, int64 ids{halve})"
+            f"{c.aux_layers} layers and the final state (in bfloat16, int64 ids{halve})\n"
+            + self.logits_memory()
+        )
+
+    def logits_memory(self) -> str:
+        """The head's logits in a training step of --batch-tokens over the draft vocabulary."""
+        from eyas.drafters.loss import HEAD_ELEMENTS
+        from eyas.run.fsutil import human_bytes
+
+        c = self.cfg
+        one = c.batch_tokens * c.draft_vocab_size * 4  # one (tokens, D) float32 tensor
+        part = min(one, HEAD_ELEMENTS * 4)
+        # In parts: the target's labels, and one part's logits, log-probabilities, target rows
+        # and products (about 6 of them) at a time. Whole: besides the labels, each predicted
+        # position keeps two for the backward pass (log-probabilities and target
+        # probabilities), about three more are alive at once, and a block kind keeps the
+        # logits of all its slots (one more a slot).
+        parts = one + 6 * part
+        eagle3 = (1 + 2 * 3 + 3) * one  # 3 TTT steps
+        block = (1 + 3 * 3 + 3) * one  # 3 predicting slots, a block at every position
+        return (
+            f"training, --batch-tokens {c.batch_tokens:,}, draft vocabulary {c.draft_vocab_size:,}: "
+            f"one (tokens, vocabulary) float32 tensor of the head's logits is {human_bytes(one)}; "
+            f"eyas applies the head in parts of at most {human_bytes(HEAD_ELEMENTS * 4)}, so a "
+            f"step holds about {human_bytes(parts)} of logits, any kind (the whole head at once: "
+            f"about {human_bytes(eagle3)} for EAGLE-3, {human_bytes(block)} for DFlash with a "
+            "block at every position)"
         )
 
 

@@ -444,8 +444,13 @@ class EstimateConfig:
     aux_layers: int = 3
     """Target layers stored per token, as `extract --aux-layers` gives them (3: EAGLE-3's; the
     DFlash and DSpark recipes read 5)."""
+    batch_tokens: int = 8192
+    """Tokens of a training batch, for the training memory of the head's logits (8,192: what
+    `eyas train` takes for a run of millions of tokens)."""
 
     def __post_init__(self) -> None:
+        if self.batch_tokens < 1:
+            raise UsageError(f"--batch-tokens must be at least 1, got {self.batch_tokens}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.store_dtype not in ("auto", "float32", "bfloat16", "float16"):
