@@ -286,6 +286,7 @@ def test_repair_holds_the_writer_lock(tmp_path, targets, llama_dataset, monkeypa
     shared filesystem) is refused; the repair's journal is the one that stays."""
     import eyas.stages.verify as verify_mod
     from eyas.run.store import sample_relpath
+    from eyas.stages.config import VerifyConfig
     from eyas.stages.verify import verify
 
     run = tmp_path / "run"
@@ -304,7 +305,7 @@ def test_repair_holds_the_writer_lock(tmp_path, targets, llama_dataset, monkeypa
         return real_move(a, b)
 
     monkeypatch.setattr(verify_mod.shutil, "move", held_move)
-    t = threading.Thread(target=verify, args=(run,), kwargs={"repair": True})
+    t = threading.Thread(target=verify, args=(VerifyConfig(run=str(run), repair=True),))
     t.start()
     try:
         assert moving.wait(600), "the repair never reached its first move"
