@@ -10,7 +10,8 @@ vocabulary, the case chunking is for), one packed row of `--tokens` random token
 states, the target's soft labels from a random head, then one forward, loss and backward
 (no optimizer: its state is the same either way). It reports the peak resident memory the
 step added (the process's peak minus its resident memory before the step), and the step's
-seconds. "whole" sets HEAD_ELEMENTS above the batch's logits, "parts" leaves eyas's default.
+seconds. "whole" sets HEAD_ELEMENTS above the batch's logits, "parts" leaves eyas's default
+(or `--part-elements`).
 Kimi-K2.5's shape (hidden 7,168, vocabulary 163,840, 4,096-token batches) is out of a 2-core
 CPU's reach in time; the logits' share scales as tokens x vocabulary, which this bench keeps
 at a real vocabulary; the GPU check (bench/gpu.py) can run it at the full shape.
@@ -36,7 +37,8 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def one(kind_name: str, hidden: int, vocab: int, tokens: int, stride: int, whole: bool) -> dict:
+def one(kind_name: str, hidden: int, vocab: int, tokens: int, stride: int, whole: bool,
+        part: int | None) -> dict:  # fmt: skip
     import torch
 
     import eyas.drafters.loss as L
@@ -48,6 +50,8 @@ def one(kind_name: str, hidden: int, vocab: int, tokens: int, stride: int, whole
     torch.manual_seed(0)
     if whole:
         L.HEAD_ELEMENTS = 2**62
+    elif part:
+        L.HEAD_ELEMENTS = part
     heads = max(1, hidden // 128)
     target = {"hidden_size": hidden, "intermediate_size": hidden * 3, "num_attention_heads": heads,
               "num_key_value_heads": heads, "head_dim": hidden // heads, "vocab_size": vocab,
@@ -111,12 +115,15 @@ def main() -> None:
     ap.add_argument("--kinds", default="eagle3,dflash,dspark")
     ap.add_argument("--anchor-stride", type=int, default=8, help="block kinds: a block every N")
     ap.add_argument("--pairs", type=int, default=1)
+    ap.add_argument("--part-elements", type=int, default=None,
+                    help="elements of a part (default: eyas's HEAD_ELEMENTS)")  # fmt: skip
     ap.add_argument("--json", type=Path)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         k, whole = args.one.split(":")
-        r = one(k, args.hidden, args.vocab, args.tokens, args.anchor_stride, whole == "whole")
+        r = one(k, args.hidden, args.vocab, args.tokens, args.anchor_stride, whole == "whole",
+                args.part_elements)  # fmt: skip
         print(json.dumps(r))
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
@@ -128,6 +135,8 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--one", f"{k}:{how}", "--hidden", str(args.hidden),
                        "--vocab", str(args.vocab), "--tokens", str(args.tokens),
                        "--anchor-stride", str(args.anchor_stride)]  # fmt: skip
+                if args.part_elements:
+                    cmd += ["--part-elements", str(args.part_elements)]
                 r = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if r.returncode != 0:
                     raise SystemExit(f"{k} {how}: exit {r.returncode}\n{r.stderr[-2000:]}")

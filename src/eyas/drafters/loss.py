@@ -63,10 +63,11 @@ def shift(x: torch.Tensor, n: int, fill=0, rows: slice | None = None) -> torch.T
     return torch.cat([part, pad], 1)
 
 
-# Elements (B x rows x D) of the head's output one part of a loss computes at once: 2^26, 256 MB
-# in float32. Below it a batch's logits are computed whole; above it (a large vocabulary, long
-# batches) in parts of rows, each recomputed for the backward pass (`by_rows`).
-HEAD_ELEMENTS = 2**26
+# Elements (B x rows x D) of the head's output one part of a loss computes at once: 2^28, 1 GiB
+# in float32. Below it a batch's logits are computed whole (8,192 tokens over a draft vocabulary
+# of 32,000 still are); above it (a whole vocabulary of 100,000s, long batches) in parts of
+# rows, each recomputed for the backward pass (`by_rows`), which costs a head multiplication.
+HEAD_ELEMENTS = 2**28
 
 
 def head_rows(batch: int, n: int, vocab: int, local: bool = True) -> int:
