@@ -9,7 +9,9 @@ On one GPU (or on a CPU with `--small`, so that this script cannot rot):
  5. `eyas train` (bf16 on a GPU): tokens/s and peak memory, per TTT attention; then
     bench/train_speed.py on the same run: each kind's training step (EAGLE-3, DFlash,
     DSpark), tokens/s and peak memory, against the peer's where speculators imports here
-    (nothing is installed: the machine may have no network);
+    (nothing is installed: the machine may have no network); and bench/head_memory.py at
+    Kimi-K2.5's shape (H=7,168, vocabulary 163,840 drafted whole, 4,096 tokens): one step's
+    peak memory with the head whole and in parts, per kind;
  6. a one-process `torchrun` training run (NCCL on a GPU);
  7. the GPU preflight refusing while another process holds 40 GB of the GPU; the real
     `nvidia-smi` CSV outputs are saved to --out (tests/fixtures/nvidia-smi/ holds the
@@ -262,6 +264,18 @@ def main() -> None:
     summary["train_speed"] = (
         json.loads(speed.read_text())["table"]
         if p.returncode == 0 and speed.is_file()
+        else {"error": p.stderr[-1500:]}
+    )
+
+    step("one training step's memory at Kimi-K2.5's vocabulary: the head whole and in parts")
+    mem = out / "head-memory.json"
+    shape = (["--hidden", "256", "--vocab", "32768", "--tokens", "512", "--part-elements", str(2**22)]
+             if args.small else ["--hidden", "7168", "--vocab", "163840", "--tokens", "4096"])  # fmt: skip
+    p = sh([sys.executable, "bench/head_memory.py", *shape, "--anchor-stride", "1", "--device", device,
+            "--json", mem], timeout=1200)  # fmt: skip
+    summary["head_memory"] = (
+        json.loads(mem.read_text())["rows"]
+        if p.returncode == 0 and mem.is_file()
         else {"error": p.stderr[-1500:]}
     )
 

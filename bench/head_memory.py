@@ -14,7 +14,8 @@ seconds. "whole" sets HEAD_ELEMENTS above the batch's logits, "parts" leaves eya
 (or `--part-elements`).
 Kimi-K2.5's shape (hidden 7,168, vocabulary 163,840, 4,096-token batches) is out of a 2-core
 CPU's reach in time; the logits' share scales as tokens x vocabulary, which this bench keeps
-at a real vocabulary; the GPU check (bench/gpu.py) can run it at the full shape.
+at a real vocabulary; bench/gpu.py runs it at the full shape with `--device cuda` (bfloat16
+autocast, torch's allocated peak).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def rss_mb() -> float:
 
 
 def one(kind_name: str, hidden: int, vocab: int, tokens: int, stride: int, whole: bool,
-        part: int | None) -> dict:  # fmt: skip
+        part: int | None, device: str = "cpu") -> dict:  # fmt: skip
     import torch
 
     import eyas.drafters.loss as L
@@ -59,27 +60,40 @@ def one(kind_name: str, hidden: int, vocab: int, tokens: int, stride: int, whole
               "hidden_act": "silu", "num_hidden_layers": 8, "model_type": "llama"}  # fmt: skip
     cfg = TrainConfig.of(data="unused", out="unused", kind=kind_name, loss="kl")
     k = kind(kind_name)
-    model = _drafter(k, cfg, target, vocab).train()
+    dev = torch.device(device)
+    model = _drafter(k, cfg, target, vocab).train().to(dev)
     T = tokens
-    ids = torch.randint(0, vocab, (1, T))
-    b = {"input_ids": ids, "aux": torch.randn(1, T, 3 * hidden), "valid": torch.ones(1, T, dtype=torch.bool),
-         "loss_mask": torch.ones(1, T, dtype=torch.bool)}  # fmt: skip
-    head = torch.randn(vocab, hidden) * hidden**-0.5
-    last = torch.randn(1, T, hidden)
-    b["tgt_logits"] = last @ head.T  # the whole vocabulary is the draft vocabulary
+    ids = torch.randint(0, vocab, (1, T), device=dev)
+    b = {"input_ids": ids, "aux": torch.randn(1, T, 3 * hidden, device=dev),
+         "valid": torch.ones(1, T, dtype=torch.bool, device=dev),
+         "loss_mask": torch.ones(1, T, dtype=torch.bool, device=dev)}  # fmt: skip
+    head = torch.randn(vocab, hidden, device=dev) * hidden**-0.5
+    b["tgt_logits"] = torch.randn(1, T, hidden, device=dev) @ head.T  # the whole vocabulary
     b["tgt_top"] = b["tgt_logits"].argmax(-1)
     b["in_vocab"] = model.t2d[b["tgt_top"]]
-    del head, last
+    del head
     if kind_name != "eagle3":
         b["anchors"] = choose_anchors(b["loss_mask"], b["valid"], stride, 0)
-    before = rss_mb()
+    gpu = dev.type == "cuda"
+    if gpu:  # as `eyas train` runs on a GPU: bfloat16 autocast, float32 weights
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 2**20
+    else:
+        before = rss_mb()
     t0 = time.monotonic()
-    loss, _ = k.loss(model, b, cfg, None)
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=gpu):
+        loss, _ = k.loss(model, b, cfg, None)
     loss.backward()
+    if gpu:
+        torch.cuda.synchronize()
     seconds = time.monotonic() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if gpu:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     logits_mb = T * vocab * 4 / 2**20
-    return {"kind": kind_name, "whole": whole, "added_mb": peak - before, "seconds": seconds,
+    return {"kind": kind_name, "whole": whole, "added_mb": peak - before, "seconds": seconds, "device": device,
             "logits_mb": logits_mb, "blocks": int((b["anchors"] >= 0).sum()) if "anchors" in b else None}  # fmt: skip
 
 
@@ -115,6 +129,9 @@ def main() -> None:
     ap.add_argument("--kinds", default="eagle3,dflash,dspark")
     ap.add_argument("--anchor-stride", type=int, default=8, help="block kinds: a block every N")
     ap.add_argument("--pairs", type=int, default=1)
+    ap.add_argument(
+        "--device", default="cpu", help="cpu (peak RSS) or cuda (torch's allocated peak)"
+    )
     ap.add_argument("--part-elements", type=int, default=None,
                     help="elements of a part (default: eyas's HEAD_ELEMENTS)")  # fmt: skip
     ap.add_argument("--json", type=Path)
@@ -123,7 +140,7 @@ def main() -> None:
     if args.one:
         k, whole = args.one.split(":")
         r = one(k, args.hidden, args.vocab, args.tokens, args.anchor_stride, whole == "whole",
-                args.part_elements)  # fmt: skip
+                args.part_elements, args.device)  # fmt: skip
         print(json.dumps(r))
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
@@ -134,7 +151,7 @@ def main() -> None:
             for how in ("whole", "parts"):
                 cmd = [sys.executable, __file__, "--one", f"{k}:{how}", "--hidden", str(args.hidden),
                        "--vocab", str(args.vocab), "--tokens", str(args.tokens),
-                       "--anchor-stride", str(args.anchor_stride)]  # fmt: skip
+                       "--anchor-stride", str(args.anchor_stride), "--device", args.device]  # fmt: skip
                 if args.part_elements:
                     cmd += ["--part-elements", str(args.part_elements)]
                 r = subprocess.run(cmd, env=env, capture_output=True, text=True)
