@@ -646,10 +646,10 @@ def paired_over_seeds(
     return point, [float(v) for v in np.percentile(diff, [2.5, 97.5])]
 
 
-def table(size: int, results: dict, rows: dict[str, list[str]], anchor: str) -> list[str]:
-    """One table for one size: each configuration's mean over seeds, each seed, against the
-    anchor (the better of the peer's configurations)."""
-    lines = [f"\n{size} conversations: MT-Bench first turns, tokens per target forward (mean over seeds; "
+def table(size: str, results: dict, rows: dict[str, list[str]], anchor: str) -> list[str]:
+    """One table for one size (`size`: what the data was, in words): each configuration's mean
+    over seeds, each seed, against the anchor (the better of the peer's configurations)."""
+    lines = [f"\n{size}: MT-Bench first turns, tokens per target forward (mean over seeds; "
              f"paired against {anchor} over prompts and seeds)",
              f"{'configuration':<28} {'mean':>6}  {'per seed':<22} {'held-out est.':>13}  vs anchor"]  # fmt: skip
     base = [results[n]["per_prompt"] for n in rows[anchor]]
@@ -761,6 +761,7 @@ def main() -> None:
         except Skip as exc:
             print(f"skipped: {exc}")
             return None
+    from eyas.run.runmeta import read_run_meta
     from eyas.stages.config import ExportConfig
     from eyas.stages.export import export
 
@@ -815,7 +816,10 @@ def main() -> None:
             continue
         means = {c: sum(tpf(results[n]["per_prompt"]) for n in rows[c]) / len(seeds) for c in peers}
         anchor = max(means, key=means.get) if means else next(iter(eyas_confs))  # no peer run
-        report += table(size or len(plan["val"]), results, rows, anchor)
+        what = (
+            f"{size} conversations" if size else f"{run} ({read_run_meta(run)['samples']} samples)"
+        )
+        report += table(what, results, rows, anchor)
         (wn / "result.json").write_text(json.dumps({"anchor": anchor, "rows": rows, "seeds": seeds,
                                                     "results": {n: {k: v for k, v in r.items() if k != "per_prompt"}
                                                                 for n, r in results.items()}}, indent=1))  # fmt: skip
