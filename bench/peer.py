@@ -5,7 +5,8 @@
         [--holdout RUN | --holdout-conversations 200] [--jobs 2] [--prompts 80]
 
 For each size N, the first N ShareGPT conversations that open with a user turn (file order)
-are prepared (`--max-length 448`, draft vocabulary 8,192) and extracted once (or `--run`
+are prepared (`--max-length 448`, draft vocabulary 32,000, prepare's default; the figures
+before 2026-12-07 used 8,192) and extracted once (or `--run`
 gives an extraction); then, for every seed, EAGLE-3 drafters are trained on it and judged
 together:
 
@@ -111,6 +112,12 @@ def build_run(
     w = work / (f"n{n}" if not skip else f"n{n}-from{skip}")
     run = w / "run"
     if (run / "run.json").is_file() and (w / "extracted").is_file():
+        made = json.loads((w / "ds" / "dataset.json").read_text()).get("draft_vocab_size")
+        if made != draft_vocab:
+            raise SystemExit(
+                f"{w} was prepared with a draft vocabulary of {made}, not {draft_vocab}: pass "
+                f"--draft-vocab {made} to use it, or another --work"
+            )
         print(f"data: reusing {run} ({read_run_meta(run)['samples']} samples)", flush=True)
         return run
     w.mkdir(parents=True, exist_ok=True)
@@ -735,7 +742,9 @@ def main() -> None:
                     help="trainings at once, and slices of MT-Bench judged at once; one CPU thread each")  # fmt: skip
     ap.add_argument("--train-only", action="store_true", help="train everything, judge nothing")
     ap.add_argument("--max-length", type=int, default=448, help="prepare --max-length")
-    ap.add_argument("--draft-vocab", type=int, default=8192, help="prepare --draft-vocab-size")
+    ap.add_argument("--draft-vocab", type=int, default=32000,
+                    help="prepare --draft-vocab-size (32,000: eyas's default, what users get; the "
+                    "runs before 2026-12-07 used 8,192)")  # fmt: skip
     ap.add_argument("--venv", type=Path, default=Path("/tmp/eyas-peer-venv"),
                     help="the peer's virtual environment (made on first use)")  # fmt: skip
     ap.add_argument(
