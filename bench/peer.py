@@ -181,7 +181,7 @@ def val_accuracy(export: Path, run: Path, plan: dict) -> dict:
 
     from eyas.training.checkpoint import read_export
 
-    kind, drafter, _ = read_export(export)
+    kind, drafter, _ = read_export(export, plan["model"])  # (a table left out: the target's)
     how = screen_config(kind.name, plan["ttt_steps"], drafter)
     return scored(drafter, kind, how, run, plan["val"], plan["model"])
 
@@ -389,21 +389,13 @@ def accuracies(metrics: dict, kind: str, ttt_steps: int) -> list[float]:
 
 def _block_export(model, plan: dict, out: Path) -> None:
     """The peer's block drafter as its own `save_pretrained` writes it (speculators' format,
-    which eyas evaluates and vLLM serves), with the target's embedding table added: the peer
-    leaves that frozen copy out of its checkpoint, and eyas's reader wants it in the file.
-    Written to OUT/export; OUT/export.done marks it whole."""
+    which vLLM serves and eyas evaluates; the target's embedding table, left out of the file,
+    eyas reads from the target). Written to OUT/export; OUT/export.done marks it whole."""
     import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from eyas.targets.weights import embed_weight
 
     dest = out / "export"
     shutil.rmtree(dest, ignore_errors=True)
     model.save_pretrained(str(dest))
-    tensors = load_file(str(dest / "model.safetensors"))
-    tensors["embed_tokens.weight"] = embed_weight(plan["model"]).float().contiguous()
-    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     (out / "export.done").write_text("")
 
 

@@ -546,9 +546,11 @@ def test_drafters_saved_by_other_tools_are_read_as_those_tools_wrote_them(
     kname, fmt, foreign, demo_runs, tmp_path
 ):
     """Each format other tools save (speculators' save_pretrained: Eagle3DraftModel, DFlash,
-    DSpark with its training-only verifier_norm; SpecForge's EAGLE-3; z-lab's DFlash), built
-    from its documented fields with transformers 5's rope_parameters, reads back into the
-    network eyas trained: the same logits. A field of a network eyas's drafter does not have
+    DSpark with its training-only verifier_norm and without the target's embedding table,
+    which it leaves out; SpecForge's EAGLE-3; z-lab's DFlash), built from its documented
+    fields with transformers 5's rope_parameters, reads back into the network eyas trained:
+    the same logits (a table left out is the target's, read from it; without a target to read
+    it from, one line says so). A field of a network eyas's drafter does not have
     (sliding-window layers) is refused in one line naming it."""
     from safetensors.torch import save_file
 
@@ -556,6 +558,7 @@ def test_drafters_saved_by_other_tools_are_read_as_those_tools_wrote_them(
     from eyas.drafters.formats import format_named
     from eyas.run.runmeta import read_run_meta
     from eyas.stages.export import load_export
+    from eyas.targets.weights import embed_weight
     from eyas.training.config import TrainConfig
     from eyas.training.trainer import build_drafter
 
@@ -566,6 +569,7 @@ def test_drafters_saved_by_other_tools_are_read_as_those_tools_wrote_them(
     model, _ = build_drafter(TrainConfig.of(data=str(run), out="unused", kind=kname, **how), meta)
     for p in model.parameters():  # away from the initialisation, so a wrong wiring shows
         p.data.normal_(0, 0.3) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
+    model.embed_tokens.weight.data.copy_(embed_weight(meta["model_path"]))  # frozen: the target's
     model.eval()
     k = kind(kname)
     tensors, cfg = k.export(format_named(fmt), model.state_dict(), k.config_dict(model), meta,
@@ -579,13 +583,19 @@ def test_drafters_saved_by_other_tools_are_read_as_those_tools_wrote_them(
         cfg = {**_tf5(cfg), "layer_types": ["full_attention"] * cfg["num_hidden_layers"]}
     elif foreign == "speculators-dflash":
         cfg = _speculators_block(cfg, "dflash", meta["aux_layers_hf"])
+    target = None
     if foreign.startswith("speculators-d"):  # its copy of the target's final norm, for training
         tensors["verifier_norm.weight"] = torch.ones(model.config.hidden_size)
+        del tensors["embed_tokens.weight"]  # the target's own, frozen: left out of its file
+        target = meta["model_path"]
     out = tmp_path / foreign
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(cfg))
-    back, layers = load_export(out)
+    if target is not None:
+        with pytest.raises(ValueError, match="no embed_tokens.*the target's"):
+            load_export(out)  # no target to read the table from
+    back, layers = load_export(out, target)
     assert layers == meta["aux_layers_hf"]
     back.attention = getattr(model, "attention", None)  # EAGLE-3: the same TTT attention code
     T = 20

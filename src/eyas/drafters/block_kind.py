@@ -96,11 +96,15 @@ def read_block_weights(model, raw: dict, cfg_file) -> None:
     if c.draft_vocab_size == c.vocab_size and "d2t" not in state:
         state["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
-    if "embed_tokens.weight" not in state or "lm_head.weight" not in state:
+    if "embed_tokens.weight" not in state:
         raise UsageError(
-            f"{cfg_file.parent}/model.safetensors: no embed_tokens or lm_head (a tool that "
-            "leaves the target's own out); eyas evaluates a drafter that carries them: write "
-            "the target's embedding table and head rows into it"
+            f"{cfg_file.parent}/model.safetensors: no embed_tokens (the tool that saved it "
+            "leaves the target's own table out): evaluate reads it from the target's --model"
+        )
+    if "lm_head.weight" not in state:
+        raise UsageError(
+            f"{cfg_file.parent}/model.safetensors: no lm_head; eyas evaluates a drafter that "
+            "carries its head"
         )
     load_weights(model, state, f"{cfg_file.parent}/model.safetensors")
 

@@ -324,7 +324,7 @@ def _target(model_dir: str, dev, trust_remote_code: bool, cache: dict | None, pr
 def _drafter(drafter_dir: str, model, model_dir: str, dev):
     """The export's drafter on `dev` and the target layers it reads; refused where it was
     made for a target of another width or vocabulary."""
-    drafter, aux_hf = load_export(drafter_dir)
+    drafter, aux_hf = load_export(drafter_dir, model_dir)
     drafter.to(dev)
     d, t = drafter.config, model.config
     if d.hidden_size != t.hidden_size or d.vocab_size != t.vocab_size:
@@ -457,7 +457,7 @@ def evaluate_vllm(
         chat_template_kwargs,
         chat_template,
     )
-    load_export(drafter_dir)  # a clear error for a directory that is not an export
+    load_export(drafter_dir, model_dir)  # a clear error for a directory that is not an export
     return judge_with_vllm(
         model_dir,
         got.prompts,

@@ -333,13 +333,16 @@ def render_export(path: str | Path, fmt: str, asked_tokens: int | None = None) -
     )
 
 
-def load_export(path: str | Path) -> tuple[torch.nn.Module, list[int]]:
+def load_export(
+    path: str | Path, target: str | Path | None = None
+) -> tuple[torch.nn.Module, list[int]]:
     """A drafter from an export directory of any kind and format, in the architecture its
-    config declares, and the target layers it reads (HF `hidden_states` indices)."""
+    config declares, and the target layers it reads (HF `hidden_states` indices); `target`,
+    the model directory it drafts for, gives an embedding table its file leaves out."""
     from eyas.training.checkpoint import read_export
 
     try:
-        _, drafter, layers = read_export(Path(path))
+        _, drafter, layers = read_export(Path(path), target)
     except UsageError as exc:  # a drafter to fix (its config against its weights): exit 2
         raise ExportUsage(str(exc)) from None
     except ValueError as exc:

@@ -255,9 +255,11 @@ def load_final(train_dir: Path) -> tuple[dict, dict]:
 EXPORT_MANIFEST = "eyas-manifest.json"  # an export's files and checksums (`eyas.stages.export`)
 
 
-def read_export(path: Path):
+def read_export(path: Path, target: str | Path | None = None):
     """(kind, drafter, target layers as HF indices) of an export directory of any kind and
-    format, in the architecture its config declares; ValueError names what is wrong."""
+    format, in the architecture its config declares; ValueError names what is wrong. A file
+    without the embedding table (speculators' save_pretrained leaves the target's frozen copy
+    out) takes it from `target`, the model directory the drafter is for."""
     import json
 
     from eyas.drafters import kind_for_export
@@ -284,7 +286,12 @@ def read_export(path: Path):
         raise UsageError(
             f"{path}: {EXPORT_MANIFEST} says format {m.get('format')!r}, which a {k.name} export is not"
         )
-    return (k, *k.load_export(cfg, load_file(str(path / "model.safetensors")), cfg_file))
+    raw = load_file(str(path / "model.safetensors"))
+    if "embed_tokens.weight" not in raw and target is not None:
+        from eyas.targets.weights import embed_weight
+
+        raw["embed_tokens.weight"] = embed_weight(target)
+    return (k, *k.load_export(cfg, raw, cfg_file))
 
 
 def initial_weights(path: Path, model, kind) -> None:
