@@ -94,10 +94,9 @@ def by_rows(x: torch.Tensor, head: Callable, per_rows: Callable, rows: int, k: i
         return part(x, slice(0, n))
     from torch.utils.checkpoint import checkpoint
 
-    outs = []
+    outs, grad = [], torch.is_grad_enabled()
     for a in range(0, n, rows):
         sl = slice(a, min(a + rows, n))
-        grad = torch.is_grad_enabled()
         outs.append(
             checkpoint(part, x[:, sl], sl, use_reentrant=False) if grad else part(x[:, sl], sl)
         )

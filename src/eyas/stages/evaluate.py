@@ -28,8 +28,7 @@ from eyas.decoders.result import EvalResult
 from eyas.errors import ProblemError, UsageError
 from eyas.host.ui import still_working
 from eyas.stages.card import record_evaluation
-from eyas.stages.config import EvaluateConfig
-from eyas.stages.config import EvaluateConfig as _D  # the defaults, written once
+from eyas.stages.config import EvaluateConfig  # its defaults, written once, are the functions' too
 from eyas.stages.eval_report import render_inputs, render_paired, render_result, stopped_line
 from eyas.stages.export import (
     drafts_per_round,
@@ -341,17 +340,17 @@ def evaluate(
     data: str,
     *,
     k: int | None = None,
-    max_new_tokens: int = _D.max_new_tokens,
-    limit: int | None = _D.limit,
-    precision: float | None = _D.precision,
+    max_new_tokens: int = EvaluateConfig.max_new_tokens,
+    limit: int | None = EvaluateConfig.limit,
+    precision: float | None = EvaluateConfig.precision,
     trust_remote_code: bool = False,
     progress: bool = True,
     greedy_cache: dict | None = None,
     target_cache: dict | None = None,
-    device: str = _D.device,
+    device: str = EvaluateConfig.device,
     chat_template_kwargs: dict | None = None,
     chat_template: str | None = None,
-    max_error_rate: float = _D.max_error_rate,
+    max_error_rate: float = EvaluateConfig.max_error_rate,
 ) -> EvalResult:
     """Speculative against greedy decoding over the prompts of `data` (at most `limit`),
     stopping early once the 95% interval of tokens per forward is within +-`precision`
@@ -432,14 +431,14 @@ def evaluate_vllm(
     data: str,
     *,
     k: int | None = None,
-    max_new_tokens: int = _D.max_new_tokens,
-    limit: int | None = _D.limit,
-    tensor_parallel_size: int = _D.tensor_parallel_size,
+    max_new_tokens: int = EvaluateConfig.max_new_tokens,
+    limit: int | None = EvaluateConfig.limit,
+    tensor_parallel_size: int = EvaluateConfig.tensor_parallel_size,
     trust_remote_code: bool = False,
     progress: bool = True,
     chat_template_kwargs: dict | None = None,
     chat_template: str | None = None,
-    max_error_rate: float = _D.max_error_rate,
+    max_error_rate: float = EvaluateConfig.max_error_rate,
 ) -> EvalResult:
     """The same measurement with vLLM as the judge (`eyas.decoders.vllm`): greedy generation
     without and with the exported drafter, vLLM's own speculative-decoding counters for
@@ -530,7 +529,7 @@ class EvaluateSummary:
 
     @property
     def lossless(self) -> bool:
-        return all(r.to_dict()["lossless"] for r in self.results)
+        return not any(r.mismatches for r in self.results)
 
     def stopped(self) -> str | None:
         """Where a judge stopped early (by a signal), or None."""
