@@ -263,3 +263,130 @@ def test_five_target_layers_extract_train_export_and_decode(
     eyas("train", "--data", run, "--out", tmp_path / "e3", "--epochs", "1", check=True)
     r = eyas("export", tmp_path / "e3", "--format", "vllm", "--out", tmp_path / "e3x")
     assert r.returncode == 2 and "reads 5 target layers" in r.stderr, r.stderr
+
+
+def test_dpace_weights_are_the_drafts_expected_from_each_position_on():
+    """D-PACE's weight of block position j: the sum over k >= j of the product of the
+    smoothed confidences of positions 1..k, counting counted positions only (an uncounted one
+    passes with 1 and adds no term), zero where j itself is not counted."""
+    from eyas.drafters.block_kind import DPACE_ALPHA, dpace_weights
+
+    torch.manual_seed(0)
+    conf = [torch.rand(2, 5) for _ in range(4)]
+    counted = [torch.rand(2, 5) > 0.3 for _ in range(4)]
+    got = torch.stack(dpace_weights(conf, counted), -1)
+    for b in range(2):
+        for n in range(5):
+            for j in range(4):
+                want = 0.0
+                if counted[j][b, n]:
+                    reach = 1.0
+                    for k in range(4):
+                        if counted[k][b, n]:
+                            reach *= (1 - DPACE_ALPHA) * float(conf[k][b, n]) + DPACE_ALPHA
+                            want += reach if k >= j else 0.0
+                assert abs(float(got[b, n, j]) - want) < 1e-5, (b, n, j)
+
+
+def _block_batch(demo_runs, **options):
+    """A DFlash drafter built for the demo run with `options`, its config and a batch of 4
+    samples with the target's labels and anchors."""
+    from eyas.drafters import kind
+    from eyas.run.runmeta import read_run_meta
+    from eyas.stages.train import TrainConfig, build_drafter
+    from eyas.training.train_data import SampleReader, to_device, usable_samples
+
+    run = demo_runs(60)
+    meta = read_run_meta(run)
+    entries, _ = usable_samples(run, meta["hidden_size"], lambda m: None)
+    reader = SampleReader(run, entries, True)
+    cfg = TrainConfig.of(data=str(run), out="unused", kind="dflash", progress=False, **options)
+    d, head = build_drafter(cfg, meta)
+    b = to_device(reader.batch(sorted(entries)[:4]), torch.device("cpu"))
+    reader.close()
+    k = kind("dflash")
+    k.prepare_batch(d, b, head, cfg)
+    return k, d, cfg, b
+
+
+def _slot_losses(k, d, b, cfg):
+    """Per predicting block position: (the KL loss (B, N), counted (B, N), the drafter's
+    argmax right (B, N)), written plainly from the drafter's outputs."""
+    import torch.nn.functional as F
+
+    out = k.outputs(d, b)
+    res = []
+    for i, (src, _, lmask) in enumerate(k._masks(b, d.config.block_size)):
+        logits = out["head"](out["states"][:, :, i], i, slice(None))
+        at = src[..., None].expand(-1, -1, b["tgt_logits"].shape[-1])
+        p = F.softmax(b["tgt_logits"].gather(1, at).float(), -1)
+        per = -(p * F.log_softmax(logits.float(), -1)).sum(-1)
+        right = d.draft_ids[logits.argmax(-1)] == b["tgt_top"].gather(1, src)
+        res.append((per, lmask, right, F.softmax(logits.float(), -1)))
+    return res
+
+
+def test_loss_until_miss_counts_a_block_position_only_up_to_the_first_miss(demo_runs):
+    """--loss-until-miss (Spec-AUF): in training, block position j counts only where every
+    earlier position of its block drafted the target's token; the first counts every block;
+    validation (eval mode) masks nothing."""
+    k, d, cfg, b = _block_batch(demo_runs, loss_until_miss=True)
+    plain_cfg = _block_batch(demo_runs)[2]
+    with torch.no_grad():
+        slots = _slot_losses(k, d, b, cfg)
+        held = torch.ones_like(b["anchors"], dtype=torch.bool)
+        want_counts, want_sums = [], []
+        for per, lmask, right, _ in slots:
+            m = lmask & held
+            want_counts.append(float(m.sum()))
+            want_sums.append(float((per * m).sum()))
+            held &= right
+        d.train()
+        _, masked = k.loss(d, b, cfg, None)
+        _, plain = k.loss(d, b, plain_cfg, None)
+        d.eval()
+        _, validated = k.loss(d, b, cfg, None)
+    assert masked[:, 1].tolist() == want_counts
+    torch.testing.assert_close(masked[:, 0], torch.tensor(want_sums, dtype=torch.float64))
+    assert masked[0, 1] == plain[0, 1] > masked[1, 1] > 0  # blocks left out, not all
+    assert masked[2, 1] < plain[2, 1]
+    assert torch.equal(validated, plain)
+
+
+def test_dpace_weighs_each_block_position_by_the_drafts_expected_from_it(demo_runs):
+    """--position-weights dpace: the block loss is each position's loss times its D-PACE
+    weight (from the drafter's probability of the target's token), where `decay` weighs
+    position j by exp(-(j-1)/4); the metrics are the same."""
+    from eyas.drafters.block_drafter import block_weights
+    from eyas.drafters.block_kind import dpace_weights
+
+    k, d, cfg, b = _block_batch(demo_runs, position_weights="dpace")
+    decay_cfg = _block_batch(demo_runs)[2]
+    with torch.no_grad():
+        slots = _slot_losses(k, d, b, cfg)
+        conf = [
+            q.gather(
+                -1,
+                torch.searchsorted(
+                    d.draft_ids, b["tgt_top"].gather(1, src).clamp(max=int(d.draft_ids[-1]))
+                )[..., None],
+            ).squeeze(-1)
+            for (_, _, _, q), (src, _, _) in zip(slots, k._masks(b, 4), strict=True)
+        ]
+        w = dpace_weights(conf, [lm for _, lm, _, _ in slots])
+        n = [float(lm.sum()) for _, lm, _, _ in slots]
+        want = sum(
+            float((per * lm * wi).sum()) / ni
+            for (per, lm, _, _), wi, ni in zip(slots, w, n, strict=True)
+        )
+        decays = block_weights(4, 4.0)
+        want_decay = sum(
+            float((per * lm).sum()) * float(dw) / ni
+            for (per, lm, _, _), dw, ni in zip(slots, decays, n, strict=True)
+        )
+        got, stats = k.loss(d, b, cfg, None)
+        got_decay, stats_decay = k.loss(d, b, decay_cfg, None)
+    assert abs(float(got_decay) - want_decay) < 1e-4 * want_decay
+    assert abs(float(got) - want) < 1e-4 * want
+    assert abs(want - want_decay) > 0.05 * want_decay  # the weights changed the loss
+    assert torch.equal(stats, stats_decay)

@@ -74,6 +74,21 @@ def speculators_block_fields(cfg: dict, cfg_file, anchor_drafts: bool) -> tuple[
     }, ids
 
 
+DPACE_ALPHA = 0.5  # D-PACE: a position's confidence q is smoothed to (1 - alpha) q + alpha
+
+
+def dpace_weights(conf: list, counted: list, alpha: float = DPACE_ALPHA) -> list:
+    """D-PACE's loss weight of each predicting position j of each block, from the drafter's
+    probability q of the target's token at every position (lists over positions of (B, N)):
+    the expected number of the block's drafts accepted from j on, sum over k >= j of the
+    product of the smoothed confidences of positions 1..k, counted positions alone adding a
+    term (an uncounted one passes with 1); zero where j is not counted."""
+    m = torch.stack(counted, -1).float()  # (B, N, S')
+    smooth = torch.where(m > 0, (1 - alpha) * torch.stack(conf, -1).float() + alpha, 1.0)
+    reach = torch.cumprod(smooth, -1) * m
+    return list((reach.flip(-1).cumsum(-1).flip(-1) * m).unbind(-1))
+
+
 def export_tensors(state: dict, c, dtype) -> dict:
     """A block drafter's tensors as an export holds them: floats in `dtype`, d2t int64 and
     t2d bool (neither where the draft vocabulary is the whole vocabulary)."""
@@ -244,17 +259,28 @@ class BlockKind:
         return divergence(logq, logp, cfg.loss, lmask)
 
     def loss(self, model: DFlashDrafter, batch: dict, cfg, norm):
-        S = model.config.block_size
+        o, S = cfg.options, model.config.block_size
         out = self.outputs(model, batch)
-        w = block_weights(S - self.first_slot + 1, cfg.options.block_decay)
         dids = model.draft_ids
         ids = self._sample_ids(batch, cfg)
         chain = Chain(batch["anchors"], ids)
         B, N = batch["anchors"].shape
         rows = head_rows(B, N, dids.numel(), LOSSES[cfg.loss].per_position)
         tgt, head = batch["tgt_logits"], out["head"]
+        dpace = o.position_weights == "dpace"
+        confidence = None
+        if dpace:  # the drafter's probability of the target's token (its draft index)
+            index = torch.zeros(len(model.t2d), dtype=torch.long, device=dids.device)
+            index[dids] = torch.arange(len(dids), device=dids.device)
+        decay = block_weights(S - self.first_slot + 1, o.block_decay).tolist()
+        until_miss = o.loss_until_miss and model.training
+        held = torch.ones_like(batch["anchors"], dtype=torch.bool)  # all earlier slots right
+        slots = []
         for i, (src, scored, lmask) in enumerate(self._masks(batch, S)):
             slot = self.first_slot + i
+            want = batch["tgt_top"].gather(1, src)  # (B, N)
+            if until_miss:
+                lmask = lmask & held
 
             def per_rows(logits, sl, slot=slot, i=i, src=src, lmask=lmask):
                 at = src[:, sl, None].expand(-1, -1, tgt.shape[-1])
@@ -262,12 +288,28 @@ class BlockKind:
                 logp = F.log_softmax(tgt.gather(1, at).float(), -1)
                 return self.slot_loss(out, slot, logq, logp, lmask[:, sl], chain, i, cfg, sl)
 
-            per, arg, _ = by_rows(
-                out["states"][:, :, i], lambda xs, sl, i=i: head(xs, i, sl), per_rows, rows
+            if dpace:
+
+                def confidence(logits, sl, want=want):
+                    probs = F.softmax(logits.float(), -1)
+                    return probs.gather(-1, index[want[:, sl]][..., None]).squeeze(-1)
+
+            per, arg, conf = by_rows(
+                out["states"][:, :, i],
+                lambda xs, sl, i=i: head(xs, i, sl),
+                per_rows,
+                rows,
+                confidence,
             )  # (B, N)
-            right = dids[arg] == batch["tgt_top"].gather(1, src)
+            right = dids[arg] == want
+            held = held & right
             n = norm[i] if norm is not None else counted(lmask, ids)
-            chain.add(i, per, lmask, scored, right, float(w[i]), n)
+            chain.add(i, per, lmask, scored, right, None if dpace else decay[i], n)
+            slots.append((per, lmask, conf, n))
+        if dpace:  # the weights need every position's confidence
+            weights = dpace_weights([c for _, _, c, _ in slots], [m for _, m, _, _ in slots])
+            for (per, lmask, _, n), w in zip(slots, weights, strict=True):
+                chain.add_loss(per, lmask, w, n)
         return chain.result()
 
     def proposer(self, model: DFlashDrafter, target_layers_hf: list[int]) -> BlockProposer:

@@ -10,6 +10,8 @@ from typing import ClassVar
 
 from eyas.errors import UsageError
 
+POSITION_WEIGHTS = ("decay", "dpace")
+
 
 @dataclass(frozen=True, kw_only=True)
 class BlockOptions:
@@ -22,6 +24,15 @@ class BlockOptions:
     anchor_stride: int = 1
     """A training block starts at every this many positions of a trainable span (1: at each;
     --block-size: each position is predicted once per step, at one block position)."""
+    position_weights: str = "decay"
+    """How a block position's loss is weighted: `decay` (exp(-(j-1)/--block-decay)) or
+    `dpace` (D-PACE: the number of the block's drafts expected to be accepted from that
+    position on, from the drafter's own probability of the target's token at each position
+    of the block, smoothed as (1 - 0.5) q + 0.5; not differentiated)."""
+    loss_until_miss: bool = False
+    """Spec-AUF: in training, a block position's loss counts only where every earlier
+    position of its block drafted the target's token (the first miss counts, what follows
+    it, which serving never verifies, does not)."""
 
     may_change: ClassVar[frozenset[str]] = frozenset()
     before: ClassVar[dict] = {
@@ -29,6 +40,8 @@ class BlockOptions:
         "drafter_layers": 2,
         "block_decay": 4.0,
         "anchor_stride": 1,
+        "position_weights": "decay",
+        "loss_until_miss": False,
     }
 
     def __post_init__(self) -> None:
@@ -38,5 +51,10 @@ class BlockOptions:
             raise UsageError(f"--drafter-layers must be at least 1, got {self.drafter_layers}")
         if self.block_decay <= 0:
             raise UsageError(f"--block-decay must be positive, got {self.block_decay}")
+        if self.position_weights not in POSITION_WEIGHTS:
+            raise UsageError(
+                f"--position-weights must be one of {', '.join(POSITION_WEIGHTS)}, "
+                f"got {self.position_weights!r}"
+            )
         if self.anchor_stride < 1:
             raise UsageError(f"--anchor-stride must be at least 1, got {self.anchor_stride}")

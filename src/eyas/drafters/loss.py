@@ -76,19 +76,19 @@ def head_rows(batch: int, n: int, vocab: int, local: bool = True) -> int:
     return n if not local else max(1, min(n, HEAD_ELEMENTS // max(1, batch * vocab)))
 
 
-def by_rows(x: torch.Tensor, head: Callable, per_rows: Callable, rows: int, k: int = 0):
+def by_rows(x: torch.Tensor, head: Callable, per_rows: Callable, rows: int, also=None):
     """A loss per row of the head's logits of the states x (B, n, H): `head(xs, sl)` gives the
     logits (B, r, D) of the rows `sl`, `per_rows(logits, sl)` their loss (B, r). Computed
     `rows` rows at a time; where that is a part of them, each part under activation
     checkpointing, so its logits exist only while it is computed (and again in the backward
-    pass) and never all at once. Returns the loss (B, n), the argmax (B, n) and, with `k`,
-    the k likeliest ids (B, n, k)."""
+    pass) and never all at once. Returns the loss (B, n), the argmax (B, n) and, with `also`,
+    what `also(logits, sl)` reads from the rows' detached logits (B, r, ...), for all rows."""
     n = x.shape[1]
 
     def part(xs: torch.Tensor, sl: slice):
         logits = head(xs, sl)
-        top = logits.detach().topk(k, -1).indices if k else None
-        return per_rows(logits, sl), logits.detach().argmax(-1), top
+        extra = also(logits.detach(), sl) if also is not None else None
+        return per_rows(logits, sl), logits.detach().argmax(-1), extra
 
     if rows >= n:
         return part(x, slice(0, n))
@@ -100,8 +100,8 @@ def by_rows(x: torch.Tensor, head: Callable, per_rows: Callable, rows: int, k: i
         outs.append(
             checkpoint(part, x[:, sl], sl, use_reentrant=False) if grad else part(x[:, sl], sl)
         )
-    loss, arg, top = zip(*outs, strict=True)
-    return torch.cat(loss, 1), torch.cat(arg, 1), torch.cat(top, 1) if k else None
+    loss, arg, extra = zip(*outs, strict=True)
+    return torch.cat(loss, 1), torch.cat(arg, 1), torch.cat(extra, 1) if also else None
 
 
 class TargetHead:
@@ -365,9 +365,10 @@ def ttt_loss(
                 return on_policy(logq, logp, chain.all_right[:, sl], chain.since(i)[:, sl])
             return divergence(logq, logp, kind, lmask[:, sl])
 
+        likeliest = (lambda logits, _sl: logits.topk(align, -1).indices) if aligning else None
         ce, arg, top = by_rows(
-            state, lambda xs, _sl: drafter.lm_head(xs), per_rows, rows, align if aligning else 0
-        )  # (B, T)
+            state, lambda xs, _sl: drafter.lm_head(xs), per_rows, rows, likeliest
+        )
         right = dids[arg] == want
         if aligning:
             aligned = aligned & (dids[top] == want[..., None]).any(-1)
@@ -396,12 +397,13 @@ class Chain:
         """Steps since each root's first miss (meaningless where none missed)."""
         return step - self.missed_at
 
-    def add(self, step, per, lmask, scored, right, weight: float, n: float) -> None:
+    def add(self, step, per, lmask, scored, right, weight: float | None, n: float) -> None:
         """Step `step`: its per-position loss `per`, counted where `lmask`, divided by `n`
-        and weighted; `right` where the drafter's argmax is the target's."""
+        and weighted (None: `add_loss` adds it later, once its weights are known); `right`
+        where the drafter's argmax is the target's."""
         loss_sum = (per * lmask).sum()
-        weighted = loss_sum if self.ids is None else (per * self._per_sample(lmask)).sum()
-        self.total = self.total + weight * weighted / max(n, 1.0)
+        if weight is not None:
+            self.add_loss(per, lmask, weight, n)
         cond = scored & self.all_right
         self.missed_at = torch.where(self.all_right & ~right, step, self.missed_at)
         self.all_right = self.all_right & right
@@ -415,6 +417,14 @@ class Chain:
                 float(cond.sum()),
             ]
         )
+
+    def add_loss(self, per, lmask, weight: float | torch.Tensor, n: float) -> None:
+        """A step's loss `per` into the total: counted where `lmask`, divided by `n`, weighted
+        by `weight` (one number, or one per position)."""
+        part = per * weight if isinstance(weight, torch.Tensor) else per
+        scale = 1.0 if isinstance(weight, torch.Tensor) else weight
+        counted = lmask if self.ids is None else self._per_sample(lmask)
+        self.total = self.total + scale * (part * counted).sum() / max(n, 1.0)
 
     def _per_sample(self, lmask: torch.Tensor) -> torch.Tensor:
         """Weights (...): 1 / the sample's counted positions where counted, else 0."""
