@@ -2,14 +2,18 @@
 each judged on a held-out extraction with one metric.
 
     python bench/recipe.py --run RUN --holdout HOLDOUT_RUN --work WORK \\
-        --variant base= --variant muon='--optimizer muon' [--seeds 0,1] [--jobs 2]
+        --variant base= --variant muon='--optimizer muon' [--seeds 0,1] [--jobs 2] \\
+        [--holdout-samples 245:811:2] [--epochs 3]
 
-Every variant trains `--ttt-steps 3 --epochs 3` (plus `--common` and its own options) on RUN,
-once per seed, in its own process on one CPU thread, `--jobs` at a time; a finished training
-is reused. Each trained drafter is then scored on every sample of HOLDOUT_RUN (another
-extraction of the same target; different conversations): accuracy per TTT step, conditional
-accuracy and the estimated acceptance length, with eyas's metric for all. Prints one row per
-variant (the mean over seeds, and each seed) and writes WORK/recipe.json.
+Every variant trains `--epochs` epochs (EAGLE-3 with `--ttt-steps`; another `--kind` with its
+own defaults), plus `--common` and its own options, on RUN, once per seed, in its own process
+on one CPU thread, `--jobs` at a time; a finished training is reused. Each trained drafter is
+then scored on the samples of HOLDOUT_RUN (another extraction of the same target, or one whose
+samples `--holdout-samples` START:STOP[:STEP] RUN never had; its aux layers must be the
+training's): accuracy per TTT step or block position, conditional accuracy and the estimated
+acceptance length, with eyas's metric for all. Prints one row per variant (the mean over
+seeds, and each seed; the acceptance for 3 drafts and for every position the drafter has) and
+writes WORK/recipe.json.
 """
 
 from __future__ import annotations
@@ -24,14 +28,16 @@ import time
 from pathlib import Path
 
 
-def holdout_accuracy(train_dir: Path, holdout: Path, steps: int) -> dict:
-    """eyas's validation summary of a trained drafter over every sample of `holdout`."""
+def holdout_accuracy(train_dir: Path, holdout: Path, steps: int, samples=None) -> dict:
+    """eyas's validation summary of a trained drafter over the samples of `holdout` (a
+    `range`, or all of them)."""
     from eyas.training.checkpoint import load_trained
     from eyas.training.config import saved_flat
 
     d, kind = load_trained(train_dir)
     cfg = saved_flat(json.loads((train_dir / "train.json").read_text())["config"])
-    return scored(d, kind, screen_config(kind.name, steps, d, cfg.get("block_size")), holdout)
+    how = screen_config(kind.name, steps, d, cfg.get("block_size"))
+    return scored(d, kind, how, holdout, samples=samples)
 
 
 def screen_config(kind: str, steps: int, drafter, block_size: int | None = None):
@@ -50,10 +56,11 @@ def screen_config(kind: str, steps: int, drafter, block_size: int | None = None)
                           **{k: v for k, v in wanted.items() if k in own and v is not None})  # fmt: skip
 
 
-def scored(drafter, kind, how, run: Path, batches=None, model: str | None = None) -> dict:
+def scored(drafter, kind, how, run: Path, batches=None, model: str | None = None, samples=None):
     """eyas's validation summary (per TTT step or block position, `kind`'s) of `drafter` over
-    `batches` of `run` (lists of sample indices; default: every sample, 4,096 tokens a batch),
-    the target's head read from `model` (default: the run's), with the summed positions."""
+    `batches` of `run` (lists of sample indices; default: every sample, or those in
+    `samples`, 4,096 tokens a batch), the target's head read from `model` (default: the
+    run's), with the summed positions."""
     import torch
 
     from eyas.drafters.loss import summarize
@@ -65,7 +72,8 @@ def scored(drafter, kind, how, run: Path, batches=None, model: str | None = None
     meta = read_run_meta(run)
     entries, _ = usable_samples(run, meta["hidden_size"], lambda m: None)
     if batches is None:
-        batches = plan_batches({i: e["tokens"] for i, e in entries.items()}, sorted(entries), 4096)
+        chosen = sorted(i for i in entries if samples is None or i in samples)
+        batches = plan_batches({i: entries[i]["tokens"] for i in chosen}, chosen, 4096)
     reader = SampleReader(run, entries, checksums=True)
     head = lm_head_weight(model or meta["model_path"]).float()
     stats = torch.zeros(kind.positions(how), 6, dtype=torch.float64)
@@ -98,7 +106,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="trainings at once (one thread each)")
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--holdout-samples", default=None,
+                    help="START:STOP[:STEP]: the holdout's samples to score (default: all)")  # fmt: skip
     args = ap.parse_args()
+    samples = range(*map(int, args.holdout_samples.split(":"))) if args.holdout_samples else None
     variants = dict(v.split("=", 1) for v in args.variant)
     seeds = [int(s) for s in args.seeds.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
@@ -112,9 +123,11 @@ def main() -> None:
             out = args.work / f"{name}-s{seed}"
             if (out / "drafter.manifest.json").is_file():
                 continue
+            options = [*shlex.split(args.common), *shlex.split(variants[name])]
+            eagle3 = "--kind" not in options or options[options.index("--kind") + 1] == "eagle3"
+            steps = ["--ttt-steps", str(args.ttt_steps)] if eagle3 else []
             cmd = [sys.executable, "-m", "eyas.cli", "train", "--data", str(args.run), "--out", str(out),
-                   "--ttt-steps", str(args.ttt_steps), "--epochs", str(args.epochs), "--seed", str(seed),
-                   *shlex.split(args.common), *shlex.split(variants[name])]  # fmt: skip
+                   *steps, "--epochs", str(args.epochs), "--seed", str(seed), *options]  # fmt: skip
             if (out / "train.json").is_file():
                 cmd.append("--resume")
             log = open(args.work / f"{name}-s{seed}.log", "a")
@@ -141,30 +154,43 @@ def main() -> None:
         for s in seeds:
             out = args.work / f"{name}-s{s}"
             if (out / "drafter.manifest.json").is_file():
-                per[s] = holdout_accuracy(out, args.holdout, args.ttt_steps)
+                print(f"scoring {out.name} on {args.holdout}", flush=True)
+                per[s] = holdout_accuracy(out, args.holdout, args.ttt_steps, samples)
         rows[name] = per
     (args.work / "recipe.json").write_text(
-        json.dumps({"variants": variants, "results": rows}, indent=1)
+        json.dumps(
+            {
+                "variants": variants,
+                "holdout": str(args.holdout),
+                "holdout_samples": args.holdout_samples,
+                "results": rows,
+            },
+            indent=1,
+        )
     )
     fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
     print(
-        f"\nheld-out {args.holdout}: accuracy per TTT step | conditional | est. acceptance (k={args.ttt_steps})"
+        f"\nheld-out {args.holdout}: accuracy per TTT step or block position | conditional | "
+        "est. acceptance for 3 drafts | for every position"
     )
     for name, per in rows.items():
         if not per:
             print(f"{name:<24} (no finished training)")
             continue
+        n = min(len(p["acc"]) for p in per.values())
 
-        def mean(key: str, per: dict = per) -> list[float]:
-            return [sum(p[key][i] for p in per.values()) / len(per) for i in range(args.ttt_steps)]
+        def mean(key: str, per: dict = per, n: int = n) -> list[float]:
+            return [sum(p[key][i] for p in per.values()) / len(per) for i in range(n)]
 
-        acc = sum(p["accept_len"][-1] for p in per.values()) / len(per)
+        accept = mean("accept_len")
         print(
-            f"{name:<24} {fmt(mean('acc'))} | {fmt(mean('cond_acc'))} | {acc:.3f}   ({variants[name] or 'eyas as it is'})"
+            f"{name:<24} {fmt(mean('acc'))} | {fmt(mean('cond_acc'))} | {accept[min(2, n - 1)]:.3f}"
+            f" | {accept[-1]:.3f}   ({variants[name] or 'eyas as it is'})"
         )
         for s, p in per.items():
             print(
-                f"{'':<24} seed {s}: {fmt(p['acc'])} | {fmt(p['cond_acc'])} | {p['accept_len'][-1]:.3f}"
+                f"{'':<24} seed {s}: {fmt(p['acc'])} | {fmt(p['cond_acc'])} | "
+                f"{p['accept_len'][min(2, n - 1)]:.3f} | {p['accept_len'][-1]:.3f}"
             )
 
 
