@@ -333,10 +333,14 @@ def worker(args) -> None:
                                  muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw")  # fmt: skip
     opts = build_optimizers(model, opt_cfg)
     packed = packer(Path(plan["run"]), shifted=args.kind == "eagle3")
+    start = resume_peer(out, model, opts)
     step, t0, tokens = 0, time.monotonic(), 0
-    log = open(out / "metrics.jsonl", "w")
+    log = open(out / "metrics.jsonl", "a" if start else "w")
     for epoch, batches in enumerate(plan["epochs"]):
         for idx in batches:
+            if step < start:  # done before the worker was stopped
+                step += 1
+                continue
             for o in opts:
                 for g in o.param_groups:
                     g["lr"] = lrs[step]
@@ -355,6 +359,9 @@ def worker(args) -> None:
                 json.dumps({"step": step, "epoch": epoch, "loss": float(loss.detach()), "acc": acc})
                 + "\n"
             )
+            if step % args.save_every == 0 and step < len(plan["lrs"]):
+                log.flush()
+                save_peer(out, model, opts, step)
             if step % 10 == 0:
                 log.flush()
                 print(f"peer: step {step}/{len(plan['lrs'])} loss {float(loss):.3f} acc0 {acc[0]:.3f} "
@@ -373,6 +380,43 @@ def worker(args) -> None:
         _block_export(model, plan, out)
     print(f"peer: trained {step} steps in {time.monotonic() - t0:.0f} s "
           f"({tokens / (time.monotonic() - t0):.0f} tok/s)", flush=True)  # fmt: skip
+
+
+def save_peer(out: Path, model, opts, step: int) -> None:
+    """The peer's training state after `step` steps, written whole or not at all."""
+    import os
+
+    import torch
+
+    tmp = out / "resume.pt.tmp"
+    with open(tmp, "wb") as f:
+        torch.save({"step": step, "model": model.state_dict(), "rng": torch.get_rng_state(),
+                    "opts": [o.state_dict() for o in opts]}, f)  # fmt: skip
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out / "resume.pt")
+
+
+def resume_peer(out: Path, model, opts) -> int:
+    """The steps a stopped peer training had done (0: none saved), its state (weights,
+    optimizers, random generator) restored; the metrics it logged after that save are cut
+    off."""
+    import torch
+
+    saved = out / "resume.pt"
+    if not saved.is_file():
+        return 0
+    state = torch.load(saved, weights_only=False)
+    model.load_state_dict(state["model"])
+    for o, st in zip(opts, state["opts"], strict=True):
+        o.load_state_dict(st)
+    torch.set_rng_state(state["rng"])  # the anchors it draws next, as unbroken
+    step = state["step"]
+    log = out / "metrics.jsonl"
+    kept = [ln for ln in log.read_text().splitlines() if json.loads(ln)["step"] <= step]
+    log.write_text("".join(ln + "\n" for ln in kept))
+    print(f"peer: resumed after step {step} ({saved})", flush=True)
+    return step
 
 
 def accuracies(metrics: dict, kind: str, ttt_steps: int) -> list[float]:
@@ -701,6 +745,8 @@ def main() -> None:
     w.add_argument("--peer-norms", default="on", choices=("on", "off"))
     w.add_argument("--schedule", default="eyas", choices=("eyas", "own"))
     w.add_argument("--seed", type=int, default=0, help="added to the peer CLI's seed (42)")
+    w.add_argument("--save-every", type=int, default=50,
+                   help="steps between saves of the training, which a rerun resumes from")  # fmt: skip
     pl = sub.add_parser("plan", help="(internal) eyas's batch plan of a training, as JSON")
     pl.add_argument("--run", type=Path, required=True)
     pl.add_argument("--eyas-train", type=Path, required=True)
