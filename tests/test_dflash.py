@@ -390,3 +390,30 @@ def test_dpace_weighs_each_block_position_by_the_drafts_expected_from_it(demo_ru
     assert abs(float(got) - want) < 1e-4 * want
     assert abs(want - want_decay) > 0.05 * want_decay  # the weights changed the loss
     assert torch.equal(stats, stats_decay)
+
+
+def test_attention_in_parts_of_blocks_is_the_attention_whole():
+    """The block queries taken a few blocks at a time, each part over the span of context
+    keys it sees, give the outputs and gradients of all queries over every key, in packed
+    rows (two samples a row), with and without a window."""
+    from eyas.drafters.block_drafter import query_parts
+
+    for window in (None, 6):
+        m = _model(window=window).train()
+        torch.manual_seed(3)
+        ids, states = torch.randint(0, 49, (2, 24)), torch.randn(2, 24, 96, dtype=torch.float64)
+        segments = torch.tensor([[0] * 10 + [1] * 14, [0] * 17 + [1] * 7])
+        positions = torch.cat([torch.arange(10), torch.arange(14), torch.arange(17), torch.arange(7)]).view(2, 24)  # fmt: skip
+        anchors = torch.tensor([[0, 2, 4, 6, 11, 13, 15, 18, 20, -1], [1, 3, 5, 8, 10, 12, 14, 18, 20, 21]])  # fmt: skip
+        ids_, pos, kv, sees = m.training_blocks(ids, states, anchors, segments, positions)
+        parts = query_parts(sees, 4, size=8)  # two blocks a part
+        assert len(parts) == 5 and any(k1 - k0 < 24 for *_, k0, k1 in parts)
+        x = m.embed_tokens(ids_).requires_grad_(True)
+        layer = m.layers[0]
+        k, v = kv[0]
+        got = layer(x, pos, k, v, sees, parts)
+        (g_got,) = torch.autograd.grad(got.sum(), x)
+        want = layer(x, pos, k, v, sees)
+        (g_want,) = torch.autograd.grad(want.sum(), x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(g_got, g_want)

@@ -116,25 +116,52 @@ class Attention(nn.Module):
         )
         return rope(q, pos, c.rope_theta)  # (B, h, T, d)
 
-    def attend(self, q, ctx_k, ctx_v, sees, blk_k, blk_v) -> torch.Tensor:
+    def attend(self, q, ctx_k, ctx_v, sees, blk_k, blk_v, parts=None) -> torch.Tensor:
         """q (B, h, N*S, d) of N blocks of S queries over the context's keys and values
         (B, kv, K, d) where `sees` (B, 1, N*S, K) allows, and over its own block's S keys and
         values (blk_k, blk_v: (B, kv, N*S, d)), all of them -> (B, N*S, H). One softmax over
         both; a block's scores against the other blocks are never formed (with an anchor
-        at every position they would be most of the work)."""
+        at every position they would be most of the work). `parts` (`query_parts`): the
+        queries a part of whole blocks at a time, each over the context keys some query of
+        the part sees, not the keys none sees (default: all at once)."""
         rep = self.c.num_attention_heads // self.c.num_key_value_heads
         B, h, Q, d = q.shape
         S = self.c.block_size
-        N, K = Q // S, ctx_k.shape[2]
         q = q * (1.0 / math.sqrt(d))
         kc, vc = ctx_k.repeat_interleave(rep, 1), ctx_v.repeat_interleave(rep, 1)
-        kb = blk_k.repeat_interleave(rep, 1).view(B, h, N, S, d)
-        vb = blk_v.repeat_interleave(rep, 1).view(B, h, N, S, d)
-        s_ctx = (q @ kc.transpose(-1, -2)).masked_fill_(~sees, float("-inf"))  # (B, h, Q, K)
-        s_blk = (q.view(B, h, N, S, d) @ kb.transpose(-1, -2)).view(B, h, Q, S)
-        p = torch.softmax(upcast(torch.cat([s_ctx, s_blk], -1)), -1).to(q.dtype)
-        out = p[..., :K] @ vc + (p[..., K:].reshape(B, h, N, S, S) @ vb).view(B, h, Q, d)
+        kb, vb = blk_k.repeat_interleave(rep, 1), blk_v.repeat_interleave(rep, 1)
+        out = []
+        for q0, q1, k0, k1 in parts or [(0, Q, 0, kc.shape[2])]:
+            n, K = (q1 - q0) // S, k1 - k0
+            qp = q[:, :, q0:q1]
+            see = sees[..., q0:q1, k0:k1]
+            s_ctx = (qp @ kc[:, :, k0:k1].transpose(-1, -2)).masked_fill_(~see, float("-inf"))
+            kbp, vbp = (x[:, :, q0:q1].reshape(B, h, n, S, d) for x in (kb, vb))
+            s_blk = (qp.reshape(B, h, n, S, d) @ kbp.transpose(-1, -2)).view(B, h, q1 - q0, S)
+            p = torch.softmax(upcast(torch.cat([s_ctx, s_blk], -1)), -1).to(q.dtype)
+            own = (p[..., K:].reshape(B, h, n, S, S) @ vbp).view(B, h, q1 - q0, d)
+            out.append(p[..., :K] @ vc[:, :, k0:k1] + own)
+        out = out[0] if len(out) == 1 else torch.cat(out, 2)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, h * d))
+
+
+# Queries of a part of `query_parts`: 512 (128 blocks of 4), so a part's context reaches little
+# further than its blocks' own samples (a packed row of 1,024 tokens: 8 parts, each over about
+# a third of the row's keys), and a long batch's scores are never formed whole.
+PART_QUERIES = 512
+
+
+def query_parts(sees: torch.Tensor, S: int, size: int = PART_QUERIES) -> list[tuple]:
+    """The queries of `sees` (B, 1, Q, K) in parts of whole blocks of S, each with the span
+    of context keys any of its queries sees: [(q0, q1, k0, k1), ...] (k1 = k0: none)."""
+    Q, step = sees.shape[2], max(1, size // S) * S
+    seen = sees[:, 0].any(0)  # (Q, K): a key some row's query sees
+    out = []
+    for q0 in range(0, Q, step):
+        q1 = min(Q, q0 + step)
+        keys = torch.nonzero(seen[q0:q1].any(0)).squeeze(1).tolist()
+        out.append((q0, q1, keys[0], keys[-1] + 1) if keys else (q0, q1, 0, 0))
+    return out
 
 
 class Layer(nn.Module):
@@ -145,13 +172,13 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, h, pos, ctx_k, ctx_v, sees) -> torch.Tensor:
+    def forward(self, h, pos, ctx_k, ctx_v, sees, parts=None) -> torch.Tensor:
         """Blocks h (B, N*S, H) at pos (B, N*S); context keys/values (B, kv, K, d) of this
         layer; sees (B, 1, N*S, K): which context keys each query sees (each sees its whole
-        block)."""
+        block); `parts`: `Attention.attend`'s."""
         x = self.input_layernorm(h)
         a = self.self_attn
-        h = h + a.attend(a.query(x, pos), ctx_k, ctx_v, sees, *a.keys(x, pos))
+        h = h + a.attend(a.query(x, pos), ctx_k, ctx_v, sees, *a.keys(x, pos), parts)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -185,8 +212,9 @@ class DFlashDrafter(DraftVocab):
         seeing the context keys `sees` (B, 1, N*S, K) allows and its whole block -> the final
         normed states (B, N*S, H) the head reads."""
         h = self.embed_tokens(ids)  # (B, N*S, H)
+        parts = query_parts(sees, self.config.block_size)  # alike in every layer
         for layer, (k, v) in zip(self.layers, kv, strict=True):
-            h = layer(h, pos, k, v, sees)
+            h = layer(h, pos, k, v, sees, parts)
         return self.norm(h)
 
     def blocks(self, ids: torch.Tensor, pos: torch.Tensor, kv, sees) -> torch.Tensor:
