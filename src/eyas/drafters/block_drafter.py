@@ -145,9 +145,9 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, h * d))
 
 
-# Queries of a part of `query_parts`: 512 (128 blocks of 4), so a part's context reaches little
-# further than its blocks' own samples (a packed row of 1,024 tokens: 8 parts, each over about
-# a third of the row's keys), and a long batch's scores are never formed whole.
+# Queries of a part of `query_parts`: 512 (128 blocks of 4). Small enough that a part's keys
+# reach little past its own blocks' samples (blocks lie in anchor order) and a long batch's
+# scores never exist whole; large enough that a part is a sizeable matrix product.
 PART_QUERIES = 512
 
 
