@@ -153,15 +153,19 @@ PART_QUERIES = 512
 
 def query_parts(sees: torch.Tensor, S: int, size: int = PART_QUERIES) -> list[tuple]:
     """The queries of `sees` (B, 1, Q, K) in parts of whole blocks of S, each with the span
-    of context keys any of its queries sees: [(q0, q1, k0, k1), ...] (k1 = k0: none)."""
-    Q, step = sees.shape[2], max(1, size // S) * S
+    of context keys any of its queries sees: [(q0, q1, k0, k1), ...] (k1 = k0: none). One
+    read back from the device for all parts."""
+    Q, K, step = sees.shape[2], sees.shape[3], max(1, size // S) * S
+    starts = range(0, Q, step)
+    if K == 0:
+        return [(q0, min(Q, q0 + step), 0, 0) for q0 in starts]
     seen = sees[:, 0].any(0)  # (Q, K): a key some row's query sees
-    out = []
-    for q0 in range(0, Q, step):
-        q1 = min(Q, q0 + step)
-        keys = torch.nonzero(seen[q0:q1].any(0)).squeeze(1).tolist()
-        out.append((q0, q1, keys[0], keys[-1] + 1) if keys else (q0, q1, 0, 0))
-    return out
+    hit = torch.stack([seen[q0 : q0 + step].any(0) for q0 in starts])  # (P, K)
+    at = torch.arange(K, device=sees.device)
+    k0 = torch.where(hit, at, K).amin(-1)
+    k1 = torch.where(hit, at + 1, 0).amax(-1).clamp(min=k0)  # k0 = k1 = K: no key
+    spans = torch.stack([k0, k1], -1).tolist()
+    return [(q0, min(Q, q0 + step), a, b) for q0, (a, b) in zip(starts, spans, strict=True)]
 
 
 class Layer(nn.Module):
