@@ -28,7 +28,7 @@ class BlockOptions:
     """How a block position's loss is weighted: `decay` (exp(-(j-1)/--block-decay)) or
     `dpace` (D-PACE: the number of the block's drafts expected to be accepted from that
     position on, from the drafter's own probability of the target's token at each position
-    of the block, smoothed as (1 - 0.5) q + 0.5; not differentiated)."""
+    of the block, smoothed to 0.5 q + 0.5; not differentiated)."""
     loss_until_miss: bool = False
     """Spec-AUF: in training, a block position's loss counts only where every earlier
     position of its block drafted the target's token (the first miss counts, what follows
