@@ -257,6 +257,33 @@ def test_losses_are_what_they_say_and_topk_agrees_with_the_full_store():
     )
 
 
+def test_kl_from_the_logits_has_the_plain_cross_entropys_value_and_gradient():
+    """`SoftCrossEntropy`, the kl loss computed without the drafter's log-probabilities, and
+    `Scores`' acceptance, against the plain formulas under autograd: rows of a distribution,
+    a row of zeros (what a shift puts past the end: loss and gradient 0), and p whose sum is
+    not 1 (the formula's sum(p) kept as it is)."""
+    from eyas.drafters.loss import Scores, SoftCrossEntropy, TargetDist
+
+    torch.manual_seed(0)
+    z = torch.randn(2, 4, 11, dtype=torch.float64) * 3
+    p = torch.softmax(torch.randn(2, 4, 11, dtype=torch.float64), -1)
+    p[0, 1] = 0.0
+    p[1, 2] *= 0.9
+    grad = torch.randn(2, 4, dtype=torch.float64)
+    mine = z.clone().requires_grad_()
+    got = SoftCrossEntropy.apply(mine, p, p.sum(-1))
+    (got * grad).sum().backward()
+    plain = z.clone().requires_grad_()
+    want = -(p * torch.log_softmax(plain, -1)).sum(-1)
+    (want * grad).sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(mine.grad, plain.grad)
+    assert got[0, 1] == 0 and not mine.grad[0, 1].any()
+    row, q = p[:1, 2:], torch.softmax(z[:1, 2:], -1)  # a distribution at each position
+    s = Scores(z[:1, 2:], TargetDist(row.log()), lambda x: x)
+    torch.testing.assert_close(s.acceptance(), torch.minimum(row, q).sum(-1).float())
+
+
 def test_the_split_head_gives_the_whole_vocabularys_view_and_keeps_each_samples_argmax():
     """TargetHead, as training reads the target: the soft labels and the argmax over the
     whole vocabulary equal `target_view`'s (the argmax outside the draft vocabulary too, a tie

@@ -13,13 +13,15 @@ from eyas.drafters.blocks import layer_fields, load_weights
 from eyas.drafters.loss import (
     LOSSES,
     Chain,
+    Scores,
     add_targets,
     by_rows,
     counted,
-    divergence,
     head_rows,
     on_policy,
     sample_ids,
+    take,
+    target_dist,
 )
 from eyas.errors import UsageError
 from eyas.targets.weights import embed_weight, lm_head_weight
@@ -251,12 +253,13 @@ class BlockKind:
         h = model.block_states(*blocks).view(B, N, S, -1)[:, :, self.first_slot :]
         return {"states": h, "head": lambda xs, _i, _rows: model.lm_head(xs)}
 
-    def slot_loss(self, out: dict, slot: int, logq, logp, lmask, chain: Chain, i: int, cfg, rows):
+    def slot_loss(self, out: dict, slot: int, s: Scores, lmask, chain: Chain, i: int, cfg, rows):
         """The loss (B, r) of block slot `slot`, the i-th predicting one (`out`'s i-th), at
-        the blocks `rows`, from the drafter's and the target's log-probabilities (B, r, D)."""
+        the blocks `rows`, from the drafter's logits there and the target's distribution
+        (`s`)."""
         if cfg.loss == "opd":
-            return on_policy(logq, logp, chain.all_right[:, rows], chain.since(i)[:, rows])
-        return divergence(logq, logp, cfg.loss, lmask)
+            return on_policy(s.logq, s.logp, chain.all_right[:, rows], chain.since(i)[:, rows])
+        return s.loss(cfg.loss, lmask)
 
     def loss(self, model: DFlashDrafter, batch: dict, cfg, norm):
         o, S = cfg.options, model.config.block_size
@@ -266,7 +269,7 @@ class BlockKind:
         chain = Chain(batch["anchors"], ids)
         B, N = batch["anchors"].shape
         rows = head_rows(B, N, dids.numel(), LOSSES[cfg.loss].per_position)
-        tgt, head = batch["tgt_logits"], out["head"]
+        target, head = target_dist(batch), out["head"]
         dpace = o.position_weights == "dpace"
         confidence = None
         if dpace:  # the drafter's probability of the target's token (its draft index)
@@ -283,10 +286,8 @@ class BlockKind:
                 lmask = lmask & held
 
             def per_rows(logits, sl, slot=slot, i=i, src=src, lmask=lmask):
-                at = src[:, sl, None].expand(-1, -1, tgt.shape[-1])
-                logq = F.log_softmax(logits.float(), -1)  # (B, r, D)
-                logp = F.log_softmax(tgt.gather(1, at).float(), -1)
-                return self.slot_loss(out, slot, logq, logp, lmask[:, sl], chain, i, cfg, sl)
+                s = Scores(logits, target, lambda x, at=src[:, sl]: take(x, at))  # (B, r, D)
+                return self.slot_loss(out, slot, s, lmask[:, sl], chain, i, cfg, sl)
 
             if dpace:
 

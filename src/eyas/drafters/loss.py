@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,12 @@ def shift(x: torch.Tensor, n: int, fill=0, rows: slice | None = None) -> torch.T
     part = x[:, min(a + n, T) : min(b + n, T)]
     pad = x.new_full((x.shape[0], (b - a) - part.shape[1], *x.shape[2:]), fill)
     return torch.cat([part, pad], 1)
+
+
+def take(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """The rows of x (B, T, ...) at the positions `at` (B, r): (B, r, ...)."""
+    idx = at.view(*at.shape, *(1,) * (x.dim() - 2)).expand(*at.shape, *x.shape[2:])
+    return x.gather(1, idx)
 
 
 # Elements (B x rows x D) of the head's output one part of a loss computes at once: 2^28, 1 GiB
@@ -164,6 +171,103 @@ def add_targets(
             batch["last"], lm_head, drafter.draft_ids
         )
     batch["in_vocab"] = drafter.t2d[batch["tgt_top"]]  # (B, T)
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """kl's loss (..., ) -sum(p log softmax(z)) from the drafter's logits z (..., D) and the
+    target's probabilities p, in two passes over the logits and one back: the value is
+    lse(z) sum(p) - p.z, the gradient (softmax(z) sum(p) - p) x the incoming one. Neither
+    the drafter's log-probabilities nor a product with p is ever materialised."""
+
+    @staticmethod
+    def forward(ctx, z, p, p_sum):
+        with torch.autocast(z.device.type, enabled=False):  # the dot product stays float32
+            top = z.amax(-1, keepdim=True)  # (..., 1)
+            e = torch.exp(z - top)  # (..., D)
+            s = e.sum(-1, keepdim=True)  # (..., 1)
+            dot = (p.unsqueeze(-2) @ z.unsqueeze(-1)).squeeze(-1).squeeze(-1)  # (...)
+            ctx.save_for_backward(e, s, p, p_sum)
+            return (top + s.log()).squeeze(-1) * p_sum - dot
+
+    @staticmethod
+    def backward(ctx, grad):
+        e, s, p, p_sum = ctx.saved_tensors
+        dz = e.mul_((grad * p_sum).unsqueeze(-1) / s)  # softmax(z) sum(p) g, in e's memory
+        return dz.addcmul_(p, grad.unsqueeze(-1), value=-1), None, None
+
+
+class TargetDist:
+    """The target's distribution over the draft vocabulary at every position of a batch,
+    from its logits (B, T, D): each form normalised once a batch, where a loss first reads
+    it, not once a TTT step or block slot."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    @cached_property
+    def logp(self) -> torch.Tensor:
+        return F.log_softmax(self.logits.float(), -1)  # (B, T, D)
+
+    @cached_property
+    def p(self) -> torch.Tensor:
+        return F.softmax(self.logits.float(), -1)  # (B, T, D)
+
+    @cached_property
+    def p_sum(self) -> torch.Tensor:
+        return self.p.sum(-1)  # (B, T): 1 up to rounding
+
+
+def target_dist(batch: dict) -> TargetDist:
+    """The batch's `TargetDist` (made on first use, kept with the batch)."""
+    if "_target" not in batch:
+        batch["_target"] = TargetDist(batch["tgt_logits"])
+    return batch["_target"]
+
+
+class Scores:
+    """What a loss reads at some rows: the drafter's logits there (B, r, D) and the target's
+    distribution at the positions they predict, which `pick` takes from a batch-wide (B, T,
+    ...) tensor; each form computed once, where a loss first asks for it. Made from a top-K
+    store's log-probabilities, `given` (logq, logp) stands for both."""
+
+    def __init__(self, logits: torch.Tensor, target: TargetDist | None, pick: Callable, given=()):
+        self.logits, self.target, self.pick = logits, target, pick
+        if given:
+            self.logq, self.logp = given
+
+    @cached_property
+    def logq(self) -> torch.Tensor:
+        return F.log_softmax(self.logits.float(), -1)  # (B, r, D)
+
+    @cached_property
+    def logp(self) -> torch.Tensor:
+        return self.pick(self.target.logp)  # (B, r, D)
+
+    @cached_property
+    def p(self) -> torch.Tensor:
+        return self.logp.exp() if self.target is None else self.pick(self.target.p)
+
+    def loss(self, kind: str, mask: torch.Tensor) -> torch.Tensor:
+        """The per-position loss (B, r) `kind` (one of LOSSES); kl from the logits directly
+        (`SoftCrossEntropy`) where the whole draft vocabulary's distribution is at hand."""
+        if kind == "kl" and self.target is not None and "logq" not in self.__dict__:
+            p_sum = self.pick(self.target.p_sum)
+            return SoftCrossEntropy.apply(self.logits.float(), self.p, p_sum)
+        return divergence(self.logq, self.logp, kind, mask)
+
+    def acceptance(self) -> torch.Tensor:
+        """Speculative sampling's acceptance sum(min(p, q)) (B, r), not differentiated."""
+        with torch.no_grad():
+            q = self.logq.exp() if "logq" in self.__dict__ else F.softmax(self.logits.float(), -1)
+            return torch.minimum(self.p, q).sum(-1)
+
+
+def step_scores(batch: dict, logits: torch.Tensor, n: int, rows: slice | None = None) -> Scores:
+    """`Scores` of the drafter's logits (B, r, D) at the positions t (`rows`, default all)
+    against the target at t+n."""
+    if "tgt_logits" in batch:
+        return Scores(logits, target_dist(batch), lambda x: shift(x, n, rows=rows))
+    return Scores(logits, None, None, given=target_logprobs(batch, logits, n, rows))
 
 
 def target_logprobs(batch: dict, logits: torch.Tensor, n: int, rows: slice | None = None):
@@ -285,8 +389,8 @@ def position_loss(
     batch: dict, logits: torch.Tensor, n: int, kind: str = "kl", mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The loss (B, T) of the drafter's logits (B, T, D) against the target at position t+n."""
-    logq, logp = target_logprobs(batch, logits, n)
-    return divergence(logq, logp, kind, mask if mask is not None else torch.ones_like(logq[..., 0]))
+    mask = mask if mask is not None else torch.ones_like(logits[..., 0], dtype=torch.bool)
+    return step_scores(batch, logits, n).loss(kind, mask)
 
 
 def loss_masks(batch: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -360,10 +464,10 @@ def ttt_loss(
             lmask = lmask & aligned
 
         def per_rows(logits, sl, i=i, lmask=lmask):
-            logq, logp = target_logprobs(batch, logits, 1 + i, sl)
+            s = step_scores(batch, logits, 1 + i, sl)
             if kind == "opd":
-                return on_policy(logq, logp, chain.all_right[:, sl], chain.since(i)[:, sl])
-            return divergence(logq, logp, kind, lmask[:, sl])
+                return on_policy(s.logq, s.logp, chain.all_right[:, sl], chain.since(i)[:, sl])
+            return s.loss(kind, lmask[:, sl])
 
         likeliest = (lambda logits, _sl: logits.topk(align, -1).indices) if aligning else None
         ce, arg, top = by_rows(

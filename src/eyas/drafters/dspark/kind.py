@@ -4,7 +4,6 @@ speculators format vLLM loads (`method: dspark`)."""
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from eyas.drafters import decoder_fields
@@ -72,14 +71,14 @@ class DSpark(BlockKind):
             "confidence": model.confidence(h, prev),
         }
 
-    def slot_loss(self, out: dict, slot: int, logq, logp, lmask, chain, i: int, cfg, rows):
+    def slot_loss(self, out: dict, slot: int, s, lmask, chain, i: int, cfg, rows):
         """The block loss of the slot, plus the confidence head's: the binary cross-entropy
         of its logit against the slot's acceptance, 1 - TV = sum(min(p, q)), not
         differentiated."""
-        loss = super().slot_loss(out, slot, logq, logp, lmask, chain, i, cfg, rows)
+        loss = super().slot_loss(out, slot, s, lmask, chain, i, cfg, rows)
         if out["confidence"] is None or not cfg.options.confidence_weight:
             return loss
-        accept = torch.minimum(logp.exp(), logq.exp()).sum(-1).detach().clamp(0, 1)  # (B, r)
+        accept = s.acceptance().clamp(0, 1)  # (B, r)
         conf = out["confidence"][:, rows, i].float()
         bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
         return loss + cfg.options.confidence_weight * bce
