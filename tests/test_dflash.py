@@ -395,7 +395,8 @@ def test_dpace_weighs_each_block_position_by_the_drafts_expected_from_it(demo_ru
 def test_attention_in_parts_of_blocks_is_the_attention_whole():
     """The block queries taken a few blocks at a time, each part over the span of context
     keys it sees, give the outputs and gradients of all queries over every key, in packed
-    rows (two samples a row), with and without a window."""
+    rows (two samples a row), with and without a window; and so do the later slots' queries
+    alone (the last layer's, whose earlier slots are keys and values only)."""
     from eyas.drafters.block_drafter import query_parts
 
     for window in (None, 6):
@@ -417,3 +418,12 @@ def test_attention_in_parts_of_blocks_is_the_attention_whole():
         (g_want,) = torch.autograd.grad(want.sum(), x)
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(g_got, g_want)
+        # the last layer's outputs of the predicting slots alone: the same rows and gradients
+        for first in (1, 3):
+            got = layer(x, pos, k, v, sees, parts, first)
+            (g_got,) = torch.autograd.grad(got.sum(), x)
+            whole = layer(x, pos, k, v, sees)
+            part = whole.view(2, 10, 4, -1)[:, :, first:].reshape(2, -1, whole.shape[-1])
+            (g_want,) = torch.autograd.grad(part.sum(), x)
+            torch.testing.assert_close(got, part)
+            torch.testing.assert_close(g_got, g_want)

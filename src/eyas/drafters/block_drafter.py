@@ -117,29 +117,32 @@ class Attention(nn.Module):
         return rope(q, pos, c.rope_theta)  # (B, h, T, d)
 
     def attend(self, q, ctx_k, ctx_v, sees, blk_k, blk_v, parts=None) -> torch.Tensor:
-        """q (B, h, N*S, d) of N blocks of S queries over the context's keys and values
-        (B, kv, K, d) where `sees` (B, 1, N*S, K) allows, and over its own block's S keys and
-        values (blk_k, blk_v: (B, kv, N*S, d)), all of them -> (B, N*S, H). One softmax over
-        both; a block's scores against the other blocks are never formed (with an anchor
-        at every position they would be most of the work). `parts` (`query_parts`): the
-        queries a part of whole blocks at a time, each over the context keys some query of
-        the part sees, not the keys none sees (default: all at once)."""
+        """q (B, h, N*s, d) of N blocks of S keys, s of them querying (the last s slots of a
+        block), over the context's keys and values (B, kv, K, d) where `sees` (B, 1, N*s, K)
+        allows, and over its own block's S keys and values (blk_k, blk_v: (B, kv, N*S, d)),
+        all of them -> (B, N*s, H). One softmax over both; a block's scores against the
+        other blocks are never formed (with an anchor at every position they would be most
+        of the work). `parts` (`query_parts`, in slots of whole blocks): the blocks a part
+        at a time, each over the context keys some query of the part sees, not the keys
+        none sees (default: all at once)."""
         rep = self.c.num_attention_heads // self.c.num_key_value_heads
         B, h, Q, d = q.shape
         S = self.c.block_size
+        s = Q * S // blk_k.shape[2]  # queries a block
         q = q * (1.0 / math.sqrt(d))
         kc, vc = ctx_k.repeat_interleave(rep, 1), ctx_v.repeat_interleave(rep, 1)
         kb, vb = blk_k.repeat_interleave(rep, 1), blk_v.repeat_interleave(rep, 1)
         out = []
-        for q0, q1, k0, k1 in parts or [(0, Q, 0, kc.shape[2])]:
-            n, K = (q1 - q0) // S, k1 - k0
+        for b0, b1, k0, k1 in parts or [(0, blk_k.shape[2], 0, kc.shape[2])]:
+            n, K = (b1 - b0) // S, k1 - k0
+            q0, q1 = b0 // S * s, b1 // S * s
             qp = q[:, :, q0:q1]
             see = sees[..., q0:q1, k0:k1]
             s_ctx = (qp @ kc[:, :, k0:k1].transpose(-1, -2)).masked_fill_(~see, float("-inf"))
-            kbp, vbp = (x[:, :, q0:q1].reshape(B, h, n, S, d) for x in (kb, vb))
-            s_blk = (qp.reshape(B, h, n, S, d) @ kbp.transpose(-1, -2)).view(B, h, q1 - q0, S)
+            kbp, vbp = (x[:, :, b0:b1].reshape(B, h, n, S, d) for x in (kb, vb))
+            s_blk = (qp.reshape(B, h, n, s, d) @ kbp.transpose(-1, -2)).view(B, h, q1 - q0, S)
             p = torch.softmax(upcast(torch.cat([s_ctx, s_blk], -1)), -1).to(q.dtype)
-            own = (p[..., K:].reshape(B, h, n, S, S) @ vbp).view(B, h, q1 - q0, d)
+            own = (p[..., K:].reshape(B, h, n, s, S) @ vbp).view(B, h, q1 - q0, d)
             out.append(p[..., :K] @ vc[:, :, k0:k1] + own)
         out = out[0] if len(out) == 1 else torch.cat(out, 2)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, h * d))
@@ -176,14 +179,26 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, h, pos, ctx_k, ctx_v, sees, parts=None) -> torch.Tensor:
+    def forward(self, h, pos, ctx_k, ctx_v, sees, parts=None, first: int = 0) -> torch.Tensor:
         """Blocks h (B, N*S, H) at pos (B, N*S); context keys/values (B, kv, K, d) of this
         layer; sees (B, 1, N*S, K): which context keys each query sees (each sees its whole
-        block); `parts`: `Attention.attend`'s."""
+        block); `parts`: `Attention.attend`'s. `first`: the outputs of the block slots from
+        this one on only (B, N*(S-first), H); the slots before it are keys and values alone,
+        their queries and MLP never computed."""
         x = self.input_layernorm(h)
         a = self.self_attn
-        h = h + a.attend(a.query(x, pos), ctx_k, ctx_v, sees, *a.keys(x, pos), parts)
+        k, v = a.keys(x, pos)
+        if first:
+            S = a.c.block_size
+            h, x, pos = (slots(t, S, first) for t in (h, x, pos))
+            sees = slots(sees, S, first, dim=2)
+        h = h + a.attend(a.query(x, pos), ctx_k, ctx_v, sees, k, v, parts)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def slots(x: torch.Tensor, S: int, first: int, dim: int = 1) -> torch.Tensor:
+    """The rows of block slots `first`.. of x, whose dimension `dim` is N blocks of S."""
+    return x.unflatten(dim, (-1, S)).narrow(dim + 1, first, S - first).flatten(dim, dim + 1)
 
 
 class DFlashDrafter(DraftVocab):
@@ -211,19 +226,21 @@ class DFlashDrafter(DraftVocab):
         """Per layer, the context's keys and values (B, kv, T, d) at positions pos (B, T)."""
         return [layer.self_attn.keys(ctx, pos) for layer in self.layers]
 
-    def block_states(self, ids: torch.Tensor, pos: torch.Tensor, kv, sees) -> torch.Tensor:
+    def block_states(self, ids: torch.Tensor, pos: torch.Tensor, kv, sees, first: int = 0):
         """Blocks' tokens ids (B, N*S) at pos (B, N*S) over the context's `kv`, each query
         seeing the context keys `sees` (B, 1, N*S, K) allows and its whole block -> the final
-        normed states (B, N*S, H) the head reads."""
+        normed states (B, N*(S-first), H) the head reads, of the block slots `first`.. (the
+        last layer computes no other)."""
         h = self.embed_tokens(ids)  # (B, N*S, H)
         parts = query_parts(sees, self.config.block_size)  # alike in every layer
-        for layer, (k, v) in zip(self.layers, kv, strict=True):
-            h = layer(h, pos, k, v, sees, parts)
+        last = len(self.layers) - 1
+        for i, (layer, (k, v)) in enumerate(zip(self.layers, kv, strict=True)):
+            h = layer(h, pos, k, v, sees, parts, first if i == last else 0)
         return self.norm(h)
 
-    def blocks(self, ids: torch.Tensor, pos: torch.Tensor, kv, sees) -> torch.Tensor:
-        """`block_states`' blocks -> logits (B, N*S, D)."""
-        return self.lm_head(self.block_states(ids, pos, kv, sees))
+    def blocks(self, ids: torch.Tensor, pos: torch.Tensor, kv, sees, first: int = 0):
+        """`block_states`' blocks -> logits (B, N*(S-first), D)."""
+        return self.lm_head(self.block_states(ids, pos, kv, sees, first))
 
     # -------------------------------------------------------------- training
 
@@ -286,7 +303,7 @@ class DFlashDrafter(DraftVocab):
     def draft_block(self, kv, n_ctx: int, first_token: int) -> list[int]:
         """The S-1 tokens drafted after `first_token` at position n_ctx, over the cached
         context keys/values `kv` of positions 0..n_ctx-1 (a list per layer)."""
-        logits = self.blocks(*self.inference_block(kv, n_ctx, first_token))[0, 1:]  # (S-1, D)
+        logits = self.blocks(*self.inference_block(kv, n_ctx, first_token), first=1)[0]  # (S-1, D)
         return self.draft_ids[logits.argmax(-1)].tolist()
 
     def inference_block(self, kv, n_ctx: int, first_token: int) -> tuple:

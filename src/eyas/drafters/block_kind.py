@@ -250,7 +250,7 @@ class BlockKind:
         blocks = model.training_blocks(
             batch["input_ids"], batch["aux"], a, batch.get("segments"), batch.get("positions")
         )
-        h = model.block_states(*blocks).view(B, N, S, -1)[:, :, self.first_slot :]
+        h = model.block_states(*blocks, self.first_slot).view(B, N, S - self.first_slot, -1)
         return {"states": h, "head": lambda xs, _i, _rows: model.lm_head(xs)}
 
     def slot_loss(self, out: dict, slot: int, s: Scores, lmask, chain: Chain, i: int, cfg, rows):
