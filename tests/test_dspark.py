@@ -26,6 +26,16 @@ def _model(rank=8, head="vanilla", seed=0) -> DSparkDrafter:
     return m.double().eval()
 
 
+def _train_option(name: str):
+    """`eyas train`'s click option of that config field."""
+    import typer.main
+
+    from eyas.cli import app
+
+    train = typer.main.get_command(app).commands["train"]
+    return next(p for p in train.params if p.name == name)
+
+
 @pytest.mark.parametrize("head", ["vanilla", "gated"])
 def test_each_slot_is_biased_by_the_token_before_it(head):
     """Slot j's logits are the backbone's plus the Markov bias of x_{a+j}: changing the true
@@ -85,8 +95,19 @@ def test_dspark_trains_exports_and_decodes_losslessly(demo_runs, tmp_path):
              "--markov-rank", "16", "--epochs", "2", "--batch-tokens", "1024", "--lr", "3e-3",
              check=True)  # fmt: skip
     assert "DSpark, blocks of 4, 2 layer(s), Markov head rank 16 (vanilla)" in r.stderr, r.stderr
+    assert "loss up to each block's first miss (Spec-AUF)" in r.stderr, r.stderr  # the default
     cfg = json.loads((tmp_path / "tr" / "train.json").read_text())["config"]
     assert cfg["kind"] == "dspark" and cfg["markov_rank"] == 16 and "ttt_steps" not in cfg
+    assert cfg["loss_until_miss"] is True
+    # Spec-AUF is DSpark's default and --no-loss-until-miss reaches the config: a resume
+    # given it is refused naming both values; DFlash keeps it off, EAGLE-3 refuses the flag.
+    r = eyas("train", "--resume", "--out", tmp_path / "tr", "--no-loss-until-miss")
+    assert r.returncode == 2 and "--loss-until-miss True saved, False given" in r.stderr, r.stderr
+    r = eyas("train", "--data", run, "--out", tmp_path / "e3", "--no-loss-until-miss")
+    assert r.returncode == 2 and "is an option of --kind dflash and dspark" in r.stderr, r.stderr
+    opt = _train_option("loss_until_miss")
+    assert opt.secondary_opts == ["--no-loss-until-miss"] and not opt.show_default
+    assert opt.help.endswith("default: dflash off, dspark on]"), opt.help
     r = eyas(
         "train", "--data", run, "--out", tmp_path / "no", "--kind", "dspark", "--ttt-steps", "2"
     )

@@ -8,7 +8,8 @@ each with the field's default and, as its help, the docstring written under the 
 
 `also` adds the fields of more dataclasses, each with a label its help starts with (`train`
 offers every drafter kind's options so, each labelled with the kinds that read it; a field
-several declare is one option).
+several declare is one option, its help giving each kind's default where they differ; a
+boolean any of them defaults on is also offered as `--no-NAME`).
 
 A field of integers (`tuple[int, ...] | None`) is given comma-separated. Fields of another
 type a command line cannot give (other tuples, dicts) and those in `skip` are left to the
@@ -79,24 +80,30 @@ def _ints(ctx, param, value: str | None) -> tuple[int, ...] | None:
         raise typer.BadParameter(f"{value!r}: expected integers like 1,15,28") from None
 
 
-def _declared(cls, also) -> dict[str, tuple[dataclasses.Field, type, str, str]]:
-    """Field name -> (field, type, help, label) over `cls` and then `also` ((label, class)
-    pairs); a field of several `also` classes is labelled with all their labels."""
-    out: dict[str, tuple[dataclasses.Field, type, str, str]] = {}
+def _declared(cls, also) -> dict[str, tuple[dataclasses.Field, type, str, str, dict]]:
+    """Field name -> (field, type, help, label, defaults) over `cls` and then `also` ((label,
+    class) pairs); a field of several `also` classes is labelled with all their labels, and
+    `defaults` holds each label's default (one kind may default a shared option otherwise)."""
+    out: dict[str, tuple[dataclasses.Field, type, str, str, dict]] = {}
     for label, klass in [("", cls), *also]:
         hints, docs = typing.get_type_hints(klass), field_docs(klass)
         for f in dataclasses.fields(klass):
             if f.name in out:
                 first = out[f.name]
                 if label and first[3] and label not in first[3].split(", "):
-                    out[f.name] = (*first[:3], f"{first[3]}, {label}")
+                    out[f.name] = (*first[:3], f"{first[3]}, {label}", first[4])
+                first[4].setdefault(label, f.default)
                 continue
             if f.name not in docs:
                 raise TypeError(
                     f"{klass.__name__}.{f.name} has no docstring: an option must say what it does"
                 )
-            out[f.name] = (f, hints[f.name], docs[f.name], label)
+            out[f.name] = (f, hints[f.name], docs[f.name], label, {label: f.default})
     return out
+
+
+def _shown(value) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def config_options(cls, *, skip: set[str] | frozenset = frozenset(), also=()):
@@ -114,7 +121,7 @@ def config_options(cls, *, skip: set[str] | frozenset = frozenset(), also=()):
         ]
         taken = {p.name for p in own} | set(skip)
         generated = []
-        for f, hint, doc, label in declared.values():
+        for f, hint, doc, label, defaults in declared.values():
             ints = hint == _INTS
             tp = str | None if ints else _scalar(hint)
             if f.name in taken or tp is None:
@@ -124,10 +131,15 @@ def config_options(cls, *, skip: set[str] | frozenset = frozenset(), also=()):
                     f"{cls.__name__}.{f.name} has no default: declare its option in the command"
                 )
             flag = f"--{f.name.replace('_', '-')}"
-            if tp is bool and f.default:
+            if tp is bool and any(defaults.values()):
                 flag = f"{flag}/--no-{f.name.replace('_', '-')}"
             # the help is rich markup: `[tensorboard]` is text
-            help_ = escape(f"{label}: {doc}" if label else doc)
+            help_ = f"{label}: {doc}" if label else doc
+            several = len(set(map(repr, defaults.values()))) > 1
+            if several:  # each kind's default, as no single one is the option's
+                help_ += " [default: " + ", ".join(f"{k} {_shown(v)}" for k, v in defaults.items())
+                help_ += "]"
+            help_ = escape(help_)
             generated.append(
                 inspect.Parameter(
                     f.name,
@@ -137,7 +149,9 @@ def config_options(cls, *, skip: set[str] | frozenset = frozenset(), also=()):
                         f.default,
                         flag,
                         help=help_,
-                        show_default=f.default is not None and f.default is not False,
+                        show_default=not several
+                        and f.default is not None
+                        and f.default is not False,
                         callback=_ints if ints else None,
                     ),
                 )

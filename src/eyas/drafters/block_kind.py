@@ -126,6 +126,11 @@ def read_block_weights(model, raw: dict, cfg_file) -> None:
     load_weights(model, state, f"{cfg_file.parent}/model.safetensors")
 
 
+def until_miss(o) -> str:
+    """What a training banner says of Spec-AUF (`--loss-until-miss`), where it is on."""
+    return ", loss up to each block's first miss (Spec-AUF)" if o.loss_until_miss else ""
+
+
 class BlockKind:
     """What every block drafter kind does alike; see `drafters.DrafterKind`."""
 
@@ -199,7 +204,9 @@ class BlockKind:
     def describe(self, cfg) -> str:
         window = f", attention window {cfg.attention_window}" if cfg.attention_window else ""
         o = cfg.options
-        return f"DFlash, blocks of {o.block_size}, {o.drafter_layers} layer(s){window}"
+        return (
+            f"DFlash, blocks of {o.block_size}, {o.drafter_layers} layer(s){window}{until_miss(o)}"
+        )
 
     def positions(self, cfg) -> int:
         return cfg.options.block_size - self.first_slot

@@ -12,6 +12,7 @@ from eyas.drafters.block_kind import (
     export_tensors,
     read_block_weights,
     speculators_block_fields,
+    until_miss,
 )
 from eyas.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eyas.drafters.dspark.options import MARKOV_HEADS
@@ -56,6 +57,7 @@ class DSpark(BlockKind):
         window = f", attention window {cfg.attention_window}" if cfg.attention_window else ""
         return (
             f"DSpark, blocks of {o.block_size}, {o.drafter_layers} layer(s), {heads}{conf}{window}"
+            f"{until_miss(o)}"
         )
 
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:

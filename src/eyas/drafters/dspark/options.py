@@ -1,6 +1,6 @@
 """DSpark's own `train` options: the block drafter's (the block, the depth, the decay, the
-anchors, `drafters.block_options`) and its two heads. Imports nothing heavy, so the command line can offer them without loading
-torch."""
+anchors, `drafters.block_options`; Spec-AUF on by default) and its two heads. Imports nothing
+heavy, so the command line can offer them without loading torch."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ class Options(BlockOptions):
     markov_head: str = "vanilla"
     """vanilla (the bias from the previous token alone) or gated (that token's rank-r code
     scaled by a gate over it and the position's state)."""
+    loss_until_miss: bool = True
+    """Spec-AUF: in training, a block position's loss counts only where every earlier
+    position of its block drafted the target's token (the first miss counts, what follows
+    it, which serving never verifies, does not). On for DSpark: x1.017 tokens per target
+    forward on MT-Bench over two seeds (docs/recipe.md)."""
     confidence_weight: float = 1.0
     """Weight of the confidence head's loss: the binary cross-entropy of its predicted
     acceptance against each position's 1 - TV(drafter, target); 0: no confidence head."""
