@@ -321,6 +321,39 @@ def test_the_split_head_gives_the_whole_vocabularys_view_and_keeps_each_samples_
     assert torch.equal(top2, torch.stack([top[1], top[0]]))
 
 
+def test_an_argmax_the_samples_hold_is_the_whole_vocabularys_and_spares_its_rows():
+    """Extraction's `full_argmax` (blocks of the vocabulary, float32) is the argmax over the
+    whole vocabulary, a tie across blocks going to the lower id; given it, a training's
+    view of the target multiplies the draft vocabulary's rows alone (the others poisoned
+    with NaN change nothing) and gives the same soft labels."""
+    from eyas.drafters.loss import TargetHead, target_view
+    from eyas.targets.backends import full_argmax
+
+    torch.manual_seed(0)
+    V, D, H, T = 40, 12, 8, 6
+    head = torch.nn.functional.normalize(torch.randn(V, H), dim=-1)
+    draft = torch.randperm(V)[:D].sort().values
+    last = torch.randn(2, T, H)
+    head[33] = head[5]  # equal logits in different blocks of 16 ids: 5 wins
+    last[1, 2] = head[5] * 50
+    want_sel, want_top = target_view(last, head, draft, chunk=5)
+    got = full_argmax(last.reshape(-1, H).bfloat16(), head.bfloat16(), rows=4, cols=16)
+    plain = (last.reshape(-1, H).bfloat16().float() @ head.bfloat16().float().T).argmax(-1)
+    assert got.dtype == torch.int32 and got.tolist() == plain.tolist() and int(got[T + 2]) == 5
+    assert (
+        full_argmax(last.reshape(-1, H), head, rows=4, cols=16).tolist()
+        == want_top.flatten().tolist()
+    )
+    poisoned = head.clone()
+    poisoned[[i for i in range(V) if i not in set(draft.tolist())]] = float("nan")
+    sel, top = target_view(last, poisoned, draft, chunk=5, top=want_top)
+    torch.testing.assert_close(sel, want_sel)  # the same products, in another shape
+    assert top is want_top
+    whole, _ = TargetHead(head, draft, chunk=5).view(last, None)
+    sel, top = TargetHead(poisoned, draft, chunk=5).view(last, [(7, 0, 0, T)], want_top)
+    assert torch.equal(sel, whole) and top is want_top  # bit for bit: a resume's too
+
+
 def test_on_policy_loss_is_forward_kl_on_the_matched_chain_and_decayed_reverse_kl_after():
     """opd: where every draft before a position matched, the forward KL; at the k-th position
     after the first miss, 0.8^k x the reverse KL; and in a TTT loss, the chain's first miss

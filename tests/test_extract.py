@@ -47,6 +47,7 @@ def test_stored_states_equal_output_hidden_states(tmp_path, targets, conversatio
     aux = default_aux_layers(n)
     assert meta["aux_layers"] == list(aux) and meta["aux_layers_hf"] == [i + 1 for i in aux]
     assert meta["last_hidden_state"] == "post_norm"
+    assert meta["layout"] == "aux=dense,target=last,argmax=1"  # the hf backend stores it
     for i in (0, 17, 64, 119):
         ids, mask = ds.sample(i)
         t = load_sample(run, i, verify=True)
@@ -68,6 +69,13 @@ def test_stored_states_equal_output_hidden_states(tmp_path, targets, conversatio
         torch.testing.assert_close(
             t["last_hidden_states"], hs[-1][0], atol=1e-5, rtol=1e-4
         )  # after the final norm
+        # the target's own argmax over its whole vocabulary, where it is not a near tie
+        with torch.no_grad():
+            logits = model(torch.from_numpy(ids.astype("int64"))[None]).logits[0]
+        two = logits.topk(2, -1).values
+        clear = (two[:, 0] - two[:, 1]) > 1e-4
+        assert t["target_argmax"].dtype == torch.int32 and clear.float().mean() > 0.9
+        assert torch.equal(t["target_argmax"][clear].long(), logits.argmax(-1)[clear])
 
 
 def test_batch_plan_is_deterministic_and_respects_budget():

@@ -40,12 +40,21 @@ OPD_DECAY = 0.8  # opd: reverse KL at the k-th step after the chain's first miss
 
 
 def target_view(
-    last: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, chunk: int = 2048
+    last: torch.Tensor,
+    lm_head: torch.Tensor,
+    draft_ids: torch.Tensor,
+    chunk: int = 2048,
+    top: torch.Tensor | None = None,
 ):
     """Target logits restricted to the draft vocab (B, T, D) and the full-vocab argmax (B, T),
-    computed in row chunks so the (B*T, V) logits never exist at once."""
+    computed in row chunks so the (B*T, V) logits never exist at once; an argmax `top` the
+    sample files hold is taken as it is (the draft vocabulary's rows alone are multiplied)."""
     B, T, H = last.shape
     flat = last.reshape(-1, H)
+    if top is not None:
+        W = lm_head[draft_ids]
+        sel = [flat[a : a + chunk] @ W.T for a in range(0, flat.shape[0], chunk)]
+        return torch.cat(sel).view(B, T, -1), top
     sel, top = [], []
     for a in range(0, flat.shape[0], chunk):
         logits = flat[a : a + chunk] @ lm_head.T  # (c, V)
@@ -128,13 +137,18 @@ class TargetHead:
         self.chunk = chunk
         self.tops: dict[int, torch.Tensor] = {}
 
-    def view(self, last: torch.Tensor, spans: list | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def view(
+        self, last: torch.Tensor, spans: list | None, stored: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`target_view` of the final states `last` (B, T, H) of a batch whose samples lie at
-        `spans` (None: not said; nothing kept). Positions outside the spans get argmax 0."""
+        `spans` (None: not said; nothing kept). Positions outside the spans get argmax 0. An
+        argmax the sample files hold (`stored`, (B, T)) is the answer as it is."""
         B, T, H = last.shape
         flat = last.reshape(-1, H)
         parts = range(0, flat.shape[0], self.chunk)
         sel = torch.cat([flat[a : a + self.chunk] @ self.draft.T for a in parts])  # (B*T, D)
+        if stored is not None:
+            return sel.view(B, T, -1), stored
         if spans and all(s in self.tops for s, *_ in spans):
             top = torch.zeros(B, T, dtype=torch.long, device=last.device)
             for s, r, a, n in spans:
@@ -163,12 +177,16 @@ def add_targets(
     """Add the target's soft labels over the draft vocabulary, its full-vocabulary argmax
     and whether that argmax is in the draft vocabulary. From a stored final state the
     logits are recomputed (with a `TargetHead`, the argmax of a sample seen before is
-    read back); top-K storage brings its log-probabilities and argmax."""
+    read back, as is one the sample files hold); top-K storage brings its log-probabilities
+    and argmax."""
+    stored = batch.get("tgt_top")
     if "last" in batch and isinstance(lm_head, TargetHead):
-        batch["tgt_logits"], batch["tgt_top"] = lm_head.view(batch["last"], batch.get("_spans"))
+        batch["tgt_logits"], batch["tgt_top"] = lm_head.view(
+            batch["last"], batch.get("_spans"), stored
+        )
     elif "last" in batch:
         batch["tgt_logits"], batch["tgt_top"] = target_view(
-            batch["last"], lm_head, drafter.draft_ids
+            batch["last"], lm_head, drafter.draft_ids, top=stored
         )
     batch["in_vocab"] = drafter.t2d[batch["tgt_top"]]  # (B, T)
 

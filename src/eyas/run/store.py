@@ -94,11 +94,14 @@ def sample_relpath(index: int) -> str:
 class Layout:
     """What a sample file holds: aux states `aux` ("dense" or "fp8") of `layers` target
     layers side by side, and target `target` ("last": the final hidden state; "topk:K":
-    top-K log-probs over the draft vocabulary)."""
+    top-K log-probs over the draft vocabulary). `argmax` (with "last"): the target's argmax
+    over its whole vocabulary too, so a training never multiplies the head's other rows
+    (top-K always holds it)."""
 
     aux: str = "dense"
     target: str = "last"
     layers: int = 3
+    argmax: bool = False
 
     def __post_init__(self) -> None:
         if self.aux not in ("dense", "fp8"):
@@ -116,8 +119,10 @@ class Layout:
 
     def name(self) -> str:
         # Three layers, as every run before the count could vary, is left unsaid.
-        return f"aux={self.aux},target={self.target}" + (
-            f",layers={self.layers}" if self.layers != 3 else ""
+        return (
+            f"aux={self.aux},target={self.target}"
+            + (f",layers={self.layers}" if self.layers != 3 else "")
+            + (",argmax=1" if self.argmax and not self.topk else "")
         )
 
     @classmethod
@@ -125,7 +130,12 @@ class Layout:
         if not s:
             return cls()
         kv = dict(p.split("=", 1) for p in s.split(",") if "=" in p)
-        return cls(kv.get("aux", "dense"), kv.get("target", "last"), int(kv.get("layers", 3)))
+        return cls(
+            kv.get("aux", "dense"),
+            kv.get("target", "last"),
+            int(kv.get("layers", 3)),
+            kv.get("argmax") == "1",
+        )
 
     def tensors(self, H: int | None) -> dict[str, tuple[set[str], int | None]]:
         """Name -> (allowed dtypes, row width; None for 1-D) of every tensor in a file."""
@@ -146,6 +156,8 @@ class Layout:
             out["target_argmax"] = ({"I32"}, None)
         else:
             out["last_hidden_states"] = (floats, H if H else -1)
+            if self.argmax:
+                out["target_argmax"] = ({"I32"}, None)
         return out
 
     def bytes_per_token(self, H: int, dtype: torch.dtype, draft_vocab: int = 32000) -> int:
@@ -155,7 +167,7 @@ class Layout:
         if self.topk:
             n += self.topk * ((2 if draft_vocab <= 32768 else 4) + 2) + 4
         else:
-            n += H * dtype.itemsize
+            n += H * dtype.itemsize + (4 if self.argmax else 0)
         return n
 
 

@@ -278,9 +278,13 @@ class ExtractConfig:
 
     @property
     def layout(self) -> Layout:
+        """A new run's layout: the storage asked for, with the target's argmax where the
+        backend stores it beside the final state (`Registered.stores_argmax`)."""
         from eyas.run.store import Layout
+        from eyas.targets.backends import registered
 
-        return Layout(self.storage, self.target, self.aux_count)
+        argmax = self.target == "last" and registered(self.backend).stores_argmax
+        return Layout(self.storage, self.target, self.aux_count, argmax)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -395,6 +395,8 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
         out["tgt_top"] = t["target_argmax"].long()
     else:
         out["last"] = t["last_hidden_states"].float()
+        if "target_argmax" in t:  # stored beside it (Layout.argmax): no product for it
+            out["tgt_top"] = t["target_argmax"].long()
     return out
 
 

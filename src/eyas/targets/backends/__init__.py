@@ -43,6 +43,14 @@ class Registered:
     """A package it imports that eyas does not install by default, and how to install it."""
     install: str = ""
 
+    @property
+    def stores_argmax(self) -> bool:
+        """Its samples hold the target's argmax over the whole vocabulary beside the final
+        state: the target's head is in this process's memory (transformers), one product a
+        token there, which spares every training that product. A vLLM target's head is in
+        the engine's processes: a second copy would take GPU memory the engine counts on."""
+        return self.transformers
+
     def missing(self) -> str | None:
         """What is not installed for it, with how to install it; None where nothing is. Looks
         the package up without importing it (seconds for vLLM)."""
@@ -130,12 +138,32 @@ def open_backend(name: str, spec: BackendSpec, log=print) -> Backend:
     return cls(spec, log)
 
 
+def full_argmax(last: torch.Tensor, W: torch.Tensor, rows: int = 1024, cols: int = 16384):
+    """The argmax over the whole vocabulary of `last` (N, H) @ `W` (V, H).T, int32 (N,), in
+    float32 whatever the states' dtype (a bfloat16 product ties logits 0.1 apart), in blocks
+    of rows x cols: neither the (N, V) logits nor a float32 copy of W exists at once. Equal
+    maxima go to the first id, as torch.argmax does."""
+    W = W.to(last.device)
+    out = []
+    for a in range(0, last.shape[0], rows):
+        x = last[a : a + rows].float()
+        best = torch.full((x.shape[0],), -torch.inf, device=x.device)
+        at = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        for c in range(0, W.shape[0], cols):
+            v, i = (x @ W[c : c + cols].float().T).max(-1)
+            better = v > best  # a later block wins only by more: the first of equal maxima
+            best, at = torch.where(better, v, best), torch.where(better, i + c, at)
+        out.append(at.to(torch.int32))
+    return torch.cat(out)
+
+
 class StateShaper:
     """Turns the target's states (N tokens) into the layout's tensors, on their device.
 
     aux (N, L*H) of L target layers and last (N, H) -> aux_hidden_states (+ aux_scales for fp8), and either
-    last_hidden_states or the top-K log-probabilities over the draft vocabulary with the
-    full-vocabulary argmax (logits are formed in row chunks: the (N, V) matrix never exists).
+    last_hidden_states (with the layout's `argmax`, the full-vocabulary argmax too) or the
+    top-K log-probabilities over the draft vocabulary with that argmax (logits are formed in
+    row chunks: the (N, V) matrix never exists).
     """
 
     def __init__(self, spec: BackendSpec, lm_head: torch.Tensor | None = None):
@@ -146,6 +174,8 @@ class StateShaper:
             raise UsageError(
                 "top-K target storage needs the target's lm_head and the draft vocabulary"
             )
+        if self.layout.argmax and lm_head is None:
+            raise UsageError("storing the target's argmax needs the target's lm_head")
 
     def __call__(self, aux: torch.Tensor, last: torch.Tensor, chunk: int = 1024) -> dict:
         out: dict[str, torch.Tensor] = {}
@@ -156,6 +186,8 @@ class StateShaper:
         K = self.layout.topk
         if not K:
             out["last_hidden_states"] = last.to(self.store_dtype)
+            if self.layout.argmax:
+                out["target_argmax"] = full_argmax(last, self.lm_head)
             return out
         W = self.lm_head.to(last.device)  # (V, H)
         dids = self.draft_ids.to(last.device)

@@ -116,7 +116,7 @@ class HFBackend(Backend):
         )
         self.capture = Capture(self.model, spec.aux_layers)
         lm_head = None
-        if spec.layout.topk:
+        if spec.layout.topk or spec.layout.argmax:
             lm_head = self.model.get_output_embeddings().weight.detach()
         self.shape = StateShaper(spec, lm_head)
         self.cuda = self.device.type == "cuda"
