@@ -80,8 +80,10 @@ def estimate(cfg: EstimateConfig) -> Estimate:
     from eyas.targets.target import DTYPES, resolve_device, resolve_dtype, target_facts
 
     H = cfg.hidden_size or target_facts(cfg.model).hidden_size
-    # as extract's default backend (hf) stores it: the argmax beside a final state
-    layout = Layout(cfg.storage, cfg.target, cfg.aux_layers, cfg.target == "last")
+    from eyas.targets.backends import registered
+
+    argmax = cfg.target == "last" and registered(cfg.backend).stores_argmax  # as extract's
+    layout = Layout(cfg.storage, cfg.target, cfg.aux_layers, argmax)
     store_dtype, how = cfg.store_dtype, ""
     if store_dtype == "auto":  # as extract decides: its compute dtype on that device
         where = resolve_device(cfg.device)

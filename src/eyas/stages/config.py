@@ -443,6 +443,9 @@ class EstimateConfig:
     """dense or fp8."""
     target: str = "last"
     """last or topk:K."""
+    backend: str = "hf"
+    """The extract backend the run will use (hf stores the target's argmax beside its final
+    state, 4 bytes a token; vllm does not)."""
     draft_vocab_size: int = 32000
     """Draft vocabulary size D (sizes --target topk:K's ids)."""
     aux_layers: int = 3
@@ -468,5 +471,8 @@ class EstimateConfig:
             )
         if self.aux_layers < 1:
             raise UsageError(f"--aux-layers must be at least 1, got {self.aux_layers}")
+        from eyas.targets.backends import registered
+
+        registered(self.backend)  # a usage error naming the backends
         if self.hidden_size is None and self.model is None:
             raise UsageError("need the target's hidden size: --model MODEL_DIR or --hidden-size H")
