@@ -9,7 +9,9 @@ The batches are the first `--steps` of eyas's first epoch over the run's trainin
 packed in one row, as its collation makes them. Each measurement is a process of its own
 on one CPU thread (eyas's in this environment, the peer's in its own): two steps to warm up,
 then the batches twice, as a first epoch and as a later one (eyas keeps the target's argmax
-per sample after the first: `drafters.loss.TargetHead`). Its tokens/s is what a three-epoch
+per sample after the first: `drafters.loss.TargetHead`; from a run whose samples hold it,
+the hf backend's since 2026-12-07 (`argmax=1` in its layout, said in the table's title),
+the first multiplies no more of the head than a later one). Its tokens/s is what a three-epoch
 training sees, 3 x tokens / (first + 2 x later); its peak memory the process's high-water
 RSS. eyas and the peer alternate, pair by pair (which goes first alternates too); the table
 gives the median of each and the median of the pairs' ratios.
@@ -358,8 +360,12 @@ def cuda() -> bool:
 
 
 def report(results: dict, tools: list[str], args) -> list[str]:
+    from eyas.run.runmeta import read_run_meta
+
+    layout = read_run_meta(args.run).get("layout")
     lines = [f"training speed, {args.steps} batches of {args.batch_tokens} tokens a pass, "
-             f"{args.pairs} alternated pairs (a 3-epoch training's rate; one thread each on a CPU)",
+             f"{args.pairs} alternated pairs (a 3-epoch training's rate; one thread each on a CPU); "
+             f"run layout {layout}",
              "kind    | eyas tok/s | peer tok/s | eyas/peer | blocks/s eyas / peer (ratio) | peak MB eyas / peer"]  # fmt: skip
     for kind, rows in results.items():
         med = {t: statistics.median(rate(r) for r in rows[t]) for t in tools}

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from eyas.data.dataset import PreparedDataset
 from eyas.run.journal import read_all_journals
 from eyas.run.lock import WriterLock
-from eyas.run.runmeta import read_run_meta
-from eyas.run.store import load_sample
+from eyas.run.runmeta import read_run_meta, write_run_meta
+from eyas.run.store import StoreError, load_sample
 from eyas.stages.extract import ExtractConfig, extract
 from eyas.stages.prepare import PrepareConfig, prepare
 from eyas.stages.verify import verify
@@ -48,6 +48,7 @@ def test_stored_states_equal_output_hidden_states(tmp_path, targets, conversatio
     assert meta["aux_layers"] == list(aux) and meta["aux_layers_hf"] == [i + 1 for i in aux]
     assert meta["last_hidden_state"] == "post_norm"
     assert meta["layout"] == "aux=dense,target=last,argmax=1"  # the hf backend stores it
+    assert meta["store_version"] == 2  # an eyas that does not know the argmax refuses the run
     for i in (0, 17, 64, 119):
         ids, mask = ds.sample(i)
         t = load_sample(run, i, verify=True)
@@ -76,6 +77,10 @@ def test_stored_states_equal_output_hidden_states(tmp_path, targets, conversatio
         clear = (two[:, 0] - two[:, 1]) > 1e-4
         assert t["target_argmax"].dtype == torch.int32 and clear.float().mean() > 0.9
         assert torch.equal(t["target_argmax"][clear].long(), logits.argmax(-1)[clear])
+    # a run of a store version this eyas does not read is refused as a whole, saying so
+    write_run_meta(run, {**meta, "store_version": 3})
+    with pytest.raises(StoreError, match="store_version 3, which this eyas does not read"):
+        read_run_meta(run)
 
 
 def test_batch_plan_is_deterministic_and_respects_budget():

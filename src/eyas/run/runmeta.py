@@ -17,7 +17,7 @@ from pathlib import Path
 import xxhash
 
 from eyas.run.fsutil import atomic_write_bytes
-from eyas.run.store import STORE_VERSION, StoreError
+from eyas.run.store import RUN_VERSIONS, StoreError
 
 PRIMARY = "run.json"
 BACKUP = "run.backup.json"
@@ -51,8 +51,11 @@ def _load(path: Path) -> tuple[dict | None, str]:
         return None, "no meta_checksum (written by hand or by another tool?)"
     if meta["meta_checksum"] != _digest(meta):
         return None, "content does not match its meta_checksum (edited or damaged)"
-    if meta.get("store_version") != STORE_VERSION:
-        return None, f"store_version {meta.get('store_version')} is not {STORE_VERSION}"
+    if meta.get("store_version") not in RUN_VERSIONS:
+        return None, (
+            f"store_version {meta.get('store_version')}, which this eyas does not read (it reads "
+            f"{' and '.join(map(str, RUN_VERSIONS))}): made by a newer eyas?"
+        )
     return meta, ""
 
 

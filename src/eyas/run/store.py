@@ -41,7 +41,18 @@ from safetensors.torch import load as st_load
 from eyas.errors import ProblemError, UsageError
 from eyas.run.fsutil import atomic_write, fsync_dir, is_temp_file
 
-STORE_VERSION = 1
+STORE_VERSION = 1  # a sample file's format (its header's `format`)
+# What run.json's `store_version` may say: 2 for a run whose samples hold tensors an eyas
+# before it does not know (the target's argmax beside the final state), so that such an eyas
+# refuses the run as a whole rather than find every sample "damaged"; 1 for the others.
+RUN_VERSIONS = (1, 2)
+
+
+def run_version(layout: Layout) -> int:
+    """The lowest `store_version` whose readers read a run of this layout."""
+    return 2 if layout.argmax and not layout.topk else 1
+
+
 SAMPLES_PER_DIR = 1000
 CHECKSUM = "xxh3_128"
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value

@@ -65,7 +65,6 @@ from eyas.run.lock import LockHeld, WriterLock
 from eyas.run.recovery import check_journaled_files, recover
 from eyas.run.runmeta import is_run, load_run_meta, write_run_meta
 from eyas.run.store import (
-    STORE_VERSION,
     Layout,
     Sample,
     StoreError,
@@ -73,6 +72,7 @@ from eyas.run.store import (
     commit_samples,
     foreign_run_entries,
     iter_sample_files,
+    run_version,
 )
 from eyas.run.stream import Retirer
 from eyas.stages.config import ExtractConfig
@@ -321,7 +321,7 @@ def new_run_meta(cfg: ExtractConfig, ds: PreparedDataset) -> dict:
     store_dtype = DTYPES[cfg.store_dtype] if cfg.store_dtype else dtype
     layout = cfg.layout
     return {
-        "store_version": STORE_VERSION,
+        "store_version": run_version(layout),
         "eyas_version": __version__,
         "command": sys.argv,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
