@@ -234,7 +234,7 @@ def test_five_target_layers_extract_train_export_and_decode(
     eyas("extract", "--model", targets["llama"], "--data", llama_dataset, "--out", run,
          "--aux-layers", "1,2,3,5,6", "--storage", "fp8", check=True)  # fmt: skip
     meta = json.loads((run / "run.json").read_text())
-    assert meta["aux_layers"] == [1, 2, 3, 5, 6] and meta["layout"].endswith("layers=5")
+    assert meta["aux_layers"] == [1, 2, 3, 5, 6] and meta["layout"].endswith("layers=5,argmax=1")
     assert eyas("verify", run).returncode == 0
     eyas(
         "train",
