@@ -737,10 +737,10 @@ def _every_position(name: str) -> dict:
 
 @pytest.mark.parametrize("name", sorted(KINDS))
 def test_loss_averaged_per_sample_weighs_every_sample_the_same(name, demo_run, tmp_path):
-    """Per drafter kind: packed rows give the loss padded rows give; and with --loss-average
-    sequence the loss of a batch is the mean of its samples' own losses (each alone in a
-    batch), the trainer dividing by the samples counted at each position; averaged per token,
-    the longer samples weigh more and the two differ."""
+    """Per drafter kind, at its defaults (DSpark's Spec-AUF too): packed rows give the loss
+    padded rows give; and with --loss-average sequence the loss of a batch is the mean of its
+    samples' own losses (each alone in a batch), the trainer dividing by the samples counted
+    at each position; averaged per token, the longer samples weigh more and the two differ."""
     from eyas.drafters import kind
     from eyas.run.runmeta import read_run_meta
     from eyas.stages.train import build_drafter
@@ -748,7 +748,7 @@ def test_loss_averaged_per_sample_weighs_every_sample_the_same(name, demo_run, t
 
     meta = read_run_meta(demo_run)
     per_token = TrainConfig.of(data=str(demo_run), out=str(tmp_path / "t"), kind=name,
-                            progress=False, **_every_position(name))  # fmt: skip
+                            progress=False)  # fmt: skip
     per_sample = per_token.replace(loss_average="sequence")
     k = kind(name)
     d, lm_head = build_drafter(per_token, meta)

@@ -289,6 +289,7 @@ class BlockKind:
         for i, (src, scored, lmask) in enumerate(self._masks(batch, S)):
             slot = self.first_slot + i
             want = batch["tgt_top"].gather(1, src)  # (B, N)
+            every = lmask  # what the batch's counts hold
             if until_miss:
                 lmask = lmask & held
 
@@ -312,12 +313,12 @@ class BlockKind:
             right = dids[arg] == want
             held = held & right
             n = norm[i] if norm is not None else counted(lmask, ids)
-            chain.add(i, per, lmask, scored, right, None if dpace else decay[i], n)
-            slots.append((per, lmask, conf, n))
+            chain.add(i, per, lmask, scored, right, None if dpace else decay[i], n, every)
+            slots.append((per, lmask, conf, n, every))
         if dpace:  # the weights need every position's confidence
-            weights = dpace_weights([c for _, _, c, _ in slots], [m for _, m, _, _ in slots])
-            for (per, lmask, _, n), w in zip(slots, weights, strict=True):
-                chain.add_loss(per, lmask, w, n)
+            weights = dpace_weights([s[2] for s in slots], [s[1] for s in slots])
+            for (per, lmask, _, n, every), w in zip(slots, weights, strict=True):
+                chain.add_loss(per, lmask, w, n, every)
         return chain.result()
 
     def proposer(self, model: DFlashDrafter, target_layers_hf: list[int]) -> BlockProposer:

@@ -519,13 +519,13 @@ class Chain:
         """Steps since each root's first miss (meaningless where none missed)."""
         return step - self.missed_at
 
-    def add(self, step, per, lmask, scored, right, weight: float | None, n: float) -> None:
+    def add(self, step, per, lmask, scored, right, weight: float | None, n: float, over=None):
         """Step `step`: its per-position loss `per`, counted where `lmask`, divided by `n`
         and weighted (None: `add_loss` adds it later, once its weights are known); `right`
-        where the drafter's argmax is the target's."""
+        where the drafter's argmax is the target's. `over`: see `add_loss`."""
         loss_sum = (per * lmask).sum()
         if weight is not None:
-            self.add_loss(per, lmask, weight, n)
+            self.add_loss(per, lmask, weight, n, over)
         cond = scored & self.all_right
         self.missed_at = torch.where(self.all_right & ~right, step, self.missed_at)
         self.all_right = self.all_right & right
@@ -540,19 +540,24 @@ class Chain:
             ]
         )
 
-    def add_loss(self, per, lmask, weight: float | torch.Tensor, n: float) -> None:
+    def add_loss(self, per, lmask, weight: float | torch.Tensor, n: float, over=None) -> None:
         """A step's loss `per` into the total: counted where `lmask`, divided by `n`, weighted
-        by `weight` (one number, or one per position)."""
+        by `weight` (one number, or one per position). Averaged per sample, a sample's weight
+        of one is shared over its positions in `over` (a mask holding `lmask`; by default
+        `lmask` itself): where a loss leaves out positions the batch's counts include
+        (Spec-AUF's after a miss), they weigh as in a per-token average, not more."""
         part = per * weight if isinstance(weight, torch.Tensor) else per
         scale = 1.0 if isinstance(weight, torch.Tensor) else weight
-        counted = lmask if self.ids is None else self._per_sample(lmask)
+        counted = lmask if self.ids is None else self._per_sample(lmask, over)
         self.total = self.total + scale * (part * counted).sum() / max(n, 1.0)
 
-    def _per_sample(self, lmask: torch.Tensor) -> torch.Tensor:
-        """Weights (...): 1 / the sample's counted positions where counted, else 0."""
-        ids = self.ids[lmask]
+    def _per_sample(self, lmask: torch.Tensor, over: torch.Tensor | None = None) -> torch.Tensor:
+        """Weights (...): 1 / the sample's positions in `over` (default: `lmask`) where
+        counted, else 0."""
+        over = lmask if over is None else over
+        per = torch.bincount(self.ids[over], minlength=int(self.ids.max()) + 1)
         w = torch.zeros(lmask.shape, device=lmask.device)
-        w[lmask] = 1.0 / torch.bincount(ids)[ids].float()
+        w[lmask] = 1.0 / per[self.ids[lmask]].float()
         return w
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
