@@ -554,8 +554,7 @@ class Chain:
     def _per_sample(self, lmask: torch.Tensor, over: torch.Tensor | None = None) -> torch.Tensor:
         """Weights (...): 1 / the sample's positions in `over` (default: `lmask`) where
         counted, else 0."""
-        over = lmask if over is None else over
-        per = torch.bincount(self.ids[over], minlength=int(self.ids.max()) + 1)
+        per = torch.bincount(self.ids[lmask if over is None else over])  # covers lmask's ids
         w = torch.zeros(lmask.shape, device=lmask.device)
         w[lmask] = 1.0 / per[self.ids[lmask]].float()
         return w

@@ -76,14 +76,12 @@ class Estimate:
 
 def estimate(cfg: EstimateConfig) -> Estimate:
     """The run's size; ValueError (a ModelDirError for --model) for what cannot be sized."""
-    from eyas.run.store import Layout, overhead_per_sample, projected_bytes
+    from eyas.run.store import overhead_per_sample, projected_bytes
+    from eyas.targets.backends import new_layout
     from eyas.targets.target import DTYPES, resolve_device, resolve_dtype, target_facts
 
     H = cfg.hidden_size or target_facts(cfg.model).hidden_size
-    from eyas.targets.backends import registered
-
-    argmax = cfg.target == "last" and registered(cfg.backend).stores_argmax  # as extract's
-    layout = Layout(cfg.storage, cfg.target, cfg.aux_layers, argmax)
+    layout = new_layout(cfg.backend, cfg.storage, cfg.target, cfg.aux_layers)  # as extract's
     store_dtype, how = cfg.store_dtype, ""
     if store_dtype == "auto":  # as extract decides: its compute dtype on that device
         where = resolve_device(cfg.device)

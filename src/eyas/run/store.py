@@ -50,7 +50,7 @@ RUN_VERSIONS = (1, 2)
 
 def run_version(layout: Layout) -> int:
     """The lowest `store_version` whose readers read a run of this layout."""
-    return 2 if layout.argmax and not layout.topk else 1
+    return 2 if layout.argmax else 1
 
 
 SAMPLES_PER_DIR = 1000
@@ -123,6 +123,8 @@ class Layout:
             raise UsageError(
                 f"a sample holds the states of at least one target layer, not {self.layers}"
             )
+        if self.argmax and self.topk:
+            raise UsageError("top-K target storage holds the argmax already: no argmax=1 with it")
 
     @property
     def topk(self) -> int | None:
@@ -133,7 +135,7 @@ class Layout:
         return (
             f"aux={self.aux},target={self.target}"
             + (f",layers={self.layers}" if self.layers != 3 else "")
-            + (",argmax=1" if self.argmax and not self.topk else "")
+            + (",argmax=1" if self.argmax else "")
         )
 
     @classmethod

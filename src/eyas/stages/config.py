@@ -278,13 +278,10 @@ class ExtractConfig:
 
     @property
     def layout(self) -> Layout:
-        """A new run's layout: the storage asked for, with the target's argmax where the
-        backend stores it beside the final state (`Registered.stores_argmax`)."""
-        from eyas.run.store import Layout
-        from eyas.targets.backends import registered
+        """A new run's layout (`targets.backends.new_layout`)."""
+        from eyas.targets.backends import new_layout
 
-        argmax = self.target == "last" and registered(self.backend).stores_argmax
-        return Layout(self.storage, self.target, self.aux_count, argmax)
+        return new_layout(self.backend, self.storage, self.target, self.aux_count)
 
 
 @dataclass(frozen=True, kw_only=True)

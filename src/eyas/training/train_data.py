@@ -392,11 +392,10 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     if "target_topk_ids" in t:
         out["topk_ids"] = t["target_topk_ids"].long()
         out["topk_lp"] = t["target_topk_logprobs"].float()
-        out["tgt_top"] = t["target_argmax"].long()
     else:
         out["last"] = t["last_hidden_states"].float()
-        if "target_argmax" in t:  # stored beside it (Layout.argmax): no product for it
-            out["tgt_top"] = t["target_argmax"].long()
+    if "target_argmax" in t:  # top-K's, or stored beside the final state (Layout.argmax)
+        out["tgt_top"] = t["target_argmax"].long()
     return out
 
 

@@ -138,6 +138,13 @@ def open_backend(name: str, spec: BackendSpec, log=print) -> Backend:
     return cls(spec, log)
 
 
+def new_layout(backend: str, storage: str, target: str, layers: int) -> Layout:
+    """A new run's layout: the storage asked for, with the target's argmax beside a final
+    state where the backend stores it (`Registered.stores_argmax`)."""
+    argmax = target == "last" and registered(backend).stores_argmax
+    return Layout(storage, target, layers, argmax)
+
+
 def full_argmax(last: torch.Tensor, W: torch.Tensor, rows: int = 1024, cols: int = 16384):
     """The argmax over the whole vocabulary of `last` (N, H) @ `W` (V, H).T, int32 (N,), in
     float32 whatever the states' dtype (a bfloat16 product ties logits 0.1 apart), in blocks
