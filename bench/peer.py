@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -335,6 +336,8 @@ def worker(args) -> None:
     packed = packer(Path(plan["run"]), shifted=args.kind == "eagle3")
     start = resume_peer(out, model, opts)
     step, t0, tokens = 0, time.monotonic(), 0
+    stop = []  # SIGTERM: save after the step under way and exit 75, as eyas train does
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     log = open(out / "metrics.jsonl", "a" if start else "w")
     for epoch, batches in enumerate(plan["epochs"]):
         for idx in batches:
@@ -359,9 +362,12 @@ def worker(args) -> None:
                 json.dumps({"step": step, "epoch": epoch, "loss": float(loss.detach()), "acc": acc})
                 + "\n"
             )
-            if step % args.save_every == 0 and step < len(plan["lrs"]):
+            if (stop or step % args.save_every == 0) and step < len(plan["lrs"]):
                 log.flush()
                 save_peer(out, model, opts, step)
+                if stop:
+                    print(f"peer: stopped by SIGTERM after step {step}; saved, a rerun resumes", flush=True)  # fmt: skip
+                    raise SystemExit(75)
             if step % 10 == 0:
                 log.flush()
                 print(f"peer: step {step}/{len(plan['lrs'])} loss {float(loss):.3f} acc0 {acc[0]:.3f} "
