@@ -62,6 +62,33 @@ def test_each_slot_is_biased_by_the_token_before_it(head):
         )
 
 
+@pytest.mark.parametrize("head", ["vanilla", "gated"])
+def test_the_training_head_gives_each_slots_logits_and_gradients(head):
+    """The head a training calls per slot and part of blocks (the vanilla bias computed once
+    per distinct token and read per slot) gives slot_logits' values and the same gradients
+    in every weight, for blocks whose slots repeat tokens."""
+    m = _model(head=head).train()
+    torch.manual_seed(3)
+    h = torch.randn(2, 5, 4, 32, dtype=torch.float64)
+    prev = torch.randint(0, 6, (2, 5, 4))  # few distinct tokens: rows share bias rows
+    grads = []
+
+    def per_slot(xs, i, rows):
+        return m.slot_logits(xs, prev[:, rows, i])
+
+    for make in (lambda: m.slot_head(prev), lambda: per_slot):
+        m.zero_grad()
+        head_of = make()
+        parts = [head_of(h[:, sl, i], i, sl) for i in range(4) for sl in (slice(0, 2), slice(2, 5))]
+        torch.cat(parts, 1).pow(2).sum().backward()
+        grads.append((torch.cat(parts, 1).detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))  # fmt: skip
+    (fast, fast_grads), (plain, plain_grads) = grads
+    torch.testing.assert_close(fast, plain)
+    assert fast_grads.keys() == plain_grads.keys() and "markov_head.markov_w1.weight" in fast_grads
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(fast_grads[name], g, msg=name)
+
+
 def test_drafting_chains_each_draft_through_the_markov_head():
     """One pass drafts all S slots; slot j's argmax is taken after the bias of slot j-1's
     draft, which a hand-made chain over the same states reproduces."""

@@ -69,7 +69,7 @@ class DSpark(BlockKind):
         h, prev = model.training_states(*args, batch.get("segments"), batch.get("positions"))
         return {
             "states": h,
-            "head": lambda xs, i, rows: model.slot_logits(xs, prev[:, rows, i]),
+            "head": model.slot_head(prev),
             "confidence": model.confidence(h, prev),
         }
 
