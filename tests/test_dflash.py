@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import eyas
 
@@ -288,9 +289,9 @@ def test_dpace_weights_are_the_drafts_expected_from_each_position_on():
                 assert abs(float(got[b, n, j]) - want) < 1e-5, (b, n, j)
 
 
-def _block_batch(demo_runs, **options):
-    """A DFlash drafter built for the demo run with `options`, its config and a batch of 4
-    samples with the target's labels and anchors."""
+def _block_batch(demo_runs, name="dflash", **options):
+    """A drafter of the kind `name` built for the demo run with `options`, its config and a
+    batch of 4 samples with the target's labels and anchors."""
     from eyas.drafters import kind
     from eyas.run.runmeta import read_run_meta
     from eyas.stages.train import TrainConfig, build_drafter
@@ -300,11 +301,11 @@ def _block_batch(demo_runs, **options):
     meta = read_run_meta(run)
     entries, _ = usable_samples(run, meta["hidden_size"], lambda m: None)
     reader = SampleReader(run, entries, True)
-    cfg = TrainConfig.of(data=str(run), out="unused", kind="dflash", progress=False, **options)
+    cfg = TrainConfig.of(data=str(run), out="unused", kind=name, progress=False, **options)
     d, head = build_drafter(cfg, meta)
     b = to_device(reader.batch(sorted(entries)[:4]), torch.device("cpu"))
     reader.close()
-    k = kind("dflash")
+    k = kind(name)
     k.prepare_batch(d, b, head, cfg)
     return k, d, cfg, b
 
@@ -390,6 +391,76 @@ def test_dpace_weighs_each_block_position_by_the_drafts_expected_from_it(demo_ru
     assert abs(float(got) - want) < 1e-4 * want
     assert abs(want - want_decay) > 0.05 * want_decay  # the weights changed the loss
     assert torch.equal(stats, stats_decay)
+
+
+@pytest.mark.parametrize("rows", [7, 2])
+@pytest.mark.parametrize("share", [0.4, 0.0, 1.0])
+def test_a_loss_at_listed_rows_is_the_loss_at_every_row_masked(rows, share):
+    """by_rows with `live`: the loss computed at the live rows alone, listed as (b, j) pairs,
+    gives the values (0 off the mask), every row's argmax and `also`, and the gradients of the
+    loss at every row times the mask; in one part and in checkpointed parts, with some, no and
+    every row live."""
+    import torch.nn.functional as F
+
+    from eyas.drafters.loss import at_rows, by_rows, take_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    target, at = torch.randn(3, 9, 11, dtype=torch.float64), torch.randint(0, 9, (3, 7))
+    scale, live = torch.rand(3, 7, dtype=torch.float64), torch.rand(3, 7) < share
+
+    def per_rows(logits, sl):
+        p = F.softmax(take_rows(target, at, sl), -1)
+        return -(p * F.log_softmax(logits, -1)).sum(-1) * at_rows(scale, sl)
+
+    got = []
+    for masked in (False, True):
+        x.grad = w.grad = None
+        loss, arg, top = by_rows(x, lambda xs, _sl: xs @ w.T, per_rows, rows,
+                                 lambda logits, _sl: logits.max(-1).values,
+                                 live=live if masked else None)  # fmt: skip
+        loss = loss if masked else loss * live
+        loss.sum().backward()
+        got.append((loss.detach(), arg, top, x.grad.clone(), w.grad.clone()))
+    for a, b in zip(*got, strict=True):
+        torch.testing.assert_close(a, b)
+    assert bool((got[1][0] != 0).eq(live).all())  # every live row's loss, and no other
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [("dflash", {"loss_until_miss": True, "position_weights": "dpace"}), ("dflash", {"loss": "opd"}),
+     ("dspark", {}), ("dspark", {"markov_head": "gated", "loss": "tv"})],
+)  # fmt: skip
+def test_a_block_loss_at_its_counted_rows_alone_trains_as_at_every_row(
+    demo_runs, monkeypatch, name, options
+):
+    """The block kinds compute a slot's loss at its counted blocks alone (the rest past the
+    first miss under Spec-AUF, or outside the loss mask): the same loss, metrics and gradient
+    in every weight as the loss over every block, masked."""
+    from eyas.drafters import block_kind, loss
+
+    k, d, cfg, b = _block_batch(demo_runs, name, **options)
+    d.train()
+    got = []
+    for listed in (True, False):
+        if not listed:
+            monkeypatch.setattr(
+                block_kind, "by_rows", lambda *a, live, **kw: loss.by_rows(*a, **kw)
+            )
+        d.zero_grad()
+        total, stats = k.loss(d, b, cfg, None)
+        total.backward()
+        grads = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+        got.append((total.detach(), stats, grads))
+    (total, stats, grads), (total_all, stats_all, grads_all) = got
+    torch.testing.assert_close(total, total_all)
+    torch.testing.assert_close(stats, stats_all)
+    assert grads.keys() == grads_all.keys() and len(grads) > 3
+    for n, g in grads_all.items():
+        torch.testing.assert_close(grads[n], g, msg=n)
+    assert stats[:, 1].max() < b["anchors"].numel()  # rows were left out of the loss
 
 
 def test_attention_in_parts_of_blocks_is_the_attention_whole():

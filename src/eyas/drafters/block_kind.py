@@ -15,12 +15,13 @@ from eyas.drafters.loss import (
     Chain,
     Scores,
     add_targets,
+    at_rows,
     by_rows,
     counted,
     head_rows,
     on_policy,
     sample_ids,
-    take,
+    take_rows,
     target_dist,
 )
 from eyas.errors import UsageError
@@ -265,7 +266,8 @@ class BlockKind:
         the blocks `rows`, from the drafter's logits there and the target's distribution
         (`s`)."""
         if cfg.loss == "opd":
-            return on_policy(s.logq, s.logp, chain.all_right[:, rows], chain.since(i)[:, rows])
+            right, since = at_rows(chain.all_right, rows), at_rows(chain.since(i), rows)
+            return on_policy(s.logq, s.logp, right, since)
         return s.loss(cfg.loss, lmask)
 
     def loss(self, model: DFlashDrafter, batch: dict, cfg, norm):
@@ -294,14 +296,14 @@ class BlockKind:
                 lmask = lmask & held
 
             def per_rows(logits, sl, slot=slot, i=i, src=src, lmask=lmask):
-                s = Scores(logits, target, lambda x, at=src[:, sl]: take(x, at))  # (B, r, D)
-                return self.slot_loss(out, slot, s, lmask[:, sl], chain, i, cfg, sl)
+                s = Scores(logits, target, lambda x: take_rows(x, src, sl))  # (B, r, D)
+                return self.slot_loss(out, slot, s, at_rows(lmask, sl), chain, i, cfg, sl)
 
             if dpace:
 
                 def confidence(logits, sl, want=want):
                     probs = F.softmax(logits.float(), -1)
-                    return probs.gather(-1, index[want[:, sl]][..., None]).squeeze(-1)
+                    return probs.gather(-1, index[at_rows(want, sl)][..., None]).squeeze(-1)
 
             per, arg, conf = by_rows(
                 out["states"][:, :, i],
@@ -309,6 +311,7 @@ class BlockKind:
                 per_rows,
                 rows,
                 confidence,
+                live=lmask,  # a row outside the mask adds nothing to the loss
             )  # (B, N)
             right = dids[arg] == want
             held = held & right

@@ -92,32 +92,78 @@ def head_rows(batch: int, n: int, vocab: int, local: bool = True) -> int:
     return n if not local else max(1, min(n, HEAD_ELEMENTS // max(1, batch * vocab)))
 
 
-def by_rows(x: torch.Tensor, head: Callable, per_rows: Callable, rows: int, also=None):
-    """A loss per row of the head's logits of the states x (B, n, H): `head(xs, sl)` gives the
-    logits (B, r, D) of the rows `sl`, `per_rows(logits, sl)` their loss (B, r). Computed
-    `rows` rows at a time; where that is a part of them, each part under activation
-    checkpointing, so its logits exist only while it is computed (and again in the backward
-    pass) and never all at once. Returns the loss (B, n), the argmax (B, n) and, with `also`,
-    what `also(logits, sl)` reads from the rows' detached logits (B, r, ...), for all rows."""
-    n = x.shape[1]
+def at_rows(t: torch.Tensor, rows) -> torch.Tensor:
+    """t (B, n, ...) at `rows`: a slice of n, read in every batch row (B, r, ...), or listed
+    (b, j) index pairs, read as one row (1, M, ...)."""
+    return t[:, rows] if isinstance(rows, slice) else t[rows][None]
 
-    def part(xs: torch.Tensor, sl: slice):
+
+def take_rows(x: torch.Tensor, at: torch.Tensor, rows) -> torch.Tensor:
+    """x (B, T, ...) at the positions `at` (B, n) holds at `rows` (as `at_rows` reads them)."""
+    if isinstance(rows, slice):
+        return take(x, at[:, rows])
+    b, j = rows
+    return x[b, at[b, j]][None]
+
+
+def by_rows(x: torch.Tensor, head: Callable, per_rows: Callable, rows: int, also=None, live=None):
+    """A loss per row of the head's logits of the states x (B, n, H): `head(xs, sl)` gives the
+    logits of the rows `sl` (`at_rows`), `per_rows(logits, sl)` their loss. Computed `rows`
+    rows of every batch row at a time; where that is a part of them, each part under
+    activation checkpointing, so its logits exist only while it is computed (and again in the
+    backward pass) and never all at once. Returns the loss (B, n), the argmax (B, n) and,
+    with `also`, what `also(logits, sl)` reads from the rows' detached logits (B, n, ...),
+    for all rows.
+
+    `live` (B, n), a mask holding every row whose loss is counted: the loss is computed at
+    those rows alone, listed as (b, j) pairs, and is 0 at the others, whose logits are
+    computed once without gradient for the argmax (and `also`). Where a block's loss stops at
+    its first miss, most rows of its later slots are not live."""
+
+    def part(xs: torch.Tensor, sl):
         logits = head(xs, sl)
         extra = also(logits.detach(), sl) if also is not None else None
         return per_rows(logits, sl), logits.detach().argmax(-1), extra
 
-    if rows >= n:
-        return part(x, slice(0, n))
+    def look(xs: torch.Tensor, sl):
+        with torch.no_grad():
+            logits = head(xs, sl)
+            return None, logits.argmax(-1), also(logits, sl) if also is not None else None
+
+    B, n = x.shape[:2]
+    if live is None:
+        parts = [slice(a, min(a + rows, n)) for a in range(0, n, rows)]
+        outs = _in_parts(part, [(x[:, sl], sl) for sl in parts], True)
+        loss, arg, extra = zip(*outs, strict=True)
+        return torch.cat(loss, 1), torch.cat(arg, 1), torch.cat(extra, 1) if also else None
+    loss = arg = extra = None
+    for fn, mask in ((part, live), (look, ~live)):
+        b, j = mask.nonzero(as_tuple=True)
+        if fn is look and not len(b):
+            continue
+        step = rows * B
+        picks = [(b[a : a + step], j[a : a + step]) for a in range(0, max(len(b), 1), step)]
+        outs = _in_parts(fn, [(x[sl][None], sl) for sl in picks], fn is part)
+        got = [torch.cat(t, 1)[0] if t[0] is not None else None for t in zip(*outs, strict=True)]
+        if fn is part:  # the loss lies only at the live rows
+            loss = got[0].new_zeros(B, n).index_put((b, j), got[0])
+            arg = got[1].new_zeros(B, n)
+            if also is not None:
+                extra = got[2].new_zeros(B, n, *got[2].shape[1:])
+        arg[b, j] = got[1]
+        if also is not None:
+            extra[b, j] = got[2]
+    return loss, arg, extra
+
+
+def _in_parts(fn: Callable, parts: list, grad: bool) -> list:
+    """fn(xs, sl) of each part; under activation checkpointing where there are several and
+    `grad` (a loss's gradients) is on."""
+    if len(parts) == 1 or not (grad and torch.is_grad_enabled()):
+        return [fn(xs, sl) for xs, sl in parts]
     from torch.utils.checkpoint import checkpoint
 
-    outs, grad = [], torch.is_grad_enabled()
-    for a in range(0, n, rows):
-        sl = slice(a, min(a + rows, n))
-        outs.append(
-            checkpoint(part, x[:, sl], sl, use_reentrant=False) if grad else part(x[:, sl], sl)
-        )
-    loss, arg, extra = zip(*outs, strict=True)
-    return torch.cat(loss, 1), torch.cat(arg, 1), torch.cat(extra, 1) if also else None
+    return [checkpoint(fn, xs, sl, use_reentrant=False) for xs, sl in parts]
 
 
 class TargetHead:

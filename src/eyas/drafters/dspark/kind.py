@@ -17,6 +17,7 @@ from eyas.drafters.block_kind import (
 from eyas.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eyas.drafters.dspark.options import MARKOV_HEADS
 from eyas.drafters.formats import VLLM, Format, Served
+from eyas.drafters.loss import at_rows
 from eyas.errors import UsageError
 
 ARCH = "DSparkSpeculator"
@@ -81,7 +82,7 @@ class DSpark(BlockKind):
         if out["confidence"] is None or not cfg.options.confidence_weight:
             return loss
         accept = s.acceptance().clamp(0, 1)  # (B, r)
-        conf = out["confidence"][:, rows, i].float()
+        conf = at_rows(out["confidence"][..., i], rows).float()
         bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
         return loss + cfg.options.confidence_weight * bce
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.drafters.block_drafter import DFlashConfig, DFlashDrafter
-from eyas.drafters.loss import HEAD_ELEMENTS
+from eyas.drafters.loss import HEAD_ELEMENTS, at_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +92,7 @@ class DSparkDrafter(DFlashDrafter):
         of 32,000). The gated bias reads each slot's state and is computed per slot."""
 
         def per_slot(xs, i, rows):
-            return self.slot_logits(xs, prev[:, rows, i])
+            return self.slot_logits(xs, at_rows(prev[..., i], rows))
 
         mh = self.markov_head
         if mh is None or mh.gate_proj is not None:
@@ -101,7 +101,7 @@ class DSparkDrafter(DFlashDrafter):
         if ids.numel() * self.config.draft_vocab_size > HEAD_ELEMENTS:  # as loss.by_rows bounds
             return per_slot
         bias = mh.markov_w2(mh.markov_w1(ids))  # (U, D): one row per distinct token
-        return lambda xs, i, rows: self.lm_head(xs) + F.embedding(at[:, rows, i], bias)
+        return lambda xs, i, rows: self.lm_head(xs) + F.embedding(at_rows(at[..., i], rows), bias)
 
     def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         if self.confidence_head is None:
