@@ -1,14 +1,16 @@
-"""A block drafter's training step with one of its savings and without it, inside one
-process: the same Trainer, the same batches, passes alternated.
+"""A drafter's training step with one of its savings and without it, inside one process:
+the same Trainer, the same batches, passes alternated.
 
-    python bench/block_step.py --run RUN --compare head|rows [--kind dspark|dflash]
+    python bench/step_savings.py --run RUN --compare head|rows [--kind dspark|dflash]
         [--loss-until-miss] [--steps 3] [--pairs 4] [--draft-vocab-size D]
 
 `--compare head`: DSpark's Markov bias computed once per distinct token of a batch
-(`DSparkDrafter.slot_head`) against once per block slot. `--compare rows`: each slot's loss
+(`DSparkDrafter.slot_head`) against once per block slot. `--compare rows`: each block slot's loss
 computed at its counted blocks alone (`drafters.loss.by_rows` given `live`: under Spec-AUF the
-blocks before their first miss) against at every block, masked. Both ways give the same values
-and gradients (tests/test_dspark.py, tests/test_dflash.py); only the time is measured.
+blocks before their first miss) against at every block, masked. Both ways give the same
+values and gradients (tests/test_dspark.py, tests/test_dflash.py); only the time is measured.
+(EAGLE-3's TTT loss keeps every root: its batches hold the trainable span alone, ~99% of it
+counted, and listing the rows cost more than it saved.)
 
 One CPU thread. Two warm-up steps, then every pass trains the same `--steps` batches of eyas's
 first epoch (1,024 tokens, the argmax kept from the warm-up, so later-epoch steps); which way
