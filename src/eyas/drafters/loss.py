@@ -136,24 +136,26 @@ def by_rows(x: torch.Tensor, head: Callable, per_rows: Callable, rows: int, also
         outs = _in_parts(part, [(x[:, sl], sl) for sl in parts], True)
         loss, arg, extra = zip(*outs, strict=True)
         return torch.cat(loss, 1), torch.cat(arg, 1), torch.cat(extra, 1) if also else None
-    loss = arg = extra = None
-    for fn, mask in ((part, live), (look, ~live)):
-        b, j = mask.nonzero(as_tuple=True)
-        if fn is look and not len(b):
-            continue
-        step = rows * B
-        picks = [(b[a : a + step], j[a : a + step]) for a in range(0, max(len(b), 1), step)]
-        outs = _in_parts(fn, [(x[sl][None], sl) for sl in picks], fn is part)
-        got = [torch.cat(t, 1)[0] if t[0] is not None else None for t in zip(*outs, strict=True)]
-        if fn is part:  # the loss lies only at the live rows
-            loss = got[0].new_zeros(B, n).index_put((b, j), got[0])
-            arg = got[1].new_zeros(B, n)
-            if also is not None:
-                extra = got[2].new_zeros(B, n, *got[2].shape[1:])
-        arg[b, j] = got[1]
+    at, (loss, arg, extra) = _listed(part, x, live, rows * B, True)
+    loss = loss.new_zeros(B, n).index_put(at, loss)  # the loss lies at the live rows alone
+    arg = arg.new_zeros(B, n).index_put_(at, arg)
+    extra = extra.new_zeros(B, n, *extra.shape[1:]).index_put_(at, extra) if also else None
+    if not live.all():
+        at, (_, other_arg, other_extra) = _listed(look, x, ~live, rows * B, False)
+        arg[at] = other_arg
         if also is not None:
-            extra[b, j] = got[2]
+            extra[at] = other_extra
     return loss, arg, extra
+
+
+def _listed(fn: Callable, x: torch.Tensor, mask: torch.Tensor, step: int, grad: bool):
+    """fn(xs, sl) over the rows of x (B, n, H) where `mask`, listed as (b, j) pairs, `step`
+    of them a part: the pairs, and fn's outputs joined over the parts (M, ...) (None where
+    fn gives None)."""
+    b, j = mask.nonzero(as_tuple=True)
+    picks = [(b[a : a + step], j[a : a + step]) for a in range(0, max(len(b), 1), step)]
+    outs = _in_parts(fn, [(x[sl][None], sl) for sl in picks], grad)
+    return (b, j), [None if t[0] is None else torch.cat(t, 1)[0] for t in zip(*outs, strict=True)]
 
 
 def _in_parts(fn: Callable, parts: list, grad: bool) -> list:
