@@ -111,16 +111,18 @@ def test_dspark_trains_exports_and_decodes_losslessly(demo_runs, tmp_path):
     """eyas train --kind dspark on the demo target: its options are its own (DFlash's and
     the heads'), the confidence loss is trained, the speculators export says every field a
     loader needs (sample_from_anchor written), reads back to the same logits, and evaluate
-    decodes it losslessly drafting a whole block; SGLang's format is refused by name."""
+    decodes it losslessly drafting a whole block; SGLang's format (the DFlash format with the
+    heads) reads back to the same network and decodes prompt for prompt as the vLLM one."""
     from eyas.demo_target.build import DEMO_TARGET
     from eyas.stages.export import load_export
     from eyas.training.checkpoint import load_trained
 
     run = demo_runs(60)
     src = run.parent / "conv.jsonl"
+    # the whole vocabulary as the draft vocabulary: what SGLang's DSPARK drafts over
     r = eyas("train", "--data", run, "--out", tmp_path / "tr", "--kind", "dspark", "--block-size", "4",
              "--markov-rank", "16", "--epochs", "2", "--batch-tokens", "1024", "--lr", "3e-3",
-             check=True)  # fmt: skip
+             "--draft-vocab-size", "1024", check=True)  # fmt: skip
     assert "DSpark, blocks of 4, 2 layer(s), Markov head rank 16 (vanilla)" in r.stderr, r.stderr
     assert "loss up to each block's first miss (Spec-AUF)" in r.stderr, r.stderr  # the default
     cfg = json.loads((tmp_path / "tr" / "train.json").read_text())["config"]
@@ -168,8 +170,30 @@ def test_dspark_trains_exports_and_decodes_losslessly(demo_runs, tmp_path):
     assert d["lossless"] and d["rounds"] > 0 and len(d["per_position_acceptance"]) == 4
     assert d["drafter"]["kind"] == "dspark" and d["drafter"]["draft_tokens"] == 4
     r = eyas("export", tmp_path / "tr", "--format", "sglang", "--out", tmp_path / "sg")
-    assert r.returncode == 2 and "exports as vllm" in r.stderr, r.stderr
-    assert not (tmp_path / "sg").exists()
+    assert r.returncode == 0, r.stderr
+    assert "--speculative-algorithm DSPARK" in r.stderr, r.stderr
+    assert "--speculative-num-draft-tokens 5" in r.stderr  # SGLang drafts this - 1: the block
+    sg = json.loads((tmp_path / "sg" / "config.json").read_text())
+    assert sg["architectures"] == ["Qwen3DSparkModel"] and "speculators_model_type" not in sg
+    assert sg["dflash_config"]["block_size"] == 4 and sg["vocab_size"] == sg["draft_vocab_size"]
+    assert sg["dflash_config"]["target_layer_ids"] == meta["aux_layers"]
+    assert (sg["markov_rank"], sg["markov_head_type"], sg["confidence_head_with_markov"]) == (
+        16,
+        "vanilla",
+        True,
+    )
+    back_sg, layers_sg = load_export(tmp_path / "sg")
+    assert layers_sg == meta["aux_layers_hf"]
+    with torch.no_grad():
+        for x, y in zip(back.forward_heads(ids, states, torch.tensor([[3, 9]])),
+                        back_sg.forward_heads(ids, states, torch.tensor([[3, 9]])), strict=True):  # fmt: skip
+            torch.testing.assert_close(x, y)
+    r = eyas("evaluate", "--model", DEMO_TARGET, "--drafter", tmp_path / "ex", "--drafter",
+             tmp_path / "sg", "--data", src, "--limit", "6", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    a, b = json.loads(r.stdout)["drafters"]
+    assert b["drafter"]["kind"] == "dspark" and b["drafter"]["draft_tokens"] == 4, b.keys()
+    assert a["per_prompt"] == b["per_prompt"] and a["per_prompt"] == d["per_prompt"]
 
 
 def test_the_confidence_loss_counts_and_can_be_left_out(demo_runs):
@@ -196,3 +220,27 @@ def test_the_confidence_loss_counts_and_can_be_left_out(demo_runs):
             losses[weight] = float(k.loss(d, b, cfg, k.counts(b, cfg))[0])
     reader.close()
     assert losses[1.0] > losses[0.0] > 0  # the same backbone (seeded); BCE only adds
+
+
+def test_sglang_is_refused_a_block_drafter_it_would_run_as_another_network():
+    """SGLang's DFLASH and DSPARK models draft over the target's whole head and DSPARK always
+    has both heads: a drafter over fewer ids, without a Markov or confidence head, or with a
+    window, is refused for SGLang naming what to change; vLLM's format takes the first three."""
+    from eyas.drafters import kind
+    from eyas.drafters.block_drafter import DFlashConfig
+    from eyas.drafters.formats import SGLANG, VLLM
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, vocab_size=50, target_layers=3, block_size=4,
+                 mask_token_id=49)  # fmt: skip
+    dspark, dflash = kind("dspark").serving, kind("dflash").serving
+    whole = DSparkConfig(**shape, draft_vocab_size=50)
+    assert dspark[SGLANG].refuses(whole) is None and dflash[SGLANG].refuses(DFlashConfig(**shape, draft_vocab_size=50)) is None  # fmt: skip
+    for served, c in ((dspark, DSparkConfig(**shape, draft_vocab_size=20)), (dflash, DFlashConfig(**shape, draft_vocab_size=20))):  # fmt: skip
+        why = served[SGLANG].refuses(c)
+        assert "a draft vocabulary of 20 of the target's 50 ids" in why, why
+        assert "--draft-vocab-size 50" in why and served[VLLM].refuses(c) is None
+    for change, said in (({"markov_rank": 0}, "--markov-rank 0"), ({"confidence_head": False}, "--confidence-weight 0"),
+                         ({"attention_window": 8}, "--attention-window 8")):  # fmt: skip
+        c = DSparkConfig(**shape, draft_vocab_size=50, **change)
+        assert said in dspark[SGLANG].refuses(c)

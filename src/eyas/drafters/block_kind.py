@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eyas.drafters import decoder_fields
 from eyas.drafters.block_drafter import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
 from eyas.drafters.blocks import layer_fields, load_weights
 from eyas.drafters.loss import (
@@ -75,6 +76,76 @@ def speculators_block_fields(cfg: dict, cfg_file, anchor_drafts: bool) -> tuple[
         "block_size": cfg["block_size"],
         "mask_token_id": cfg["mask_token_id"],
     }, ids
+
+
+def whole_vocabulary(c) -> str | None:
+    """Why SGLang would run another block drafter than `c`: its DFLASH and DSPARK models load
+    no head of the drafter's and draft over the target's own, every id of its vocabulary.
+    None for a drafter over the whole vocabulary (and for a training's config, whose
+    vocabulary is not known before it starts)."""
+    V, D = getattr(c, "vocab_size", None), getattr(c, "draft_vocab_size", None)
+    if V is None or D is None or D == V:
+        return None
+    return (
+        f"a draft vocabulary of {D:,} of the target's {V:,} ids: SGLang drafts a block over the "
+        "target's whole head (it loads no head of the drafter's), so it would run another "
+        f"drafter than the one trained and evaluated. Train with --draft-vocab-size {V} (the "
+        "whole vocabulary), or export --format vllm"
+    )
+
+
+def dflash_format(c, info: dict, dtype, arch: str) -> dict:
+    """The DFlash checkpoint format's config.json (z-lab's, which vLLM's `dflash` and SGLang's
+    DFLASH and DSPARK load) of the block drafter config `c`, under the architecture `arch`."""
+    from eyas import __version__
+
+    return {
+        "architectures": [arch],
+        **decoder_fields(c, "qwen3", c.num_hidden_layers),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.hidden_size,
+        # Both engines read DFlash's target_layer_ids as outputs of 0-based layers.
+        "dflash_config": {
+            "target_layer_ids": list(info["aux_layers"]),
+            "block_size": c.block_size,
+            "mask_token_id": c.mask_token_id,
+            # vLLM: every layer a sliding window of W, still non-causal inside the block.
+            **(
+                {"use_swa": True, "swa_window_size": c.attention_window, "causal": False}
+                if c.attention_window
+                else {}
+            ),
+        },
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "eyas_version": __version__,
+    }
+
+
+def dflash_format_fields(cfg: dict, cfg_file) -> tuple[dict, list[int]]:
+    """The block drafter config's fields of a DFlash-format config.json, and the target layers
+    it reads (HF indices); an attention eyas's block drafter does not have is refused in one
+    line naming its fields."""
+    from eyas.targets.layers import hf_indices
+
+    d = cfg.get("dflash_config") or {}
+    windowed = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+    if d.get("causal") or windowed or (d.get("use_swa") and not d.get("swa_window_size")):
+        said = {k: d[k] for k in ("causal", "use_swa", "swa_window_size") if k in d}
+        raise UsageError(
+            f"{cfg_file}: dflash_config {said}, layer_types {cfg.get('layer_types')}: an "
+            "attention eyas's DFlash drafter does not have (a block that sees itself whole, "
+            "one window or none on every layer)"
+        )
+    ids = d["target_layer_ids"]
+    return {
+        **layer_fields(cfg, cfg_file),
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "draft_vocab_size": cfg.get("draft_vocab_size") or cfg["vocab_size"],
+        "target_layers": len(ids),
+        "block_size": d["block_size"],
+        "mask_token_id": d["mask_token_id"],
+        "attention_window": d["swa_window_size"] if d.get("use_swa") else None,
+    }, hf_indices(ids)
 
 
 DPACE_ALPHA = 0.5  # D-PACE: a position's confidence q is smoothed to (1 - alpha) q + alpha

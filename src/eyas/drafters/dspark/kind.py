@@ -1,6 +1,7 @@
 """DSpark, the block drafter with a Markov head and a confidence head: the block drafter's
-kind (`drafters.block_kind`) with every block slot drafting, its heads in the loss, and the
-speculators format vLLM loads (`method: dspark`)."""
+kind (`drafters.block_kind`) with every block slot drafting, its heads in the loss, the
+speculators format vLLM loads (`method: dspark`) and the DFlash format with the heads that
+SGLang loads (`DSPARK`)."""
 
 from __future__ import annotations
 
@@ -9,32 +10,67 @@ import torch.nn.functional as F
 from eyas.drafters import decoder_fields
 from eyas.drafters.block_kind import (
     BlockKind,
+    dflash_format,
+    dflash_format_fields,
     export_tensors,
     read_block_weights,
     speculators_block_fields,
     until_miss,
+    whole_vocabulary,
 )
 from eyas.drafters.dspark.model import DSparkConfig, DSparkDrafter
 from eyas.drafters.dspark.options import MARKOV_HEADS
-from eyas.drafters.formats import VLLM, Format, Served
+from eyas.drafters.formats import SGLANG, VLLM, Format, Served
 from eyas.drafters.loss import at_rows
 from eyas.errors import UsageError
 
-ARCH = "DSparkSpeculator"
+ARCH = "DSparkSpeculator"  # speculators' format (vLLM)
+SGLANG_ARCH = "Qwen3DSparkModel"  # the DFlash format with the heads (SGLang)
 
 
 def _full_attention(c) -> str | None:
     if not c.attention_window:
         return None
     return (
-        f"--attention-window {c.attention_window}: eyas writes DSpark's speculators format with "
-        "full attention only: train without it"
+        f"--attention-window {c.attention_window}: eyas writes DSpark with full attention only: "
+        "train without it"
     )
+
+
+def _sglang_runs(c) -> str | None:
+    """Why SGLang's DSPARK model would run another network than `c`: it has full attention
+    over the block, always a Markov head and a confidence head, and the target's whole head."""
+    if why := _full_attention(c) or whole_vocabulary(c):
+        return why
+    if getattr(c, "markov_rank", None) == 0:
+        return (
+            "--markov-rank 0: SGLang's DSPARK model always has a Markov head; export --format vllm"
+        )
+    if getattr(c, "confidence_head", None) is False:
+        return (
+            "--confidence-weight 0: SGLang's DSPARK model loads a confidence head and refuses a "
+            "checkpoint without one; export --format vllm"
+        )
+    return None
+
+
+def _block(export_config: dict, tokens: int) -> int:
+    """The export's block (every slot drafts): speculators' field, or dflash_config's."""
+    d = export_config.get("dflash_config") or export_config
+    return int(d.get("block_size", tokens))
+
+
+def _pinned_block(export_config: dict, tokens: int) -> list[str]:
+    # SGLang drafts num_draft_tokens - 1 tokens a round: pinned to the block trained.
+    return ["--speculative-num-draft-tokens", str(_block(export_config, tokens) + 1)]
 
 
 class DSpark(BlockKind):
     name = "dspark"
-    serving = {VLLM: Served("dspark", refuses=_full_attention)}  # vLLM's format only
+    serving = {
+        VLLM: Served("dspark", refuses=_full_attention),
+        SGLANG: Served("DSPARK", flags=_pinned_block, refuses=_sglang_runs),
+    }
     config_class, model_class = DSparkConfig, DSparkDrafter
     first_slot = 0  # the anchor's slot drafts too: slot j predicts the token at anchor + j + 1
 
@@ -62,7 +98,7 @@ class DSpark(BlockKind):
         )
 
     def drafts_per_round(self, export_config: dict, tokens: int) -> int:
-        return int(export_config.get("block_size", tokens))  # every slot drafts
+        return _block(export_config, tokens)
 
     def outputs(self, model: DSparkDrafter, batch: dict) -> dict:
         # every slot predicts: the i-th predicting slot is slot i
@@ -98,6 +134,14 @@ class DSpark(BlockKind):
         if why := self.serving[fmt].refuses(c):
             raise UsageError(why)
         tensors = export_tensors(state, c, dtype)
+        heads = {
+            "markov_rank": c.markov_rank,
+            "markov_head_type": c.markov_head,
+            "enable_confidence_head": c.confidence_head,
+            "confidence_head_with_markov": c.confidence_head and c.markov_rank > 0,
+        }
+        if fmt is SGLANG:  # block slot j predicts anchor + j + 1, as eyas trains it
+            return tensors, {**dflash_format(c, info, dtype, SGLANG_ARCH), **heads}
         dtype_name = str(dtype).removeprefix("torch.")
         config = {
             "architectures": [ARCH],
@@ -116,10 +160,7 @@ class DSpark(BlockKind):
             # Written whatever a loader's default: served without it, a DSpark export has
             # drafted at about 1% acceptance (the slots shift by one).
             "sample_from_anchor": True,
-            "markov_rank": c.markov_rank,
-            "markov_head_type": c.markov_head,
-            "enable_confidence_head": c.confidence_head,
-            "confidence_head_with_markov": c.confidence_head and c.markov_rank > 0,
+            **heads,
             "speculators_config": {
                 "algorithm": "dspark",
                 "default_proposal_method": "greedy",
@@ -137,9 +178,8 @@ class DSpark(BlockKind):
         return tensors, config
 
     def reads_export(self, cfg: dict) -> bool:
-        return (cfg.get("architectures") or [None])[0] == ARCH or cfg.get(
-            "speculators_model_type"
-        ) == "dspark"
+        arch = (cfg.get("architectures") or [None])[0]
+        return arch in (ARCH, SGLANG_ARCH) or cfg.get("speculators_model_type") == "dspark"
 
     def load_export(self, cfg: dict, raw: dict, cfg_file) -> tuple[DSparkDrafter, list[int]]:
         if cfg.get("markov_head_type", "vanilla") not in MARKOV_HEADS:
@@ -147,7 +187,10 @@ class DSpark(BlockKind):
                 f"{cfg_file}: markov_head_type = {cfg.get('markov_head_type')!r}; eyas's DSpark "
                 f"drafter has {' and '.join(MARKOV_HEADS)}, so it cannot evaluate this export"
             )
-        fields, ids = speculators_block_fields(cfg, cfg_file, anchor_drafts=True)
+        if (cfg.get("architectures") or [None])[0] == SGLANG_ARCH:
+            fields, ids = dflash_format_fields(cfg, cfg_file)
+        else:
+            fields, ids = speculators_block_fields(cfg, cfg_file, anchor_drafts=True)
         c = DSparkConfig(
             **fields,
             markov_rank=cfg.get("markov_rank", 256),
