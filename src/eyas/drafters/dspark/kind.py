@@ -65,11 +65,54 @@ def _pinned_block(export_config: dict, tokens: int) -> list[str]:
     return ["--speculative-num-draft-tokens", str(_block(export_config, tokens) + 1)]
 
 
+def _speculators_config(c: DSparkConfig, info: dict, target: dict, dtype) -> dict:
+    """speculators' DSpark config.json (vLLM's `method: dspark`), less the heads' fields."""
+    from eyas import __version__
+    from eyas.targets.layers import hf_indices
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": [ARCH],
+        "speculators_model_type": "dspark",
+        "speculators_version": "0.1.0",
+        "transformer_layer_config": {
+            **decoder_fields(c, "qwen3", c.num_hidden_layers),
+            "torch_dtype": dtype_name,
+        },
+        "draft_vocab_size": c.draft_vocab_size,
+        "block_size": c.block_size,
+        "target_hidden_size": c.hidden_size,
+        "aux_hidden_state_layer_ids": hf_indices(info["aux_layers"]),
+        "mask_token_id": c.mask_token_id,
+        "sliding_window_non_causal": False,
+        # Written whatever a loader's default: served without it, a DSpark export has
+        # drafted at about 1% acceptance (the slots shift by one).
+        "sample_from_anchor": True,
+        "speculators_config": {
+            "algorithm": "dspark",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size}],
+            "verifier": {
+                "name_or_path": target["path"],
+                "architectures": target["architectures"],
+            },
+        },
+        "torch_dtype": dtype_name,
+        "eyas_version": __version__,
+    }
+
+
+def _sglang_config(c: DSparkConfig, info: dict, target: dict, dtype) -> dict:
+    """SGLang's DSPARK config.json, less the heads' fields: the DFlash format (block slot j
+    predicts anchor + j + 1, as eyas trains it)."""
+    return dflash_format(c, info, dtype, SGLANG_ARCH)
+
+
 class DSpark(BlockKind):
     name = "dspark"
     serving = {
-        VLLM: Served("dspark", refuses=_full_attention),
-        SGLANG: Served("DSPARK", flags=_pinned_block, refuses=_sglang_runs),
+        VLLM: Served("dspark", refuses=_full_attention, writer=_speculators_config),
+        SGLANG: Served("DSPARK", flags=_pinned_block, refuses=_sglang_runs, writer=_sglang_config),
     }
     config_class, model_class = DSparkConfig, DSparkDrafter
     first_slot = 0  # the anchor's slot drafts too: slot j predicts the token at anchor + j + 1
@@ -127,55 +170,17 @@ class DSpark(BlockKind):
     def export(
         self, fmt: Format, state: dict, cdict: dict, info: dict, target: dict, dtype, k: int
     ):
-        from eyas import __version__
-        from eyas.targets.layers import hf_indices
-
         c = DSparkConfig(**cdict)
-        if why := self.serving[fmt].refuses(c):
+        served = self.serving[fmt]
+        if why := served.refuses(c):
             raise UsageError(why)
-        tensors = export_tensors(state, c, dtype)
         heads = {
             "markov_rank": c.markov_rank,
             "markov_head_type": c.markov_head,
             "enable_confidence_head": c.confidence_head,
             "confidence_head_with_markov": c.confidence_head and c.markov_rank > 0,
         }
-        if fmt is SGLANG:  # block slot j predicts anchor + j + 1, as eyas trains it
-            return tensors, {**dflash_format(c, info, dtype, SGLANG_ARCH), **heads}
-        dtype_name = str(dtype).removeprefix("torch.")
-        config = {
-            "architectures": [ARCH],
-            "speculators_model_type": "dspark",
-            "speculators_version": "0.1.0",
-            "transformer_layer_config": {
-                **decoder_fields(c, "qwen3", c.num_hidden_layers),
-                "torch_dtype": dtype_name,
-            },
-            "draft_vocab_size": c.draft_vocab_size,
-            "block_size": c.block_size,
-            "target_hidden_size": c.hidden_size,
-            "aux_hidden_state_layer_ids": hf_indices(info["aux_layers"]),
-            "mask_token_id": c.mask_token_id,
-            "sliding_window_non_causal": False,
-            # Written whatever a loader's default: served without it, a DSpark export has
-            # drafted at about 1% acceptance (the slots shift by one).
-            "sample_from_anchor": True,
-            **heads,
-            "speculators_config": {
-                "algorithm": "dspark",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [
-                    {"proposal_type": "greedy", "speculative_tokens": c.block_size}
-                ],
-                "verifier": {
-                    "name_or_path": target["path"],
-                    "architectures": target["architectures"],
-                },
-            },
-            "torch_dtype": dtype_name,
-            "eyas_version": __version__,
-        }
-        return tensors, config
+        return export_tensors(state, c, dtype), {**served.writer(c, info, target, dtype), **heads}
 
     def reads_export(self, cfg: dict) -> bool:
         arch = (cfg.get("architectures") or [None])[0]
