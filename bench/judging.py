@@ -7,7 +7,11 @@ of the time.
 
 Plain greedy decoding does not depend on the drafter, so `judge` keeps it on disk
 (`GreedyStore`, under `greedy_store`): a prompt the same target decoded greedily before, with
-the same token budget, in this call or an earlier one, is not decoded again.
+the same token budget, in this call or an earlier one, is not decoded again. Decodings kept
+in this checkout (`KEPT`, one folder per target as in a store) are read too, so a new
+machine does not decode again what another decoded with the same target, torch and device
+(their seconds are that machine's: wall-clock speedups judged from them mix two machines;
+tokens per forward do not depend on it).
 
 bench/peer.py and bench/long_context.py judge through `judge`; `python bench/judging.py
 slice ...` is the process it starts for a slice.
@@ -26,6 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+KEPT = REPO / "bench" / "data" / "greedy"
 
 
 def one_thread_env() -> dict:
@@ -40,9 +45,10 @@ class GreedyStore(dict):
     contents), torch's version and the device kind, so nothing decoded by another target or
     another numerics is used; each process appends one JSON line per prompt to a file of its
     own and reads every file of the folder when it starts (a torn last line, from a process
-    killed mid-write, is skipped). An entry is the greedy output and the seconds it took."""
+    killed mid-write, is skipped), and the same target's folder under `kept`. An entry is the
+    greedy output and the seconds it took."""
 
-    def __init__(self, root: Path, model_dir: str, device: str = "cpu"):
+    def __init__(self, root: Path, model_dir: str, device: str = "cpu", kept: Path = KEPT):
         super().__init__()
         import torch
 
@@ -56,7 +62,7 @@ class GreedyStore(dict):
         self.model_dir, self.dir = str(model_dir), Path(root) / h.hexdigest()[:16]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.loaded = 0
-        for part in sorted(self.dir.glob("*.jsonl")):
+        for part in sorted([*self.dir.glob("*.jsonl"), *(kept / self.dir.name).glob("*.jsonl")]):
             for line in part.read_text().splitlines():
                 try:
                     e = json.loads(line)

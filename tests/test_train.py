@@ -502,8 +502,9 @@ def test_greedy_store_decodes_each_prompt_greedily_once_across_processes(trained
                                                                           monkeypatch):  # fmt: skip
     """bench/judging.py's GreedyStore: a store opened later on the same folder (as the next
     judging process opens it) holds every greedy decoding of the first, so judging again
-    decodes nothing greedily and gives the same figures; a torn last line is skipped; a
-    target whose files differ in one byte shares nothing with it."""
+    decodes nothing greedily and gives the same figures; a torn last line is skipped; the
+    decodings kept in a checkout are read by a store on another folder; a target whose files
+    differ in one byte shares nothing with either."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from judging import GreedyStore
 
@@ -529,10 +530,14 @@ def test_greedy_store_decodes_each_prompt_greedily_once_across_processes(trained
     (part,) = store.dir.glob("*.jsonl")
     part.write_text(part.read_text() + '{"key": "torn", "ids": [1, 2')  # killed mid-write
     assert GreedyStore(tmp_path / "greedy", str(DEMO_TARGET)).loaded == 3
+    kept = tmp_path / "kept" / store.dir.name  # decodings kept in a checkout, read on a new machine
+    kept.mkdir(parents=True)
+    shutil.copy(part, kept)
+    assert GreedyStore(tmp_path / "new", str(DEMO_TARGET), kept=kept.parent).loaded == 3
     other = tmp_path / "target"
     shutil.copytree(DEMO_TARGET, other)
     (other / "config.json").write_text((other / "config.json").read_text() + " ")
-    assert GreedyStore(tmp_path / "greedy", str(other)).loaded == 0
+    assert GreedyStore(tmp_path / "greedy", str(other), kept=kept.parent).loaded == 0
     key = (str(DEMO_TARGET), tuple(range(5)), 8)
     store[key] = ([1, 2], 0.1)
     assert key in store and (str(other), *key[1:]) not in store
