@@ -351,7 +351,11 @@ def test_loss_until_miss_counts_a_block_position_only_up_to_the_first_miss(demo_
         d.eval()
         _, validated = k.loss(d, b, cfg, None)
     assert masked[:, 1].tolist() == want_counts
-    torch.testing.assert_close(masked[:, 0], torch.tensor(want_sums, dtype=torch.float64))
+    # float32 losses summed in another order (by_rows lists the counted blocks): float32's
+    # rounding, not float64's; a block counted wrongly moves a sum by far more
+    torch.testing.assert_close(
+        masked[:, 0], torch.tensor(want_sums, dtype=torch.float64), rtol=1e-6, atol=0
+    )
     assert masked[0, 1] == plain[0, 1] > masked[1, 1] > 0  # blocks left out, not all
     assert masked[2, 1] < plain[2, 1]
     assert torch.equal(validated, plain)
