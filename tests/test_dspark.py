@@ -119,15 +119,16 @@ def test_dspark_trains_exports_and_decodes_losslessly(demo_runs, tmp_path):
 
     run = demo_runs(60)
     src = run.parent / "conv.jsonl"
-    # the whole vocabulary as the draft vocabulary: what SGLang's DSPARK drafts over
+    # for SGLang: the whole vocabulary as the draft vocabulary, what its DSPARK drafts over
     r = eyas("train", "--data", run, "--out", tmp_path / "tr", "--kind", "dspark", "--block-size", "4",
              "--markov-rank", "16", "--epochs", "2", "--batch-tokens", "1024", "--lr", "3e-3",
-             "--draft-vocab-size", "1024", check=True)  # fmt: skip
+             "--serve-with", "sglang", check=True)  # fmt: skip
     assert "DSpark, blocks of 4, 2 layer(s), Markov head rank 16 (vanilla)" in r.stderr, r.stderr
     assert "loss up to each block's first miss (Spec-AUF)" in r.stderr, r.stderr  # the default
     cfg = json.loads((tmp_path / "tr" / "train.json").read_text())["config"]
     assert cfg["kind"] == "dspark" and cfg["markov_rank"] == 16 and "ttt_steps" not in cfg
-    assert cfg["loss_until_miss"] is True
+    assert cfg["loss_until_miss"] is True and cfg["serve_with"] == "sglang"
+    assert cfg["draft_vocab_size"] is None  # left out: the run's default is 400, not every id
     # Spec-AUF is DSpark's default and --no-loss-until-miss reaches the config: a resume
     # given it is refused naming both values; DFlash keeps it off, EAGLE-3 refuses the flag.
     r = eyas("train", "--resume", "--out", tmp_path / "tr", "--no-loss-until-miss")
@@ -225,10 +226,15 @@ def test_the_confidence_loss_counts_and_can_be_left_out(demo_runs):
 def test_sglang_is_refused_a_block_drafter_it_would_run_as_another_network():
     """SGLang's DFLASH and DSPARK models draft over the target's whole head and DSPARK always
     has both heads: a drafter over fewer ids, without a Markov or confidence head, or with a
-    window, is refused for SGLang naming what to change; vLLM's format takes the first three."""
+    window, is refused for SGLang naming what to change; vLLM's format takes the first three.
+    A training for SGLang (--serve-with sglang) is refused the same before it starts, and
+    drafts every id; one for vLLM (the default) is not refused what vLLM runs."""
     from eyas.drafters import kind
     from eyas.drafters.block_drafter import DFlashConfig
+    from eyas.drafters.block_kind import whole_ids
     from eyas.drafters.formats import SGLANG, VLLM
+    from eyas.errors import UsageError
+    from eyas.training.config import TrainConfig
 
     shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8, vocab_size=50, target_layers=3, block_size=4,
@@ -244,3 +250,17 @@ def test_sglang_is_refused_a_block_drafter_it_would_run_as_another_network():
                          ({"attention_window": 8}, "--attention-window 8")):  # fmt: skip
         c = DSparkConfig(**shape, draft_vocab_size=50, **change)
         assert said in dspark[SGLANG].refuses(c)
+    trainings = (("dspark", {"markov_rank": 0}, "--markov-rank 0"),
+                 ("dspark", {"confidence_weight": 0.0}, "--confidence-weight 0"),
+                 ("dflash", {"attention_window": 8}, "--attention-window 8"))  # fmt: skip
+    for name, change, said in trainings:
+        cfg = TrainConfig.of(data="unused", out="unused", kind=name, **change)
+        assert kind(name).unservable(cfg) is None  # vLLM runs it
+        why = kind(name).unservable(cfg.replace(serve_with="sglang"))
+        assert why and said in why, (name, why)
+    cfg = TrainConfig.of(data="unused", out="unused", kind="dflash", serve_with="sglang")
+    assert whole_ids(cfg, 50).tolist() == list(range(50))
+    with pytest.raises(UsageError, match="whole vocabulary .50 ids., not --draft-vocab-size 20"):
+        whole_ids(cfg.replace(draft_vocab_size=20), 50)
+    with pytest.raises(UsageError, match="--serve-with must be one of vllm, sglang"):
+        TrainConfig.of(data="unused", out="unused", kind="dspark", serve_with="tgi")

@@ -5,12 +5,15 @@ formats, and where its network differs (`first_slot`, `outputs`, `slot_loss`).""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
 from eyas.drafters import decoder_fields
 from eyas.drafters.block_drafter import DFlashConfig, DFlashDrafter, block_weights, choose_anchors
 from eyas.drafters.blocks import layer_fields, load_weights
+from eyas.drafters.formats import format_named
 from eyas.drafters.loss import (
     LOSSES,
     Chain,
@@ -89,9 +92,20 @@ def whole_vocabulary(c) -> str | None:
     return (
         f"a draft vocabulary of {D:,} of the target's {V:,} ids: SGLang drafts a block over the "
         "target's whole head (it loads no head of the drafter's), so it would run another "
-        f"drafter than the one trained and evaluated. Train with --draft-vocab-size {V} (the "
-        "whole vocabulary), or export --format vllm"
+        "drafter than the one trained and evaluated. Train with --serve-with sglang (or "
+        f"--draft-vocab-size {V}: the whole vocabulary), or export --format vllm"
     )
+
+
+def whole_ids(cfg, vocab_size: int) -> torch.Tensor:
+    """Every id of the target's vocabulary, the draft vocabulary of a training for an engine
+    that drafts over the target's whole head; another --draft-vocab-size is refused."""
+    if cfg.draft_vocab_size not in (None, vocab_size):
+        raise UsageError(
+            f"--serve-with {cfg.options.serve_with} drafts over the target's whole vocabulary "
+            f"({vocab_size:,} ids), not --draft-vocab-size {cfg.draft_vocab_size}: leave it out"
+        )
+    return torch.arange(vocab_size)
 
 
 def dflash_format(c, info: dict, dtype, arch: str) -> dict:
@@ -222,6 +236,8 @@ class BlockKind:
                 "a DFlash drafter trains on the target's final states: extract with --target last"
             )
         t = text_config(model_dir)
+        if self.serving[format_named(cfg.options.serve_with)].whole_vocabulary:
+            draft_ids = whole_ids(cfg, t.vocab_size)
         H, heads = t.hidden_size, t.num_attention_heads
         kv = getattr(t, "num_key_value_heads", None) or heads
         ds = PreparedDataset.open(meta["dataset_path"], check=False)
@@ -257,8 +273,9 @@ class BlockKind:
         return model, head
 
     def unservable(self, cfg) -> str | None:
-        why = [w for served in self.serving.values() if (w := served.refuses(cfg))]
-        return "; ".join(why) if len(why) == len(self.serving) else None  # none serves it
+        own = self.own_config(cfg, None, None)  # what the drafter's config will say
+        trained = SimpleNamespace(attention_window=cfg.attention_window, **own)
+        return self.serving[format_named(cfg.options.serve_with)].refuses(trained)
 
     def own_config(self, cfg, target_config, draft_vocab: int) -> dict:
         """The drafter config's fields that come from the kind's own options."""

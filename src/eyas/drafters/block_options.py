@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from eyas.drafters.formats import DEFAULT, format_named
 from eyas.errors import UsageError
 
 POSITION_WEIGHTS = ("decay", "dpace")
@@ -34,6 +35,11 @@ class BlockOptions:
     position of its block drafted the target's token (the first miss counts, what follows
     it, which serving never verifies, does not)."""
 
+    serve_with: str = DEFAULT.name
+    """The engine the drafter will be served by, checked before the training starts: vllm
+    (any draft vocabulary); sglang (SGLang's block models draft over the target's whole
+    head: the draft vocabulary is every id, and what its network lacks is refused)."""
+
     may_change: ClassVar[frozenset[str]] = frozenset()
     before: ClassVar[dict] = {
         "block_size": 4,
@@ -42,9 +48,11 @@ class BlockOptions:
         "anchor_stride": 1,
         "position_weights": "decay",
         "loss_until_miss": False,
+        "serve_with": "vllm",
     }
 
     def __post_init__(self) -> None:
+        format_named(self.serve_with, "--serve-with")
         if self.block_size < 2:
             raise UsageError(f"--block-size must be at least 2, got {self.block_size}")
         if self.drafter_layers < 1:

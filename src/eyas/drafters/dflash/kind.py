@@ -51,6 +51,7 @@ class DFlash(BlockKind):
             "DFLASH",
             flags=_pinned_block,
             refuses=lambda c: _causal_window(c) or whole_vocabulary(c),
+            whole_vocabulary=True,
         ),
     }
 

@@ -112,7 +112,13 @@ class DSpark(BlockKind):
     name = "dspark"
     serving = {
         VLLM: Served("dspark", refuses=_full_attention, writer=_speculators_config),
-        SGLANG: Served("DSPARK", flags=_pinned_block, refuses=_sglang_runs, writer=_sglang_config),
+        SGLANG: Served(
+            "DSPARK",
+            flags=_pinned_block,
+            refuses=_sglang_runs,
+            writer=_sglang_config,
+            whole_vocabulary=True,
+        ),
     }
     config_class, model_class = DSparkConfig, DSparkDrafter
     first_slot = 0  # the anchor's slot drafts too: slot j predicts the token at anchor + j + 1

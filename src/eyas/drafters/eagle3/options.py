@@ -29,9 +29,10 @@ class Options:
     a K-wide draft tree could still hold; 1: the chain served); 0: every step scores every
     position."""
     serve_with: str = DEFAULT.name
-    """The engine the drafter will be served by. vllm: eyas's recipe (the three norms below);
-    sglang: the network SGLang's EAGLE-3 model runs, which has none of them (they are turned
-    off), so that `export --format sglang` serves what was trained."""
+    """The engine the drafter will be served by: the training trains the network it runs.
+    EAGLE-3: vllm, eyas's recipe (the three norms below); sglang, SGLang's EAGLE-3 network,
+    which has none of them (they are turned off). A block drafter for sglang drafts every id
+    of the target's vocabulary (the block kinds' own field says why)."""
     norm_before_fc: bool = True
     """An RMSNorm over the concatenated target states before fc (SGLang's EAGLE-3 model has
     none of the three norms: --serve-with sglang turns them off)."""

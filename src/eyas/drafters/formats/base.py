@@ -39,6 +39,9 @@ class Served:
     """Options a training for this format takes where the user leaves them out."""
     writer: Any = None
     """The kind's own writer of this format's files, where its formats differ."""
+    whole_vocabulary: bool = False
+    """The engine drafts over the target's whole head (it loads no head of the drafter's): a
+    training for it drafts every id of the target's vocabulary."""
 
 
 class Format:
