@@ -33,7 +33,10 @@ together:
   decoding kept in REAL/greedy and done once per prompt across calls).
 
 Trainings run `--jobs` at a time, each on one CPU thread, and are reused when finished; so
-are judged drafters (WORK/nN/judged). The table at the end gives, per size, each
+are judged drafters (WORK/nN/judged). `--judge-finished` trains nothing: it judges the
+trainings of the same command line that have finished (another call may still be training
+the rest), so that a long comparison's figures are kept as its trainings end, not only when
+the last one has; the full call then reuses them. The table at the end gives, per size, each
 configuration's mean over seeds, each seed, and against the anchor (the better of the
 peer's configurations) the ratio and the paired difference with its 95% interval over
 prompts (resampled alike for every seed). A benchmark, not a test; where speculators cannot
@@ -653,7 +656,7 @@ def judge_all(args, real: Path, run: Path, exports: dict[str, Path], trainings: 
     print(f"judging {', '.join(todo)} on {args.prompts} MT-Bench prompts, {args.jobs} slices at once",
           flush=True)  # fmt: skip
     judged = judge(str(real / "model"), {n: str(exports[n]) for n in todo}, real / "mtbench.jsonl",
-                   cache / "slices", jobs=args.jobs, k=args.k, max_new_tokens=args.max_new_tokens,
+                   cache / ("slices-finished" if args.judge_finished else "slices"), jobs=args.jobs, k=args.k, max_new_tokens=args.max_new_tokens,
                    limit=args.prompts, greedy_store=real / "greedy")  # fmt: skip
     for name, r in judged.items():
         if r.stopped_by:
@@ -785,6 +788,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2,
                     help="trainings at once, and slices of MT-Bench judged at once; one CPU thread each")  # fmt: skip
     ap.add_argument("--train-only", action="store_true", help="train everything, judge nothing")
+    ap.add_argument("--judge-finished", action="store_true",
+                    help="train nothing: judge the trainings that have finished (beside a call "
+                         "still training the rest; judge with --jobs 1 there)")  # fmt: skip
     ap.add_argument("--max-length", type=int, default=448, help="prepare --max-length")
     ap.add_argument("--draft-vocab", type=int, default=32000,
                     help="prepare --draft-vocab-size (32,000: eyas's default, what users get; the "
@@ -839,21 +845,33 @@ def main() -> None:
         )
         wn = args.work / (f"n{size}" if size else run.parent.name)
         first = next(iter(eyas_confs))
-        jobs = []
+        jobs = {}  # "name-sS" -> its training
         for seed in seeds:
             for name, options in eyas_confs.items():
-                jobs.append(eyas_job(run, wn / f"{name}-s{seed}", options, seed))
+                jobs[f"{name}-s{seed}"] = eyas_job(run, wn / f"{name}-s{seed}", options, seed)
             for conf in peers:
                 base = wn / f"{eyas_base(eyas_confs, PEER_CONFIGS[conf][0])}-s{seed}"
-                jobs.append(peer_job(py, run, base, wn / f"{conf}-s{seed}", conf, seed))
-        run_jobs(jobs, args.jobs)
+                jobs[f"{conf}-s{seed}"] = peer_job(
+                    py, run, base, wn / f"{conf}-s{seed}", conf, seed
+                )
+        if not args.judge_finished:
+            run_jobs(list(jobs.values()), args.jobs)
         if args.train_only:
             continue
+        ready = {n for n, j in jobs.items() if j.done.exists()}
         trainings = {f"{n}-s{s}": wn / f"{n}-s{s}" for n in eyas_confs for s in seeds}
         trainings |= {f"{c}-s{s}": wn / f"{c}-s{s}" / "eyas-train" for c in peers for s in seeds
                       if PEER_CONFIGS[c][0] == "eagle3"}  # fmt: skip
         exports = {f"{c}-s{s}": wn / f"{c}-s{s}" / "export" for c in peers for s in seeds
                    if PEER_CONFIGS[c][0] != "eagle3"}  # the peer's own files  # fmt: skip
+        if args.judge_finished:
+            waiting = sorted(set(jobs) - ready)
+            print(f"{size} conversations: judging the finished {', '.join(sorted(ready)) or 'none'}; "
+                  f"not finished: {', '.join(waiting) or 'none'}", flush=True)  # fmt: skip
+            trainings = {n: t for n, t in trainings.items() if n in ready}
+            exports = {n: e for n, e in exports.items() if n in ready}
+            if not ready:
+                continue
         for name, tdir in trainings.items():
             dest = wn / f"export-{name}"
             if not (dest / "eyas-manifest.json").is_file():
@@ -863,6 +881,8 @@ def main() -> None:
             exports[name] = dest
         plan = batch_plan(run, wn / f"{first}-s{seeds[0]}")
         results = judge_all(args, args.real, run, exports, trainings, plan, wn / "judged")
+        if args.judge_finished:
+            continue  # the table waits for every training
         rows = {c: [f"{c}-s{s}" for s in seeds] for c in [*eyas_confs, *peers]}
         if not args.prompts:
             report += val_table(size, sum(len(b) for b in plan["val"]), results, rows)
