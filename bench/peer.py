@@ -373,7 +373,7 @@ def worker(args) -> None:
                     raise SystemExit(75)
             if step % 10 == 0:
                 log.flush()
-                print(f"peer: step {step}/{len(plan['lrs'])} loss {float(loss):.3f} acc0 {acc[0]:.3f} "
+                print(f"peer: step {step}/{len(plan['lrs'])} loss {float(loss.detach()):.3f} acc0 {acc[0]:.3f} "
                       f"{tokens / (time.monotonic() - t0):.0f} tok/s", flush=True)  # fmt: skip
     log.close()
     model.eval()
