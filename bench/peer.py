@@ -361,9 +361,9 @@ def worker(args) -> None:
             step += 1
             tokens += batch["input_ids"].shape[1]
             acc = accuracies(metrics, args.kind, plan["ttt_steps"])
+            loss_value = float(loss.detach())
             log.write(
-                json.dumps({"step": step, "epoch": epoch, "loss": float(loss.detach()), "acc": acc})
-                + "\n"
+                json.dumps({"step": step, "epoch": epoch, "loss": loss_value, "acc": acc}) + "\n"
             )
             if (stop or step % args.save_every == 0) and step < len(plan["lrs"]):
                 log.flush()
@@ -373,7 +373,7 @@ def worker(args) -> None:
                     raise SystemExit(75)
             if step % 10 == 0:
                 log.flush()
-                print(f"peer: step {step}/{len(plan['lrs'])} loss {float(loss.detach()):.3f} acc0 {acc[0]:.3f} "
+                print(f"peer: step {step}/{len(plan['lrs'])} loss {loss_value:.3f} acc0 {acc[0]:.3f} "
                       f"{tokens / (time.monotonic() - t0):.0f} tok/s", flush=True)  # fmt: skip
     log.close()
     model.eval()
